@@ -9,9 +9,31 @@ from dpfit.data.bundled import (
     smollm2_gguf,
     split_by_group,
 )
+from dpfit.data.text import (
+    BundledSplits,
+    ColumnError,
+    DataError,
+    DataFileNotFoundError,
+    EmptyDataError,
+    LabeledTexts,
+    SingleClassError,
+    UnseenLabelError,
+    bundled_rotten_tomatoes,
+    load_texts,
+)
 
 __all__ = [
     "BundledAssetMissing",
+    "BundledSplits",
+    "ColumnError",
+    "DataError",
+    "DataFileNotFoundError",
+    "EmptyDataError",
+    "LabeledTexts",
+    "SingleClassError",
+    "UnseenLabelError",
+    "bundled_rotten_tomatoes",
+    "load_texts",
     "TextExample",
     "hamlet_lines",
     "minilm_path",

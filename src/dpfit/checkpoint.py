@@ -1,0 +1,182 @@
+"""Checkpoints that survive SIGKILL: write to a temporary file, fsync, then rename.
+
+A checkpoint holds everything a resumed run needs to continue bit-for-bit: the trainable
+parameters (frozen ones are reloaded from the base model), optimizer state, the privacy
+engine's state (accountant history, step count, noise generator), the data loader position,
+and the global RNG states (dropout draws from torch's default generator). Because files only
+appear by ``os.replace`` of a fully written and fsynced file, the newest file in the folder is
+always complete; a kill mid-write leaves at most a stray temporary file, ignored and removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from dpfit.errors import DPFitError
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "ckpt-"
+_NAME = re.compile(rf"^{PREFIX}(\d+)\.pt$")
+
+
+class CheckpointError(DPFitError):
+    """A checkpoint cannot be used to resume this run."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"{PREFIX}{step:09d}.pt"
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
+        m = _NAME.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(directory: str | Path, step: int, state: Mapping, keep: int = 2) -> Path:
+    """Atomically write `state` as the checkpoint for logical `step`; keep the newest `keep`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    tmp = directory / f".{final.name}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(dict(state), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    for _, old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    for stray in directory.glob(f".{PREFIX}*.tmp-*"):
+        if stray != tmp:
+            stray.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint`. Only load files you wrote."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # Optimizer or engine states with non-tensor objects need full unpickling.
+        logger.debug("weights_only load of %s failed; loading with full unpickling", path)
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# -- pieces of state -------------------------------------------------------------------------
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = [n for n in state if n not in params]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint has parameters the model lacks ({missing[:3]}...); resume with the "
+            "same --model as the run that wrote it"
+        )
+    with torch.no_grad():
+        for n, value in state.items():
+            if params[n].shape != value.shape:
+                raise CheckpointError(
+                    f"parameter {n} is {tuple(value.shape)} in the checkpoint but "
+                    f"{tuple(params[n].shape)} in the model; resume with the same model and labels"
+                )
+            params[n].copy_(value)
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype("int64")),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping) -> None:
+    import numpy as np
+
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            n["keys"].numpy().astype("uint32"),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x):
+    """random.setstate needs tuples; a round trip through some loaders turns them to lists."""
+    if isinstance(x, list):
+        return tuple(_as_tuple(v) for v in x)
+    if isinstance(x, tuple):
+        return tuple(_as_tuple(v) for v in x)
+    return x
+
+
+def check_compatible(saved: Mapping, current: Mapping, keys: tuple[str, ...]) -> None:
+    """Refuse to resume when a setting that changes the run differs from the checkpoint's."""
+    diffs = [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in keys
+        if saved.get(k) != current.get(k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            "the checkpoint was written with different settings (" + "; ".join(diffs) + "); "
+            "resume with the same options, or use a new --checkpoint-dir"
+        )

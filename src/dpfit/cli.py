@@ -1,0 +1,429 @@
+"""``dpfit`` command line: train | evaluate | accountant | federated.
+
+Human output is a progress bar (stderr) and a short table; ``--json`` prints one JSON object on
+stdout instead of the table so scripts can read the result. Errors dpfit raises on purpose are
+printed as one line without a traceback and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from dpfit.errors import DPFitError
+
+logger = logging.getLogger("dpfit")
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+# -- train -----------------------------------------------------------------------------------
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from dpfit.train import DEFAULT_TRAIN_SUBSAMPLE
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", help="local folder, .gguf file or hub id (default: bundled MiniLM)")
+    g.add_argument(
+        "--data",
+        help="CSV/JSONL/TSV file or saved `datasets` folder "
+        "(default: bundled Rotten Tomatoes, split by movie)",
+    )
+    g.add_argument(
+        "--eval-data", help="file scored at the end (default: test split / 10%% held out)"
+    )
+    g.add_argument("--text-column", default="text")
+    g.add_argument("--label-column", default="label")
+    g.add_argument("--max-length", type=_positive_int, default=64, help="tokens per example (64)")
+    g.add_argument(
+        "--full-data",
+        action="store_true",
+        help=f"use all bundled training data (default: a random {DEFAULT_TRAIN_SUBSAMPLE})",
+    )
+    g.add_argument(
+        "--max-train-examples", type=_positive_int, help="random subset of the training data"
+    )
+    g.add_argument("--task", choices=("classification", "causal-lm"), default="classification")
+
+    g = p.add_argument_group("privacy")
+    g.add_argument("--epsilon", type=_positive_float, default=8.0, help="target epsilon (8)")
+    g.add_argument(
+        "--delta", type=_positive_float, help="target delta (default min(1e-5, 1/n^1.1))"
+    )
+    g.add_argument("--noise-multiplier", type=float, help="fixed sigma instead of a target epsilon")
+    g.add_argument("--max-grad-norm", type=_positive_float, default=1.0, help="clip norm R (1.0)")
+    g.add_argument("--clipping", choices=("flat", "automatic"), default="flat")
+    g.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+    g.add_argument("--non-private", action="store_true", help="same loop without clipping or noise")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=_positive_int, default=3)
+    g.add_argument("--max-steps", type=_positive_int, help="stop after this many logical steps")
+    g.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=256,
+        help="logical batch (expected size under Poisson sampling) (256)",
+    )
+    g.add_argument(
+        "--physical-batch-size",
+        type=_positive_int,
+        default=32,
+        help="examples per forward/backward; bounds memory (32)",
+    )
+    g.add_argument("--lr", type=_positive_float, default=5e-3)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mode", choices=("bias", "full"), default="bias")
+    g.add_argument("--add-biases", action="store_true", help="BiTFiT-Add for models without biases")
+    g.add_argument(
+        "--full-epochs", type=int, default=0, help="two-phase: full fine-tuning epochs first"
+    )
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--output", help="folder for metrics.json, steps.csv, plots and the model")
+    g.add_argument(
+        "--checkpoint-dir", help="folder for checkpoints (one per --checkpoint-every steps)"
+    )
+    g.add_argument("--checkpoint-every", type=_positive_int, default=1)
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    g.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def train_config_from_args(args: argparse.Namespace):
+    from dpfit.train import DEFAULT_TRAIN_SUBSAMPLE, TrainConfig
+
+    max_train = args.max_train_examples
+    if max_train is None and args.data is None and not args.full_data:
+        max_train = DEFAULT_TRAIN_SUBSAMPLE
+    return TrainConfig(
+        model=args.model,
+        data=args.data,
+        eval_data=args.eval_data,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        max_train_examples=max_train,
+        epsilon=args.epsilon,
+        delta=args.delta,
+        noise_multiplier=args.noise_multiplier,
+        accountant=args.accountant,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        physical_batch_size=args.physical_batch_size,
+        max_grad_norm=args.max_grad_norm,
+        clipping=args.clipping,
+        lr=args.lr,
+        max_length=args.max_length,
+        seed=args.seed,
+        non_private=args.non_private,
+        mode=args.mode,
+        add_biases=args.add_biases,
+        full_epochs=args.full_epochs,
+        task=args.task,
+        output=args.output,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        device=args.device,
+    )
+
+
+def summary_rows(m: dict) -> list[tuple[str, object]]:
+    private = m.get("private", True)
+    rows: list[tuple[str, object]] = [
+        ("accuracy", m["accuracy"]),
+        ("evaluated on", f"{m['eval_n']} examples"),
+        ("epsilon", m["epsilon"] if private else "non-private"),
+    ]
+    if private:
+        rows += [
+            ("delta", m.get("delta")),
+            ("sigma (noise multiplier)", m.get("noise_multiplier")),
+            ("clip norm", m.get("max_grad_norm")),
+            ("clipping", m.get("clipping")),
+        ]
+    rows += [
+        ("logical steps", m["steps"]),
+        ("training examples", m["train_examples"]),
+        ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
+        ("train time", f"{m['train_time_s']:.1f} s"),
+        ("wall time", f"{m['wall_time_s']:.1f} s"),
+        ("peak memory", f"{m['peak_memory_mb']:.0f} MB"),
+    ]
+    return rows
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from dpfit.reporting import format_table, to_json
+    from dpfit.train import train
+
+    config = train_config_from_args(args)
+    bar = None
+
+    def on_note(msg: str) -> None:
+        (tqdm.write if bar is not None else _eprint)(f"note: {msg}", file=sys.stderr)
+
+    def on_step(row, total: int) -> None:
+        nonlocal bar
+        if args.quiet:
+            return
+        if bar is None:
+            bar = tqdm(
+                total=total, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
+            )
+            bar.update(row.step - 1)  # resumed runs start part-way
+        post = {"loss": f"{row.loss:.4f}" if not math.isnan(row.loss) else "-"}
+        if math.isfinite(row.epsilon):
+            post["eps"] = f"{row.epsilon:.3f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+
+    try:
+        result = train(config, on_step=on_step, on_note=on_note)
+    finally:
+        if bar is not None:
+            bar.close()
+    m = result.metrics
+    if args.json:
+        print(to_json({k: v for k, v in m.items() if k != "config"}, indent=None))
+    else:
+        print(format_table(summary_rows(m), title="dpfit train: result"))
+        if result.output_dir is not None:
+            print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
+    return 0
+
+
+def _eprint(msg: str, file=None) -> None:
+    print(msg, file=file or sys.stderr)
+
+
+# -- evaluate --------------------------------------------------------------------------------
+
+
+def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a saved model folder (DIR/model)")
+    p.add_argument("--data", required=True, help="CSV/JSONL/TSV file or saved `datasets` folder")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--max-length", type=_positive_int, default=128)
+    p.add_argument("--batch-size", type=_positive_int, default=64)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from dpfit.data.text import load_texts
+    from dpfit.models import load_classifier
+    from dpfit.reporting import format_table, to_json
+    from dpfit.train import _device, evaluate
+
+    loaded = load_classifier(args.model)
+    model = loaded.model
+    id2label = model.config.id2label
+    names = [str(id2label[i]) for i in range(model.config.num_labels)]
+    data = load_texts(args.data, args.text_column, args.label_column, label_names=names)
+    device = _device(args.device)
+    model.to(device)
+    res = evaluate(model, loaded.tokenizer, data, args.max_length, args.batch_size, device)
+    record_path = Path(args.model) / "dpfit.json"
+    privacy = json.loads(record_path.read_text()) if record_path.is_file() else None
+    out = {**res.as_dict(), "model": str(args.model), "data": str(args.data)}
+    if privacy is not None:
+        out["privacy"] = privacy
+    if args.json:
+        print(to_json(out, indent=None))
+    else:
+        rows: list[tuple[str, object]] = [("accuracy", res.accuracy), ("examples", res.n)]
+        rows += [
+            (f"class {k}", f"{v['correct']}/{v['n']} correct") for k, v in res.per_class.items()
+        ]
+        if privacy is not None and privacy.get("private"):
+            rows.append(("trained with epsilon", privacy.get("epsilon")))
+            rows.append(("delta", privacy.get("delta")))
+        print(format_table(rows, title=f"dpfit evaluate: {args.model}"))
+    return 0
+
+
+# -- accountant ------------------------------------------------------------------------------
+
+
+def add_accountant_arguments(p: argparse.ArgumentParser) -> None:
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--noise-multiplier", type=_positive_float, help="sigma -> epsilon spent")
+    what.add_argument("--epsilon", type=_positive_float, help="target epsilon -> sigma needed")
+    p.add_argument("--delta", type=_positive_float, default=1e-5)
+    p.add_argument(
+        "--sample-rate", type=_positive_float, help="q (or give --batch-size and --dataset-size)"
+    )
+    p.add_argument("--batch-size", type=_positive_int)
+    p.add_argument("--dataset-size", type=_positive_int)
+    p.add_argument("--steps", type=_positive_int, help="logical steps (or give --epochs)")
+    p.add_argument("--epochs", type=_positive_float)
+    p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+    p.add_argument("--json", action="store_true")
+
+
+def run_accountant(args: argparse.Namespace) -> int:
+    from dpfit import accounting
+    from dpfit.reporting import format_table, to_json
+
+    q = args.sample_rate
+    if q is None:
+        if not (args.batch_size and args.dataset_size):
+            raise DPFitError("give --sample-rate, or --batch-size and --dataset-size")
+        q = args.batch_size / args.dataset_size
+    if not 0 < q <= 1:
+        raise DPFitError(f"sample rate must be in (0, 1], got {q}")
+    steps = args.steps
+    if steps is None:
+        if args.epochs is None:
+            raise DPFitError("give --steps, or --epochs")
+        steps = max(1, round(args.epochs / q))
+    out = {"sample_rate": q, "steps": steps, "delta": args.delta, "accountant": args.accountant}
+    if args.noise_multiplier is not None:
+        out["noise_multiplier"] = args.noise_multiplier
+        out["epsilon"] = accounting.epsilon_for(
+            args.noise_multiplier, q, steps, args.delta, args.accountant
+        )
+    else:
+        out["epsilon"] = args.epsilon
+        out["noise_multiplier"] = accounting.noise_multiplier_for(
+            args.epsilon, args.delta, q, steps, args.accountant
+        )
+    if args.json:
+        print(to_json(out, indent=None))
+    else:
+        print(format_table(list(out.items()), title="dpfit accountant"))
+    return 0
+
+
+# -- federated (another module's arguments; wired lazily) -------------------------------------
+
+
+def _federated_module():
+    try:
+        from dpfit.federated import cli as fcli
+    except ImportError as e:
+        return None, e
+    return fcli, None
+
+
+def add_federated_arguments(p: argparse.ArgumentParser) -> None:
+    fcli, _ = _federated_module()
+    if fcli is not None:
+        fcli.add_arguments(p)
+    else:
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def run_federated(args: argparse.Namespace) -> int:
+    fcli, err = _federated_module()
+    if fcli is None:
+        raise DPFitError(
+            f"`dpfit federated` is not available: dpfit.federated.cli could not be imported "
+            f"({err}); install the extra with `pip install 'dpfit[flwr]'`"
+        )
+    rc = fcli.run(args)
+    return int(rc or 0)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+COMMANDS = {
+    "train": ("private (or --non-private) fine-tuning, end to end", add_train_arguments, run_train),
+    "evaluate": ("score a saved model on a labelled file", add_evaluate_arguments, run_evaluate),
+    "accountant": (
+        "epsilon for a noise multiplier, or sigma for a target",
+        add_accountant_arguments,
+        run_accountant,
+    ),
+    "federated": ("federated DP fine-tuning (Flower)", add_federated_arguments, run_federated),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpfit", description="Differentially private fine-tuning (DP-BiTFiT)."
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="-v info, -vv debug logs"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, add, run) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        add(sp)
+        sp.set_defaults(_run=run)
+    return parser
+
+
+def _setup_logging(verbosity: int) -> None:
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbosity, 2)]
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if verbosity < 2:
+        # dp-accounting's RDP search logs a warning per skipped order; not actionable for users.
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        try:
+            import huggingface_hub.utils
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+            transformers.logging.disable_progress_bar()
+            huggingface_hub.utils.disable_progress_bars()
+        except ImportError:
+            pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    t0 = time.perf_counter()
+    try:
+        return args._run(args)
+    except DPFitError as e:
+        print(f"dpfit {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as e:  # bad combinations of options found by the config dataclasses
+        if args.verbose:
+            raise
+        print(f"dpfit {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        hint = " (rerun with --resume to continue)" if getattr(args, "checkpoint_dir", None) else ""
+        print(f"\ninterrupted after {time.perf_counter() - t0:.0f} s{hint}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

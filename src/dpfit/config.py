@@ -1,0 +1,94 @@
+"""Immutable settings of a private training run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dpfit.accounting import ACCOUNTANTS
+from dpfit.clipping import clipping_names
+
+MODES = ("bias", "full")
+LOSS_REDUCTIONS = ("mean", "sum")
+SAMPLINGS = ("poisson", "user-poisson")
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Everything that determines the guarantee and the per-example computation.
+
+    sampling: "poisson" means batches come from `engine.data_loader` (checked at every step);
+    "user-poisson" means the caller draws Poisson batches at rate q itself and vouches for it.
+    """
+
+    expected_batch_size: int
+    sample_size: int
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    target_delta: float = 1e-5
+    epochs: float | None = None
+    steps: int | None = None
+    max_grad_norm: float = 1.0
+    clipping: str = "flat"
+    mode: str = "bias"
+    loss_reduction: str = "mean"
+    accountant: str = "rdp"
+    sampling: str = "poisson"
+    secure_rng: bool = False
+    seed: int | None = None
+    batch_first: bool = True
+    batch_dims: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    check_gradients: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if self.sample_size < 1:
+            bad("sample_size must be >= 1 (the number of training examples)")
+        if not 1 <= self.expected_batch_size <= self.sample_size:
+            bad(
+                f"expected_batch_size must be in [1, sample_size={self.sample_size}], "
+                f"got {self.expected_batch_size}"
+            )
+        if self.max_grad_norm <= 0:
+            bad("max_grad_norm must be > 0")
+        if self.clipping not in clipping_names():
+            bad(f"clipping must be one of {clipping_names()}, got {self.clipping!r}")
+        if self.mode not in MODES:
+            bad(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            bad(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}; "
+                "the loss must be a mean or a sum of per-example losses"
+            )
+        if self.accountant not in ACCOUNTANTS:
+            bad(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
+        if self.sampling not in SAMPLINGS:
+            bad(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
+        if not 0 < self.target_delta < 1:
+            bad("target_delta must be in (0, 1); a common choice is 1/n^1.1 or 1e-5")
+        if self.noise_multiplier is None:
+            if self.target_epsilon is None:
+                bad("give noise_multiplier, or target_epsilon with epochs= or steps=")
+            if self.epochs is None and self.steps is None:
+                bad("target_epsilon needs epochs= or steps= to calibrate the noise")
+        elif self.noise_multiplier < 0:
+            bad("noise_multiplier must be >= 0")
+        if self.epochs is not None and self.steps is not None:
+            bad("give epochs= or steps=, not both")
+
+    @property
+    def sample_rate(self) -> float:
+        return self.expected_batch_size / self.sample_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, round(1 / self.sample_rate))
+
+    @property
+    def planned_steps(self) -> int | None:
+        if self.steps is not None:
+            return self.steps
+        if self.epochs is not None:
+            return max(1, round(self.epochs * self.steps_per_epoch))
+        return None

@@ -1,0 +1,302 @@
+"""The Flower app: data partitions, the ServerApp, and the ways to run it.
+
+- ``run_simulation``: Flower's simulation engine (Ray), N virtual SuperNodes.
+- ``run_local``: the same ClientApp and Strategy over ``LocalGrid``, an in-process Grid that
+  calls the ClientApp directly: no Ray, for tests and benchmarks on small machines.
+- ``server_app`` / ``client_app``: the components ``flwr run`` loads on a real deployment
+  (``pyproject.toml`` next to this file names them); the run config carries the settings.
+
+Partitions use flwr-datasets partitioners on a local ``datasets.Dataset`` built from the
+bundled Rotten Tomatoes data: IID, Dirichlet label skew, or natural clients by movie.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import fields
+from typing import Any
+from uuid import uuid4
+
+import numpy as np
+
+from dpfit.data.bundled import TextExample, rotten_tomatoes, split_by_group
+from dpfit.federated.client import TaskConfig, build_client_app, evaluate, load_local_model
+from dpfit.federated.strategy import DPFedAvg, DPFedAvgServer, RoundRecord, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+PARTITIONS = ("iid", "dirichlet", "movie")
+
+
+class PartitionError(ValueError):
+    """The requested partition cannot be built from the data."""
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def splits(seed: int) -> tuple[list[TextExample], list[TextExample], list[TextExample]]:
+    """(train, validation, test) split by movie; the server holds validation as public data."""
+    train, val, test = split_by_group(rotten_tomatoes(), (0.8, 0.1, 0.1), seed)
+    return train, val, test
+
+
+def _subsample(examples: list[TextExample], k: int, seed: int) -> list[TextExample]:
+    if k <= 0 or len(examples) <= k:
+        return examples
+    idx = np.random.default_rng(seed).choice(len(examples), size=k, replace=False)
+    return [examples[i] for i in sorted(idx)]
+
+
+@functools.lru_cache(maxsize=4)
+def partitions(
+    num_clients: int, partition: str, alpha: float, seed: int
+) -> tuple[tuple[int, ...], ...]:
+    """Indices into the training split for each client, via flwr-datasets partitioners."""
+    import datasets
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
+
+    train = splits(seed)[0]
+    data = {
+        "idx": list(range(len(train))),
+        "label": [e.label for e in train],
+        # natural clients: each movie belongs to one client (movies hashed onto N clients)
+        "client": [
+            int(hashlib.sha256(f"{seed}:{e.group}".encode()).hexdigest(), 16) % num_clients
+            for e in train
+        ],
+    }
+    ds = datasets.Dataset.from_dict(data)
+    if partition == "iid":
+        part = IidPartitioner(num_partitions=num_clients)
+    elif partition == "dirichlet":
+        part = DirichletPartitioner(
+            num_partitions=num_clients,
+            partition_by="label",
+            alpha=alpha,
+            min_partition_size=2,
+            self_balancing=False,
+            seed=seed,
+        )
+    elif partition == "movie":
+        part = NaturalIdPartitioner(partition_by="client")
+    else:
+        raise PartitionError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    part.dataset = ds
+    if partition == "movie":
+        ids = sorted(set(data["client"]))
+        if len(ids) < num_clients:
+            raise PartitionError(f"only {len(ids)} movie clients for {num_clients} requested")
+    out = [part.load_partition(i) for i in range(num_clients)]
+    return tuple(tuple(int(x) for x in p["idx"]) for p in out)
+
+
+def client_examples(task: TaskConfig, partition_id: int) -> list[TextExample]:
+    """The (capped) local data of one client."""
+    if not 0 <= partition_id < task.num_clients:
+        raise PartitionError(f"partition id {partition_id} outside [0, {task.num_clients})")
+    train = splits(task.seed)[0]
+    idx = partitions(task.num_clients, task.partition, task.alpha, task.seed)[partition_id]
+    examples = [train[i] for i in idx]
+    return _subsample(examples, task.examples_per_client, task.seed * 7919 + partition_id)
+
+
+def make_evaluate_fn(
+    task: TaskConfig, which: str = "validation"
+) -> Callable[..., tuple[float, float]]:
+    """Server-side (loss, accuracy) of a parameter list on the validation or test split."""
+    _, val, test = splits(task.seed)
+    data = _subsample(val if which == "validation" else test, task.eval_examples, task.seed + 1)
+    texts = [e.text for e in data]
+    labels = [e.label for e in data]
+
+    def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
+        lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+        lm.set_arrays(params)
+        return evaluate(lm, texts, labels, task.max_length)
+
+    return fn
+
+
+def initial_arrays(task: TaskConfig) -> list[np.ndarray]:
+    return load_local_model(task.model, task.local_mode, task.lora_r, task.seed).get_arrays()
+
+
+# --------------------------------------------------------------------------------------------
+# In-process Grid
+# --------------------------------------------------------------------------------------------
+
+ClientFn = Callable[[Any, Any], Any]
+
+
+class LocalGrid:
+    """A Flower Grid that delivers each message by calling a ClientApp in this process.
+
+    ``clients`` maps node id -> callable(message, context); a client that raises produces an
+    error reply, one that returns None never answers (a timeout).
+    """
+
+    def __init__(self, clients: dict[int, ClientFn], node_configs: dict[int, dict[str, Any]]):
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.supercore.task_identity import TaskIdentity
+
+        # Messages read the process's task identity; Flower's own runtimes set it the same way.
+        TaskIdentity.task_id = 1
+        TaskIdentity.run_id = 1
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+        self.clients = clients
+        self.node_configs = node_configs
+        self._run_id = 1
+
+    @classmethod
+    def for_app(cls, client_app: ClientFn, num_nodes: int) -> LocalGrid:
+        ids = {1000 + i: i for i in range(num_nodes)}
+        return cls(
+            {n: client_app for n in ids},
+            {n: {"partition-id": p, "num-partitions": num_nodes} for n, p in ids.items()},
+        )
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.clients)
+
+    def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None):
+        from flwr.app import Context, Error, Message, RecordDict
+
+        replies = []
+        for msg in messages:
+            node = int(msg.metadata.dst_node_id)
+            msg.metadata.__dict__["_message_id"] = str(uuid4())
+            msg.metadata.__dict__["_run_id"] = self._run_id
+            ctx = Context(
+                run_id=self._run_id,
+                node_id=node,
+                node_config=dict(self.node_configs.get(node, {})),
+                state=RecordDict(),
+                run_config={},
+            )
+            try:
+                reply = self.clients[node](msg, ctx)
+            except Exception as exc:  # a crashing client must not stall the round
+                logger.info("client %s raised %s", node, exc)
+                reply = Message(Error(code=0, reason=repr(exc)), reply_to=msg)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------
+
+
+def build_strategy(
+    server_cfg: ServerConfig,
+    task: TaskConfig,
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> DPFedAvg:
+    server = DPFedAvgServer(server_cfg, initial_arrays(task), make_evaluate_fn(task))
+    return DPFedAvg(server, task.to_record(), on_round=on_round)
+
+
+def run_local(
+    server_cfg: ServerConfig,
+    task: TaskConfig,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    grid: Any = None,
+) -> DPFedAvgServer:
+    """Run the app in this process (no Ray)."""
+    strategy = build_strategy(server_cfg, task, on_round)
+    grid = grid or LocalGrid.for_app(build_client_app(), task.num_clients)
+    return strategy.start(grid)
+
+
+def run_simulation(
+    server_cfg: ServerConfig,
+    task: TaskConfig,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    num_cpus: int = 2,
+) -> DPFedAvgServer:
+    """Run the app in Flower's simulation engine with ``num_clients`` virtual SuperNodes."""
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    holder: dict[str, DPFedAvgServer] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Any, context: Any) -> None:
+        strategy = build_strategy(server_cfg, task, on_round)
+        holder["server"] = strategy.start(grid)
+
+    backend = {
+        "init_args": {"num_cpus": num_cpus, "include_dashboard": False},
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+    }
+    t0 = time.perf_counter()
+    flwr_run_simulation(
+        server_app=server_app,
+        client_app=build_client_app(),
+        num_supernodes=task.num_clients,
+        backend_config=backend,
+    )
+    if "server" not in holder:
+        raise RuntimeError("the simulation ended without running the ServerApp; see the log")
+    logger.info("simulation finished in %.1fs", time.perf_counter() - t0)
+    return holder["server"]
+
+
+# --------------------------------------------------------------------------------------------
+# Deployment components (``flwr run``)
+# --------------------------------------------------------------------------------------------
+
+
+def _from_run_config(cls: type, run_config: dict[str, Any]) -> Any:
+    kwargs = {}
+    for f in fields(cls):
+        key = f.name.replace("_", "-")
+        if key in run_config:
+            default = getattr(cls, f.name, None)
+            value = run_config[key]
+            if isinstance(default, tuple):
+                value = tuple(float(x) for x in str(value).split(","))
+            elif default is not None and not isinstance(default, str):
+                value = type(default)(value)
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def build_server_app():
+    """ServerApp for a deployment; settings come from the run config (``--run-config``)."""
+    from flwr.serverapp import ServerApp
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Any, context: Any) -> None:
+        rc = dict(context.run_config)
+        task = _from_run_config(TaskConfig, rc)
+        scfg = _from_run_config(ServerConfig, rc)
+        server = build_strategy(scfg, task).start(grid)
+        logger.info("finished: %s", [r.epsilon for r in server.history])
+        out = rc.get("output", "")
+        if out:
+            from dpfit.federated.cli import write_outputs
+
+            write_outputs(server, task, out, plots=False)
+
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    if name == "server_app":
+        return build_server_app()
+    if name == "client_app":
+        return build_client_app()
+    raise AttributeError(name)

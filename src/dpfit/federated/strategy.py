@@ -1,0 +1,526 @@
+"""Client-level DP-FedAvg as a Flower Strategy, over a framework-free server core.
+
+``DPFedAvgServer`` holds everything that matters for privacy and can be driven without
+Flower: Poisson client sampling (each client independently with q = m / N), validation of
+replies, clipping with the rule's C, one Gaussian draw on the sum, division by the expected
+m (equal weights, so z * C / m is the true sensitivity), the accountant, the budget stop and
+checkpoints. ``DPFedAvg`` adapts it to Flower's Strategy / Grid / Message API.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.serverapp.strategy import Strategy
+
+from dpfit.federated.accounting import (
+    BudgetExhausted,
+    ClientLevelAccountant,
+    calibrate_noise_multiplier,
+)
+from dpfit.federated.clipping import (
+    ClipConfig,
+    LacClip,
+    RoundObservation,
+    clip_rule_class,
+    clip_update,
+    make_clip_rule,
+)
+
+logger = logging.getLogger(__name__)
+
+EvaluateFn = Callable[[Sequence[np.ndarray]], tuple[float, float]]
+
+
+class InvalidUpdate(ValueError):
+    """A client's update is unusable (non-finite values, wrong number or shapes of arrays)."""
+
+
+class CheckpointMismatch(RuntimeError):
+    """A checkpoint was written by a run with a different privacy configuration."""
+
+
+class NoClientsAvailable(RuntimeError):
+    """No SuperNode registered within the wait time."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Privacy and schedule of a run; ``noise_multiplier`` set overrides calibration."""
+
+    method: str = "lac"
+    num_clients: int = 20
+    clients_per_round: float = 5.0
+    rounds: int = 5
+    target_epsilon: float | None = 8.0
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    initial_clip: float = 1.0
+    server_lr: float = 1.0
+    accountant: str = "rdp"
+    seed: int = 0
+    round_timeout: float = 600.0
+    node_wait_timeout: float = 120.0
+    checkpoint_dir: str | None = None
+    target_quantile: float = 0.5
+    quantile_lr: float = 0.2
+    count_budget_share: float = 0.1
+    vote_factors: tuple[float, ...] = (0.25, 0.5, 1.0)
+    vote_noise_std: float = 10.0
+    loss_bound: float = 2.0
+    loss_budget_share: float = 0.1
+
+    def __post_init__(self) -> None:
+        clip_rule_class(self.method)  # fail early with the list of names
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise ValueError("give a target epsilon or a noise multiplier")
+        if not 0 < self.clients_per_round <= self.num_clients:
+            raise ValueError(
+                f"clients_per_round must be in (0, num_clients={self.num_clients}], "
+                f"got {self.clients_per_round}"
+            )
+
+    @property
+    def sample_rate(self) -> float:
+        return self.clients_per_round / self.num_clients
+
+    def clip_config(self, noise_multiplier: float) -> ClipConfig:
+        return ClipConfig(
+            initial_clip=self.initial_clip,
+            noise_multiplier=noise_multiplier,
+            expected_clients=self.clients_per_round,
+            target_quantile=self.target_quantile,
+            quantile_lr=self.quantile_lr,
+            count_budget_share=self.count_budget_share,
+            vote_factors=self.vote_factors,
+            vote_noise_std=self.vote_noise_std if noise_multiplier > 0 else 0.0,
+            loss_bound=self.loss_bound,
+            loss_budget_share=self.loss_budget_share,
+        )
+
+
+@dataclass(frozen=True)
+class ClientReply:
+    """One client's answer to a training round, as the server core sees it."""
+
+    node_id: int
+    update: list[np.ndarray] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round: int
+    clip_norm: float
+    next_clip: float
+    val_loss: float
+    accuracy: float
+    epsilon: float
+    clients_sampled: int
+    clients_answered: int
+    clients_rejected: int
+    noise_std: float
+    seconds: float
+
+
+def validate_update(update: Sequence[np.ndarray], shapes: Sequence[tuple[int, ...]]) -> None:
+    """Raise InvalidUpdate unless the update matches the model and is finite everywhere."""
+    if len(update) != len(shapes):
+        raise InvalidUpdate(f"expected {len(shapes)} arrays, got {len(update)}")
+    for i, (a, s) in enumerate(zip(update, shapes, strict=True)):
+        if tuple(a.shape) != tuple(s):
+            raise InvalidUpdate(f"array {i} has shape {tuple(a.shape)}, expected {tuple(s)}")
+        if not np.all(np.isfinite(a)):
+            raise InvalidUpdate(f"array {i} has NaN or Inf values")
+
+
+class DPFedAvgServer:
+    """Server state and one-round logic, independent of the transport."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        initial_arrays: Sequence[np.ndarray],
+        evaluate_fn: EvaluateFn | None = None,
+    ) -> None:
+        self.config = config
+        self.params = [np.asarray(a, dtype=np.float32).copy() for a in initial_arrays]
+        self.shapes = [tuple(a.shape) for a in self.params]
+        self.evaluate_fn = evaluate_fn
+        rule_cls = clip_rule_class(config.method)
+        if config.noise_multiplier is not None:
+            self.noise_multiplier = float(config.noise_multiplier)
+            target = None
+        else:
+            one_offs = rule_cls.one_off_multipliers(config.clip_config(1.0))
+            self.noise_multiplier = calibrate_noise_multiplier(
+                config.target_epsilon,
+                config.delta,
+                config.sample_rate,
+                config.rounds,
+                one_offs,
+                config.accountant,
+            )
+            target = config.target_epsilon
+        self.rule = make_clip_rule(config.method, config.clip_config(self.noise_multiplier))
+        self.accountant = ClientLevelAccountant(
+            num_clients=config.num_clients,
+            expected_clients=config.clients_per_round,
+            delta=config.delta,
+            kind=config.accountant,
+            target_epsilon=target,
+        )
+        self.rng = np.random.default_rng(config.seed)
+        self.round = 0
+        self.initialised = False
+        self.initial_clip = self.rule.clip_norm
+        self.vote_counts: list[float] = []
+        self.history: list[RoundRecord] = []
+        self.stop_reason: str | None = None
+        logger.info(
+            "method=%s z=%.4f q=%.4f update multiplier=%.4f",
+            config.method,
+            self.noise_multiplier,
+            config.sample_rate,
+            self.rule.update_multiplier,
+        )
+
+    # -- schedule ------------------------------------------------------------------------
+
+    @property
+    def round_multipliers(self) -> tuple[float, ...]:
+        return type(self.rule).round_multipliers(self.rule.config)
+
+    def sample_clients(self, node_ids: Sequence[int]) -> list[int]:
+        """Poisson sampling: each client independently with probability q = m / N."""
+        q = self.config.sample_rate
+        draws = self.rng.random(len(node_ids))
+        return [int(n) for n, u in zip(sorted(node_ids), draws, strict=True) if u < q]
+
+    def evaluate(self) -> tuple[float, float]:
+        if self.evaluate_fn is None:
+            return math.nan, math.nan
+        return self.evaluate_fn(self.params)
+
+    # -- initialisation (DP-LAC votes, v_0) ------------------------------------------------
+
+    def vote_query_config(self) -> dict[str, Any]:
+        assert isinstance(self.rule, LacClip)
+        return {
+            "candidates": self.rule.candidates(),
+            "noise_multiplier": self.rule.update_multiplier,
+            "expected_clients": float(self.config.clients_per_round),
+        }
+
+    def initialise(self, votes: Sequence[Sequence[int]] | None = None) -> None:
+        """Before round 1: the private vote for C0 (DP-LAC) and the validation loss v_0."""
+        if isinstance(self.rule, LacClip):
+            good = []
+            for v in votes or []:
+                v = [int(x) for x in v]
+                if len(v) == len(self.rule.candidates()) and sorted(v)[-1] == 1 and sum(v) == 1:
+                    good.append(v)
+                else:
+                    logger.warning("rejected malformed vote %s", v)
+            counts = self.rule.initialise_from_votes(good, self.rng)
+            self.vote_counts = [float(c) for c in counts]
+            if self.rule.config.vote_noise_std > 0:
+                self.accountant.record_one_off(self.rule.config.vote_noise_std)
+            else:
+                self.accountant.record_one_off(0.0)
+            logger.info(
+                "vote: %d clients, noised counts %s -> C0=%.4g",
+                len(good),
+                np.round(counts, 2).tolist(),
+                self.rule.clip_norm,
+            )
+            v0, _ = self.evaluate()
+            self.rule.observe_validation(v0)
+        self.initial_clip = self.rule.clip_norm
+        self.initialised = True
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def check_budget(self) -> None:
+        """Raise BudgetExhausted if the next round would pass the target epsilon."""
+        self.accountant.check_round(self.round_multipliers)
+
+    def aggregate(self, sampled: Sequence[int], replies: Iterable[ClientReply]) -> RoundRecord:
+        """Clip, sum, noise once, divide by expected m; account for the sampling performed."""
+        t0 = time.perf_counter()
+        self.round += 1
+        clip = self.rule.clip_norm
+        total = [np.zeros_like(p) for p in self.params]
+        norms: list[float] = []
+        losses: list[float] = []
+        answered = rejected = 0
+        sampled_set = set(sampled)
+        for r in replies:
+            if r.node_id not in sampled_set:
+                logger.warning(
+                    "round %d: reply from unsampled node %s ignored", self.round, r.node_id
+                )
+                continue
+            answered += 1
+            if r.error is not None or r.update is None:
+                rejected += 1
+                logger.warning("round %d: client %s failed: %s", self.round, r.node_id, r.error)
+                continue
+            try:
+                validate_update(r.update, self.shapes)
+            except InvalidUpdate as exc:
+                rejected += 1
+                logger.warning(
+                    "round %d: update of client %s rejected: %s", self.round, r.node_id, exc
+                )
+                continue
+            clipped, norm = clip_update(r.update, clip)
+            for acc, c in zip(total, clipped, strict=True):
+                acc += c
+            norms.append(norm)
+            loss = r.metrics.get("loss_before")
+            if loss is not None:
+                losses.append(float(loss))
+        std = self.rule.update_noise_std()
+        m = self.config.clients_per_round
+        for p, acc in zip(self.params, total, strict=True):
+            noise = self.rng.normal(0.0, std, size=p.shape) if std > 0 else 0.0
+            p += (self.config.server_lr * (acc + noise) / m).astype(np.float32)
+        self.accountant.record_round(self.round_multipliers)
+        val_loss, acc = self.evaluate()
+        next_clip = self.rule.observe(
+            RoundObservation(
+                update_norms=tuple(norms), client_losses=tuple(losses), val_loss=val_loss
+            ),
+            self.rng,
+        )
+        record = RoundRecord(
+            round=self.round,
+            clip_norm=clip,
+            next_clip=next_clip,
+            val_loss=val_loss,
+            accuracy=acc,
+            epsilon=self.accountant.epsilon(),
+            clients_sampled=len(sampled),
+            clients_answered=answered,
+            clients_rejected=rejected,
+            noise_std=std,
+            seconds=time.perf_counter() - t0,
+        )
+        self.history.append(record)
+        if self.config.checkpoint_dir:
+            self.save_checkpoint(self.config.checkpoint_dir)
+        return record
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def _fingerprint(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "method": c.method,
+            "num_clients": c.num_clients,
+            "clients_per_round": c.clients_per_round,
+            "delta": c.delta,
+            "noise_multiplier": self.noise_multiplier,
+            "shapes": [list(s) for s in self.shapes],
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self._fingerprint(),
+            "round": self.round,
+            "initialised": self.initialised,
+            "initial_clip": self.initial_clip,
+            "vote_counts": self.vote_counts,
+            "rule": self.rule.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "rng": self.rng.bit_generator.state,
+            "history": [asdict(r) for r in self.history],
+        }
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        """Write params + state atomically: a crash mid-write leaves the previous round."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tag = f"round{self.round:05d}"
+        with tempfile.NamedTemporaryFile(dir=d, suffix=".npz", delete=False) as f:
+            np.savez(f, *self.params)
+        os.replace(f.name, d / f"{tag}.npz")
+        state = dict(self.state(), params_file=f"{tag}.npz")
+        with tempfile.NamedTemporaryFile("w", dir=d, suffix=".json", delete=False) as f:
+            json.dump(state, f)
+        os.replace(f.name, d / "state.json")
+        for old in d.glob("round*.npz"):
+            if old.name != f"{tag}.npz":
+                old.unlink(missing_ok=True)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> bool:
+        """Resume from ``directory`` if it holds a checkpoint; returns whether it did."""
+        d = Path(directory)
+        if not (d / "state.json").exists():
+            return False
+        state = json.loads((d / "state.json").read_text())
+        mine = json.loads(json.dumps(self._fingerprint()))
+        if state["fingerprint"] != mine:
+            raise CheckpointMismatch(
+                f"checkpoint in {d} was written with {state['fingerprint']}, this run is "
+                f"{mine}; use another --checkpoint-dir or the same settings"
+            )
+        with np.load(d / state["params_file"]) as z:
+            self.params = [z[f"arr_{i}"].astype(np.float32) for i in range(len(self.shapes))]
+        self.round = int(state["round"])
+        self.initialised = bool(state["initialised"])
+        self.initial_clip = float(state["initial_clip"])
+        self.vote_counts = list(state["vote_counts"])
+        self.rule.load_state_dict(state["rule"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.rng.bit_generator.state = state["rng"]
+        self.history = [RoundRecord(**r) for r in state["history"]]
+        logger.info("resumed from %s at round %d (C=%.4g)", d, self.round, self.rule.clip_norm)
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# Flower adapter
+# --------------------------------------------------------------------------------------------
+
+
+class DPFedAvg(Strategy):
+    """Flower Strategy around ``DPFedAvgServer``; ``start`` runs vote, rounds and stops."""
+
+    def __init__(
+        self,
+        server: DPFedAvgServer,
+        task_record: dict[str, Any],
+        on_round: Callable[[RoundRecord], None] | None = None,
+    ) -> None:
+        self.server = server
+        self.task_record = dict(task_record)
+        self.on_round = on_round
+        self._sampled: list[int] = []
+
+    # Strategy API ---------------------------------------------------------------------
+
+    def _messages(self, arrays: Any, config: dict[str, Any], node_ids: Iterable[int], kind: str):
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        record = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+        return [Message(content=record, message_type=kind, dst_node_id=n) for n in node_ids]
+
+    def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any):
+        from flwr.app import MessageType
+
+        self._sampled = self.server.sample_clients(list(grid.get_node_ids()))
+        cfg = dict(self.task_record, server_round=server_round)
+        cfg.update(dict(config or {}))
+        cfg["report_loss"] = type(self.server.rule).needs_client_loss
+        return self._messages(arrays, cfg, self._sampled, MessageType.TRAIN)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Any]):
+        from flwr.app import ArrayRecord, MetricRecord
+
+        parsed = [_parse_reply(m) for m in replies]
+        record = self.server.aggregate(self._sampled, parsed)
+        if self.on_round is not None:
+            self.on_round(record)
+        metrics = {k: v for k, v in asdict(record).items() if math.isfinite(float(v))}
+        return ArrayRecord(self.server.params), MetricRecord(metrics)
+
+    def configure_evaluate(self, server_round: int, arrays: Any, config: Any, grid: Any):
+        return []  # evaluation is server-side, on the public validation set
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Any]):
+        return None
+
+    def summary(self) -> None:
+        s = self.server
+        logger.info(
+            "DPFedAvg(%s): N=%d m=%.1f rounds=%d z=%.4f target eps=%s delta=%g",
+            s.config.method,
+            s.config.num_clients,
+            s.config.clients_per_round,
+            s.config.rounds,
+            s.noise_multiplier,
+            s.accountant.target_epsilon,
+            s.config.delta,
+        )
+
+    # Orchestration --------------------------------------------------------------------
+
+    def _wait_for_nodes(self, grid: Any) -> list[int]:
+        deadline = time.monotonic() + self.server.config.node_wait_timeout
+        want = self.server.config.num_clients
+        nodes: list[int] = []
+        while time.monotonic() < deadline:
+            nodes = list(grid.get_node_ids())
+            if len(nodes) >= want:
+                return nodes
+            time.sleep(0.5)
+        if not nodes:
+            raise NoClientsAvailable(
+                f"no SuperNode registered within {self.server.config.node_wait_timeout}s"
+            )
+        logger.warning("only %d of %d clients registered; continuing", len(nodes), want)
+        return nodes
+
+    def _vote(self, grid: Any, nodes: list[int]) -> list[list[int]]:
+        from flwr.app import ArrayRecord, MessageType
+
+        cfg = dict(self.task_record, **self.server.vote_query_config())
+        msgs = self._messages(ArrayRecord(self.server.params), cfg, nodes, MessageType.QUERY)
+        votes = []
+        for reply in grid.send_and_receive(msgs, timeout=self.server.config.round_timeout):
+            if reply.has_error():
+                logger.warning("vote query failed on a client: %s", reply.error)
+                continue
+            votes.append([int(x) for x in reply.content["vote"]["vote"]])
+        return votes
+
+    def start(self, grid: Any, initial_arrays: Any = None, num_rounds: int | None = None, **_: Any):
+        """Run to the configured rounds (resuming if a checkpoint exists) or the budget."""
+        from flwr.app import ArrayRecord
+
+        server = self.server
+        self.summary()
+        if server.config.checkpoint_dir:
+            server.load_checkpoint(server.config.checkpoint_dir)
+        nodes = self._wait_for_nodes(grid)
+        if not server.initialised:
+            votes = self._vote(grid, nodes) if type(server.rule).needs_votes else None
+            server.initialise(votes)
+        total = num_rounds or server.config.rounds
+        while server.round < total:
+            try:
+                server.check_budget()
+            except BudgetExhausted as exc:
+                server.stop_reason = str(exc)
+                logger.error("%s", exc)
+                break
+            arrays = ArrayRecord(server.params)
+            msgs = self.configure_train(server.round + 1, arrays, {}, grid)
+            replies = grid.send_and_receive(msgs, timeout=server.config.round_timeout)
+            self.aggregate_train(server.round + 1, replies)
+        return server
+
+
+def _parse_reply(msg: Any) -> ClientReply:
+    node = int(msg.metadata.src_node_id)
+    if msg.has_error():
+        return ClientReply(node, error=f"{msg.error.code}: {msg.error.reason}")
+    try:
+        update = msg.content["update"].to_numpy_ndarrays()
+        metrics = dict(msg.content["metrics"])
+    except Exception as exc:  # malformed content from a faulty client
+        return ClientReply(node, error=f"malformed reply: {exc}")
+    return ClientReply(node, update=update, metrics=metrics)

@@ -1,0 +1,116 @@
+"""Registry of per-example gradient samplers, keyed by layer type.
+
+A *bias sampler* turns the gradient of a layer's output into per-example gradients of the
+parameters that enter additively (biases): it needs nothing from the forward pass. A *weight
+sampler* also needs the layer's input and is used only for parameters that are not biases
+(a new classification head, or full fine-tuning).
+
+Types from optional packages (transformers' Conv1D) are registered by qualified name so that
+importing dpfit never imports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# (module, grad_output, batch_dim) -> {param_name: per-example grad [B, *param.shape]}
+BiasSampler = Callable[[nn.Module, torch.Tensor, int], dict[str, torch.Tensor]]
+# (module, input, grad_output, batch_dim) -> {param_name: per-example grad}
+WeightSampler = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], dict[str, torch.Tensor]]
+# For layers whose biases are applied inside one functional call (nn.MultiheadAttention):
+# called after the layer's forward with (module, inputs, output, emit); it arranges, without
+# caching anything, for `emit(param_name, per_example_grad)` to be called in the backward pass.
+CaptureFactory = Callable[[nn.Module, tuple, Any, Callable[[str, torch.Tensor], None]], None]
+
+
+@dataclass(frozen=True)
+class SamplerEntry:
+    bias: BiasSampler | None = None
+    bias_params: tuple[str, ...] = ("bias",)
+    weight: WeightSampler | None = None
+    weight_params: tuple[str, ...] = ("weight",)
+    # Layers whose batch axis is fixed by torch's own convention (conv, group norm: N first)
+    # ignore the engine's batch_first setting.
+    batch_axis_fixed: bool = False
+    capture: CaptureFactory | None = None
+    capture_params: tuple[str, ...] = ()
+
+
+_REGISTRY: dict[type | str, SamplerEntry] = {}
+
+
+def _key(layer: type | str) -> type | str:
+    return layer
+
+
+def register_bias_sampler(
+    *layers: type | str, params: tuple[str, ...] = ("bias",), batch_axis_fixed: bool = False
+) -> Callable[[BiasSampler], BiasSampler]:
+    def deco(fn: BiasSampler) -> BiasSampler:
+        for layer in layers:
+            old = _REGISTRY.get(_key(layer), SamplerEntry())
+            _REGISTRY[_key(layer)] = SamplerEntry(
+                fn, params, old.weight, old.weight_params, batch_axis_fixed
+            )
+        return fn
+
+    return deco
+
+
+def register_weight_sampler(
+    *layers: type | str, params: tuple[str, ...] = ("weight",)
+) -> Callable[[WeightSampler], WeightSampler]:
+    def deco(fn: WeightSampler) -> WeightSampler:
+        for layer in layers:
+            old = _REGISTRY.get(_key(layer), SamplerEntry())
+            _REGISTRY[_key(layer)] = SamplerEntry(
+                old.bias, old.bias_params, fn, params, old.batch_axis_fixed
+            )
+        return fn
+
+    return deco
+
+
+def register_capture(
+    *layers: type | str, params: tuple[str, ...]
+) -> Callable[[CaptureFactory], CaptureFactory]:
+    """Register a capture for layers that own all the listed (possibly nested) parameters."""
+
+    def deco(fn: CaptureFactory) -> CaptureFactory:
+        for layer in layers:
+            _REGISTRY[_key(layer)] = SamplerEntry(capture=fn, capture_params=params)
+        return fn
+
+    return deco
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def lookup(module: nn.Module) -> SamplerEntry | None:
+    """The entry for the most specific registered class in the module's MRO."""
+    for cls in type(module).__mro__:
+        entry = _REGISTRY.get(cls) or _REGISTRY.get(_qualname(cls))
+        if entry is not None:
+            return entry
+    return None
+
+
+def registered_layers() -> list[str]:
+    return sorted(k if isinstance(k, str) else _qualname(k) for k in _REGISTRY)
+
+
+def move_batch_first(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
+    return t if batch_dim == 0 else t.movedim(batch_dim, 0)
+
+
+def sum_to_channel(g: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """Sum every axis but 0 (batch) and `channel_dim` (after moving batch first)."""
+    dims = [d for d in range(1, g.dim()) if d != channel_dim % g.dim()]
+    return g.sum(dim=dims) if dims else g

@@ -1,0 +1,278 @@
+"""Load a sequence-classification model and its tokenizer from a folder or a hub id.
+
+Why a module of its own: the CLI, the benchmarks and the Trainer examples must load the
+bundled MiniLM, a user's local folder, a GGUF file or a hub id the same way, and must fail
+with a message that says what to do when the hub cannot be reached (it never can in CI).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpfit.errors import DPFitError
+
+logger = logging.getLogger(__name__)
+
+# Names transformers gives the newly initialised classification head, per architecture
+# family (BERT/RoBERTa/ELECTRA: classifier; DistilBERT adds pre_classifier; GPT-2/LLaMA: score).
+HEAD_NAMES = ("pre_classifier", "classifier", "score")
+
+
+class ModelLoadError(DPFitError, OSError):
+    """The model or tokenizer could not be loaded; the message says why and what to try."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: object  # transformers PreTrainedModel
+    tokenizer: object
+    source: str
+    head_names: tuple[str, ...]
+
+
+def hub_offline() -> bool:
+    return any(
+        os.environ.get(var, "").lower() in ("1", "true", "yes", "on")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def default_model_path() -> Path:
+    from dpfit.data.bundled import minilm_path
+
+    return minilm_path()
+
+
+def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, dict, bool]:
+    """(what to pass to from_pretrained, extra kwargs, is_local)."""
+    if name_or_path is None:
+        return str(default_model_path()), {}, True
+    p = Path(name_or_path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), {"gguf_file": p.name}, True
+    if p.is_dir():
+        return str(p), {}, True
+    s = str(name_or_path)
+    looks_like_path = s.startswith((".", "/", "~")) or s.count("/") > 1 or "\\" in s
+    if p.exists() or looks_like_path:
+        raise ModelLoadError(
+            f"model {s!r} is not a folder with a transformers model (config.json + weights); "
+            "check the path, or pass a hub id like 'org/name'"
+        )
+    return s, {}, False
+
+
+def head_module_names(model) -> tuple[str, ...]:
+    """The top-level head modules this model has, to keep trainable next to the biases."""
+    children = dict(model.named_children())
+    return tuple(n for n in HEAD_NAMES if n in children)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None):
+    from transformers import AutoTokenizer
+
+    target, kwargs, local = _resolve(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            target, local_files_only=local or hub_offline(), **kwargs
+        )
+    except (OSError, ValueError) as e:
+        raise _load_error(target, local, "tokenizer", e) from e
+    _ensure_pad_token(tok)
+    return tok
+
+
+def _ensure_pad_token(tokenizer) -> None:
+    # Decoder-only models (GPT-2, LLaMA) ship without a pad token; batching needs one.
+    if getattr(tokenizer, "pad_token", None) is None:
+        if getattr(tokenizer, "eos_token", None) is None:
+            raise ModelLoadError("the tokenizer has neither a pad nor an eos token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def _load_error(target: str, local: bool, what: str, e: Exception) -> ModelLoadError:
+    if local:
+        return ModelLoadError(f"could not load the {what} from {target!r}: {e}")
+    if hub_offline():
+        return ModelLoadError(
+            f"{target!r} is not a local folder and the hub is off (HF_HUB_OFFLINE / "
+            f"TRANSFORMERS_OFFLINE set) and it is not in the local cache; pass a local folder "
+            f"(e.g. one written by save_pretrained) with --model. ({e})"
+        )
+    return ModelLoadError(
+        f"could not load the {what} {target!r} from the hub ({e}); if this machine is "
+        "offline, pass a local folder with --model"
+    )
+
+
+def load_classifier(
+    name_or_path: str | os.PathLike | None = None,
+    label_names: Sequence[str] | None = None,
+    *,
+    seed: int | None = None,
+) -> LoadedModel:
+    """A sequence-classification model + tokenizer; a new head when the labels differ.
+
+    Args:
+        name_or_path: local folder, a ``.gguf`` file, a hub id, or None for the bundled MiniLM.
+        label_names: the task's classes. None keeps the folder's own head (evaluation of a
+            saved model); otherwise the head is sized and named for these labels.
+        seed: seeds torch before the head is initialised so runs repeat exactly.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    target, kwargs, local = _resolve(name_or_path)
+    offline = local or hub_offline()
+    try:
+        config = AutoConfig.from_pretrained(target, local_files_only=offline, **kwargs)
+    except (OSError, ValueError) as e:
+        raise _load_error(target, local, "model config", e) from e
+    if label_names is not None:
+        names = list(label_names)
+        config.num_labels = len(names)
+        config.id2label = dict(enumerate(names))
+        config.label2id = {n: i for i, n in enumerate(names)}
+    tokenizer = load_tokenizer(name_or_path)
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            target,
+            config=config,
+            local_files_only=offline,
+            ignore_mismatched_sizes=label_names is not None,
+            **kwargs,
+        )
+    except (OSError, ValueError) as e:
+        raise _load_error(target, local, "model", e) from e
+    heads = head_module_names(model)
+    logger.info("loaded %s (%s) with head %s", target, type(model).__name__, heads)
+    return LoadedModel(model, tokenizer, target, heads)
+
+
+def count_bias_parameters(model, exclude: Sequence[str] = ()) -> int:
+    """Number of bias entries outside the `exclude` top-level modules (e.g. the new head)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.split(".", 1)[0] in exclude:
+            continue
+        if name.endswith("bias"):
+            total += p.numel()
+    return total
+
+
+TINY_WORDS = (
+    "good bad great awful fine poor nice terrible dull fun boring superb movie film plot "
+    "actor story the a is was very not and it this"
+).split()
+
+
+def save_tiny_random_model(folder: str | os.PathLike, arch: str = "bert", seed: int = 0) -> Path:
+    """Write a tiny random model + word-level tokenizer to `folder`, for fast smoke tests.
+
+    Offline and in well under a second, so CLI and Trainer tests need no download. `arch`:
+    "bert" (encoder with biases), "gpt2" (decoder, Conv1D, biases), "llama" (no biases).
+    """
+    import torch
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertTokenizerFast,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    if arch == "bert":
+        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *TINY_WORDS]
+        (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+        tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+        config = BertConfig(
+            vocab_size=len(vocab),
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+        )
+        model = BertForSequenceClassification(config)
+    elif arch in ("gpt2", "llama"):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *TINY_WORDS])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
+        )
+        if arch == "gpt2":
+            config = GPT2Config(
+                vocab_size=len(vocab),
+                n_embd=16,
+                n_layer=2,
+                n_head=2,
+                n_positions=64,
+                eos_token_id=1,
+                bos_token_id=1,
+                pad_token_id=1,
+            )
+            model = GPT2ForSequenceClassification(config)
+        else:
+            config = LlamaConfig(
+                vocab_size=len(vocab),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                eos_token_id=1,
+                bos_token_id=1,
+                pad_token_id=1,
+            )
+            model = LlamaForSequenceClassification(config)
+    else:
+        raise ValueError(f"arch must be bert, gpt2 or llama, got {arch!r}")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_tiny_sentiment_csv(
+    path: str | os.PathLike, n: int = 200, seed: int = 0, labels: tuple[str, str] = ("neg", "pos")
+) -> Path:
+    """A learnable toy sentiment CSV (text,label) matching :func:`save_tiny_random_model`'s words."""
+    import csv
+    import random
+
+    rng = random.Random(seed)
+    pos, neg = (
+        ("good", "great", "fine", "nice", "superb", "fun"),
+        ("bad", "awful", "poor", "terrible", "dull", "boring"),
+    )
+    path = Path(path)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        for _ in range(n):
+            y = rng.random() < 0.5
+            word = rng.choice(pos if y else neg)
+            w.writerow(
+                [
+                    f"the {rng.choice(('movie', 'film', 'plot'))} was {word} {rng.choice(TINY_WORDS)}",
+                    labels[int(y)],
+                ]
+            )
+    return path

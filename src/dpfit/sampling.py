@@ -1,0 +1,134 @@
+"""Poisson sampling: every example joins each logical batch independently with probability q.
+
+This is the sampling the accountant's amplification assumes. A logical batch is split into
+physical batches of bounded size (virtual steps), and an empty logical batch is still a step:
+it releases pure noise and is accounted for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dpfit.engine import PrivacyEngine
+
+
+def secure_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+
+
+class PoissonBatchSampler:
+    """Yields index lists (possibly empty), `steps_per_epoch` of them per pass.
+
+    Holds its generator state, so a pass can stop after any step and resume exactly there.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps_per_epoch: int | None = None,
+        generator: torch.Generator | None = None,
+        secure: bool = False,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError("the dataset is empty")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        self.num_samples = num_samples
+        self.sample_rate = sample_rate
+        self.steps_per_epoch = steps_per_epoch or max(1, round(1 / sample_rate))
+        self.secure = secure
+        if generator is None:
+            generator = torch.Generator().manual_seed(secure_seed())
+        self.generator = generator
+        self.position = 0  # logical steps completed in the current pass
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def draw(self) -> list[int]:
+        if self.secure:
+            self.generator.manual_seed(secure_seed())
+        mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+        return mask.nonzero().flatten().tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.position < self.steps_per_epoch:
+            idx = self.draw()
+            self.position += 1
+            yield idx
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "rng": self.generator.get_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.position = int(sd["position"])
+        self.generator.set_state(sd["rng"])
+
+
+@dataclass(frozen=True)
+class LogicalBatch:
+    """What the engine needs to know about the logical batch now being processed."""
+
+    size: int
+    physical_batches: int
+
+
+def default_collate(items: list[Any]) -> Any:
+    return torch.utils.data.default_collate(items)
+
+
+class PoissonDataLoader:
+    """Physical batches of Poisson-sampled logical batches, wired to one PrivacyEngine.
+
+    The engine learns from it where each logical step ends, so `engine.step` knows when to add
+    noise; an empty logical batch triggers a noise-only step without calling the model.
+    """
+
+    def __init__(
+        self,
+        engine: PrivacyEngine,
+        dataset: Sequence,
+        sampler: PoissonBatchSampler,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        physical_batch_size: int | None = None,
+    ) -> None:
+        if physical_batch_size is not None and physical_batch_size < 1:
+            raise ValueError("physical_batch_size must be >= 1")
+        self.engine = engine
+        self.dataset = dataset
+        self.sampler = sampler
+        self.collate_fn = collate_fn or default_collate
+        self.physical_batch_size = physical_batch_size
+
+    def __len__(self) -> int:
+        """Logical steps per pass (the number of physical batches varies)."""
+        return len(self.sampler)
+
+    def _chunks(self, idx: list[int]) -> list[list[int]]:
+        size = self.physical_batch_size or max(1, len(idx))
+        return [idx[i : i + size] for i in range(0, len(idx), size)]
+
+    def __iter__(self) -> Iterator[Any]:
+        for idx in self.sampler:
+            if not idx:
+                self.engine._empty_logical_step()
+                continue
+            chunks = self._chunks(idx)
+            self.engine._begin_logical_batch(LogicalBatch(len(idx), len(chunks)))
+            for chunk in chunks:
+                yield self.collate_fn([self.dataset[i] for i in chunk])
+            self.engine._end_logical_batch_iteration()
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.sampler.load_state_dict(sd)
