@@ -75,7 +75,7 @@ def gaussian_noise(
     n = math.prod(shape)
     m = n + (n % 2)
     raw = torch.frombuffer(bytearray(os.urandom(8 * m)), dtype=torch.int64)
-    u = ((raw >> 11).to(torch.float64) + 0.5) * 2.0**-53  # uniform in (0, 1)
+    u = (((raw >> 11) & ((1 << 53) - 1)).to(torch.float64) + 0.5) * 2.0**-53  # uniform (0, 1)
     u1, u2 = u[: m // 2], u[m // 2 :]
     r = torch.sqrt(-2.0 * torch.log(u1))
     z = torch.cat([r * torch.cos(2 * math.pi * u2), r * torch.sin(2 * math.pi * u2)])[:n]

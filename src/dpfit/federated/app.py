@@ -126,7 +126,9 @@ def make_evaluate_fn(
 
 
 def initial_arrays(task: TaskConfig) -> list[np.ndarray]:
-    return load_local_model(task.model, task.local_mode, task.lora_r, task.seed).get_arrays()
+    """The trainables as loaded (the cached model's live values change during a run)."""
+    lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+    return [a.copy() for a in lm.initial]
 
 
 # --------------------------------------------------------------------------------------------

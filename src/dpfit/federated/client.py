@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -87,6 +87,7 @@ class LocalModel:
     tokenizer: Any
     trainable: list[str]
     local_mode: str
+    initial: list[np.ndarray] = field(default_factory=list)
 
     def parameters_by_name(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -143,7 +144,9 @@ def load_local_model(model: str, local_mode: str, lora_r: int, seed: int) -> Loc
             p.requires_grad_(head or (local_mode == "bias" and name.endswith("bias")))
     net.eval()  # no dropout: local steps are deterministic given the data order
     trainable = [n for n, p in net.named_parameters() if p.requires_grad]
-    return LocalModel(net, tok, trainable, local_mode)
+    lm = LocalModel(net, tok, trainable, local_mode)
+    lm.initial = lm.get_arrays()
+    return lm
 
 
 def _batches(n: int, size: int, rng: np.random.Generator | None) -> list[np.ndarray]:
@@ -237,7 +240,7 @@ def local_train(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
     new = lm.get_arrays()
     lm.set_arrays(start)
     update = [n - np.asarray(s, dtype=n.dtype) for n, s in zip(new, start, strict=True)]

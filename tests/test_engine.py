@@ -1,0 +1,358 @@
+"""PrivacyEngine behaviour: clipping, noise, determinism, virtual steps, errors, resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracle import make_engine, oracle_per_example
+from torch import nn
+
+import dpfit
+from dpfit.clipping import get_clipping
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    dpfit.make_bias_trainable(m)
+    return m
+
+
+class TensorDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 40, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 5, 6, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def seq_loss(model, x, y, reduction="mean"):
+    return nn.functional.cross_entropy(model(x).mean(1), y, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("clipping", ["flat", "automatic"])
+def test_noiseless_update_is_sum_of_clipped_oracle_grads(reduction, clipping):
+    model = small_model().double()
+    data = TensorDataset(6)
+    x, y = data.x.double(), data.y
+    want = oracle_per_example(
+        model, lambda i: seq_loss(model, x[i : i + 1], y[i : i + 1], "sum"), 6
+    )
+    R = 1e-3
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in want.values()))
+    assert (norms > R).all()  # the clip bites on every example
+    factors = get_clipping(clipping)(norms, R)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    engine = make_engine(
+        model, expected_batch_size=4, max_grad_norm=R, loss_reduction=reduction, clipping=clipping
+    )
+    opt = torch.optim.SGD(engine.parameters(), lr=1.0)
+    seq_loss(model, x, y, reduction).backward()
+    assert engine.step(opt)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            expected = (factors.view(-1, *[1] * (want[name].dim() - 1)) * want[name]).sum(0) / 4
+            torch.testing.assert_close(before[name] - p.detach(), expected, rtol=1e-5, atol=1e-12)
+
+
+def saved_bytes(fn) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_autograd_saves_no_more_than_nonprivate_bias_only():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=2,
+    )
+    model = transformers.BertForSequenceClassification(cfg)
+    dpfit.make_bias_trainable(model)
+    ids = torch.randint(0, 100, (4, 16))
+    labels = torch.randint(0, 2, (4,))
+
+    def run():
+        torch.manual_seed(0)
+        model(input_ids=ids, labels=labels).loss.backward()
+
+    plain = saved_bytes(run)
+    engine = make_engine(model, loss_reduction="mean")
+    private = saved_bytes(run)
+    engine._per_example.clear()
+    engine.detach()
+    assert plain > 0
+    assert private <= plain, (private, plain)
+
+
+def test_noise_std_matches_sigma_R_over_B():
+    model = small_model()
+    sigma, R, B = 1.7, 0.5, 8
+    engine = make_engine(
+        model, expected_batch_size=B, noise_multiplier=sigma, max_grad_norm=R, seed=3
+    )
+    opt = torch.optim.SGD(engine.parameters(), lr=0.0)
+    x = torch.randn(2, 5, 6)
+    draws = []
+    opt.register_step_pre_hook(
+        lambda o, a, k: draws.append(torch.cat([p.grad.flatten() for p in engine.parameters()]))
+    )
+    for _ in range(300):
+        (model(x) * 0).sum().backward()  # zero gradients: only noise remains
+        engine.step(opt)
+    z = torch.stack(draws).flatten().double()
+    n = z.numel()
+    expected = sigma * R / B
+    # the sample std of n Gaussians has relative sd ~ 1/sqrt(2n): allow 5 of those
+    assert abs(z.std().item() / expected - 1) < 5 / math.sqrt(2 * n)
+    assert abs(z.mean().item()) < 5 * expected / math.sqrt(n)
+
+
+def test_secure_rng_noise_is_gaussian_with_right_scale():
+    from dpfit.engine import gaussian_noise
+
+    like = torch.zeros(1)
+    z = gaussian_noise(torch.Size([200_000]), 2.0, torch.Generator(), True, like).double()
+    n = z.numel()
+    assert abs(z.std().item() / 2.0 - 1) < 5 / math.sqrt(2 * n)
+    assert abs(z.mean().item()) < 5 * 2.0 / math.sqrt(n)
+    # fourth moment of a Gaussian: 3 sigma^4 (catches a uniform or otherwise wrong shape)
+    assert abs((z**4).mean().item() / (3 * 16) - 1) < 0.05
+
+
+def train(seed: int, steps_data_seed: int = 0, physical=None, n_epochs=1, secure=False):
+    model = small_model()
+    data = TensorDataset(40, steps_data_seed)
+    engine = dpfit.PrivacyEngine(
+        model,
+        expected_batch_size=8,
+        sample_size=40,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        seed=seed,
+        secure_rng=secure,
+    )
+    opt = torch.optim.Adam(engine.parameters(), lr=0.01)
+    loader = engine.data_loader(data, physical_batch_size=physical)
+    for _ in range(n_epochs):
+        for x, y in loader:
+            seq_loss(model, x, y).backward()
+            engine.step(opt)
+    return model, engine
+
+
+def params_of(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_seeded_runs_repeat_exactly_and_seeds_differ():
+    a, ea = train(seed=5)
+    b, _ = train(seed=5)
+    c, _ = train(seed=6)
+    assert torch.equal(params_of(a), params_of(b))
+    assert not torch.equal(params_of(a), params_of(c))
+    assert ea.steps_taken == 5  # round(1/q) = 40/8 logical steps per epoch
+
+
+def test_virtual_steps_equal_one_big_batch():
+    """Physical batches of 2 accumulate into the same noised step as one logical batch."""
+    a, _ = train(seed=9, physical=None)
+    b, _ = train(seed=9, physical=2)
+    torch.testing.assert_close(params_of(a), params_of(b), rtol=1e-5, atol=1e-6)
+
+
+def test_empty_logical_batches_are_noise_steps():
+    model = small_model()
+    data = TensorDataset(40)
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=1, sample_size=40, noise_multiplier=1.0, seed=0
+    )
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    calls = 0
+    for x, y in engine.data_loader(data):
+        calls += 1
+        seq_loss(model, x, y).backward()
+        engine.step(opt)
+    assert calls < 40  # some logical batches were empty (q = 1/40)
+    assert engine.steps_taken == 40  # yet every logical step was taken and accounted
+
+
+def test_resume_from_state_dict_matches_uninterrupted():
+    full_model, full_engine = train(seed=11, n_epochs=2)
+    # interrupted: one epoch, save, then a fresh model/engine resumes
+    model, engine = train(seed=11, n_epochs=1)
+    state = engine.state_dict()
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    model2 = small_model()
+    model2.load_state_dict(params)
+    engine2 = dpfit.PrivacyEngine(
+        model2,
+        expected_batch_size=8,
+        sample_size=40,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        seed=999,  # the RNG state comes from the checkpoint, not the seed
+    )
+    engine2.load_state_dict(state)
+    opt2 = torch.optim.Adam(engine2.parameters(), lr=0.01)
+    # (optimizer state is the checkpoint module's job; here: accounting and data position)
+    loader = engine2.data_loader(TensorDataset(40))
+    for x, y in loader:
+        seq_loss(model2, x, y).backward()
+        engine2.step(opt2)
+    assert engine2.steps_taken == full_engine.steps_taken
+    assert engine2.epsilon() == pytest.approx(full_engine.epsilon(), rel=1e-12)
+
+
+def test_loader_state_resumes_mid_epoch():
+    model = small_model()
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0, seed=2
+    )
+    loader = engine.data_loader(TensorDataset(40))
+    it = iter(loader.sampler)
+    first = [next(it) for _ in range(2)]
+    state = loader.state_dict()
+    rest = list(it)
+    loader.load_state_dict(state)
+    assert list(loader.sampler) == rest
+    assert len(first) + len(rest) == 5
+
+
+def test_poisson_sampler_rate():
+    from dpfit.sampling import PoissonBatchSampler
+
+    s = PoissonBatchSampler(
+        1000, 0.05, steps_per_epoch=200, generator=torch.Generator().manual_seed(0)
+    )
+    sizes = torch.tensor([len(b) for b in s], dtype=torch.float64)
+    # mean of 200 Binomial(1000, 0.05): sd of the mean = sqrt(1000*.05*.95/200)
+    assert abs(sizes.mean().item() - 50) < 5 * math.sqrt(1000 * 0.05 * 0.95 / 200)
+    assert sizes.std().item() > 3  # sizes vary: it is not fixed-size batching
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_unsupported_layer_is_named():
+    model = nn.Sequential(nn.Bilinear(3, 3, 2))
+    dpfit.make_bias_trainable(model)
+    with pytest.raises(dpfit.UnsupportedLayerError, match=r"0\.bias.*Bilinear"):
+        make_engine(model)
+
+
+def test_model_without_biases_points_to_add_biases():
+    model = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 2, bias=False))
+    with pytest.raises(dpfit.NoTrainableParametersError, match="add_biases"):
+        dpfit.make_bias_trainable(model)
+
+
+def test_nothing_trainable_is_an_error():
+    model = nn.Linear(3, 2)
+    model.requires_grad_(False)
+    with pytest.raises(dpfit.NoTrainableParametersError):
+        make_engine(model)
+
+
+def test_budget_exhausted_before_exceeding_target():
+    model = small_model()
+    engine = dpfit.PrivacyEngine(
+        model,
+        expected_batch_size=8,
+        sample_size=40,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=1,
+        seed=0,
+    )
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    data = TensorDataset(40)
+    with pytest.raises(dpfit.BudgetExhaustedError, match="spent"):
+        for _ in range(100):
+            for x, y in engine.data_loader(data):
+                seq_loss(model, x, y).backward()
+                engine.step(opt)
+    assert engine.steps_taken >= 5  # the planned epoch fits
+    assert engine.epsilon() <= 3.0
+
+
+def test_step_without_engine_loader_is_refused():
+    model = small_model()
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0)
+    x, y = TensorDataset(8).x, TensorDataset(8).y
+    seq_loss(model, x, y).backward()
+    with pytest.raises(dpfit.SamplingError, match="data_loader"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+
+
+def test_shuffled_dataloader_is_refused():
+    model = small_model()
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0)
+    loader = torch.utils.data.DataLoader(TensorDataset(40), batch_size=8, shuffle=True)
+    with pytest.raises(dpfit.SamplingError, match="Poisson"):
+        engine.data_loader(loader)
+
+
+def test_bias_used_outside_its_module_is_caught():
+    class Sneaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):  # reuses the bias in a functional call the hooks cannot see
+            return self.lin(x) + nn.functional.linear(x, self.lin.weight, self.lin.bias)
+
+    model = Sneaky()
+    dpfit.make_bias_trainable(model)
+    engine = make_engine(model)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(dpfit.GradientMismatchError, match="do not add up"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+
+
+def test_wrong_batch_axis_is_caught():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    dpfit.make_bias_trainable(model)
+    engine = make_engine(model, batch_dims={"1": 1})
+    model(torch.randn(3, 5, 4)).sum().backward()
+    with pytest.raises(dpfit.GradientMismatchError, match="batch"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+
+
+def test_infeasible_target_is_an_error():
+    with pytest.raises(dpfit.InfeasibleTargetError):
+        dpfit.noise_multiplier_for(1e-4, 1e-5, 1.0, 10**6)
+
+
+def test_detach_leaves_model_as_before():
+    model = small_model()
+    hooks_before = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [p.requires_grad for p in model.parameters()]
+    engine = make_engine(model)
+    engine.detach()
+    assert [
+        (len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()
+    ] == hooks_before
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert not any(k.startswith("_dpfit") for p in model.parameters() for k in vars(p))
