@@ -31,6 +31,7 @@ from dpfit.errors import (
     SamplingError,
     UnsupportedLayerError,
 )
+from dpfit.grad_sample.full import is_factored, norm_sampler_for
 from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
 from dpfit.params import is_bias
 from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader, secure_seed
@@ -49,6 +50,8 @@ class _LayerPlan:
     batch_dim: int
     params: dict[str, nn.Parameter] = field(default_factory=dict)  # local name -> param
     needs_input: bool = False
+    # full mode: a factored (ghost norm / book-keeping) sampler from grad_sample.full
+    weight_fn: Callable | None = None
 
 
 def find_batchnorms(model: nn.Module) -> list[str]:
@@ -138,6 +141,7 @@ class PrivacyEngine:
         self.ledger = PrivacyLedger(target_delta, accountant)
         self._plans = self._plan_layers(model)
         self._params = self._ordered_trainable(model)
+        self._names = {p: n for n, p in model.named_parameters()}
         self.noise_multiplier = self._resolve_noise_multiplier()
         self._max_steps = self._compute_max_steps()
         self._noise_rng = torch.Generator().manual_seed(
@@ -245,6 +249,8 @@ class PrivacyEngine:
                     elif local in entry.weight_params and entry.weight is not None:
                         plan.params[local] = p
                         plan.needs_input = True
+            if plan.needs_input and self.config.mode == "full":
+                plan.weight_fn = norm_sampler_for(module)
             if plan.params:
                 plans[module] = plan
                 for p in plan.params.values():
@@ -342,7 +348,9 @@ class PrivacyEngine:
                 if plan.entry.bias is not None:
                     res.update(plan.entry.bias(module, g, plan.batch_dim))
                 if act is not None:
-                    res.update(plan.entry.weight(module, act, g, plan.batch_dim))
+                    res.update(
+                        (plan.weight_fn or plan.entry.weight)(module, act, g, plan.batch_dim)
+                    )
                 for local, p in plan.params.items():
                     if local in res:
                         self._accumulate(p, res[local], fid)
@@ -450,7 +458,7 @@ class PrivacyEngine:
         return per_ex
 
     def _check_against_autograd(self, per_ex: dict[nn.Parameter, torch.Tensor]) -> None:
-        names = {p: n for n, p in self.model.named_parameters()}
+        names = self._names
         for p in self._params:
             g = per_ex.get(p)
             if g is None and p.grad is None:
@@ -510,12 +518,19 @@ class PrivacyEngine:
         sq = torch.zeros(n, dtype=torch.float32, device=next(iter(per_ex.values())).device)
         flat = {}
         for p, g in per_ex.items():
+            if is_factored(g):  # full mode: norm from Gram matrices, sum by book-keeping
+                flat[p] = g
+                sq += g.sq_norms() * scale**2
+                continue
             f = g.reshape(n, -1).float() * scale
             flat[p] = f
             sq += f.pow(2).sum(1)
         factors = self._clip_fn(sq.sqrt(), self.max_grad_norm)
         for p, f in flat.items():
-            clipped = (factors @ f).view(p.shape)
+            if is_factored(f):
+                clipped = f.weighted_sum(factors * scale).float()
+            else:
+                clipped = (factors @ f).view(p.shape)
             if p in self._summed:
                 self._summed[p] += clipped
             else:
