@@ -107,11 +107,14 @@ def quantile_step(clip_norm: float, unclipped_fraction: float, target: float, lr
 def lac_step(clip_norm: float, loss_prev: float, loss_prev2: float) -> float:
     """DP-LAC: C_t = C_{t-1} * min(1, v_{t-1} / v_{t-2}); never increases C.
 
-    Non-finite or non-positive losses carry no information, so C is kept.
+    Non-finite or non-positive losses carry no information (a noised DP-CLAC loss can be
+    clamped to 0), so C is kept rather than collapsed.
     """
-    if not (math.isfinite(loss_prev) and math.isfinite(loss_prev2)) or loss_prev2 <= 0:
+    if not (math.isfinite(loss_prev) and math.isfinite(loss_prev2)):
         return clip_norm
-    return float(clip_norm * min(1.0, max(loss_prev, 0.0) / loss_prev2))
+    if loss_prev <= 0 or loss_prev2 <= 0:
+        return clip_norm
+    return float(clip_norm * min(1.0, loss_prev / loss_prev2))
 
 
 def one_hot_vote(candidate_losses: Sequence[float]) -> list[int]:

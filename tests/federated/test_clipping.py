@@ -1,0 +1,187 @@
+"""Clip rules on synthetic norms and losses, without Flower."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpfit.federated.clipping import (
+    ClacClip,
+    ClipConfig,
+    ClipRuleError,
+    FixedClip,
+    LacClip,
+    QuantileClip,
+    RoundObservation,
+    UnknownClipRule,
+    clip_update,
+    combine_multipliers,
+    effective_update_multiplier,
+    global_norm,
+    lac_step,
+    make_clip_rule,
+    noised_histogram,
+    one_hot_vote,
+    private_mean_loss,
+)
+
+
+def test_clip_update_scales_to_norm_and_reports_unclipped_norm():
+    arrays = [np.full((3, 4), 2.0), np.full(5, -1.0)]
+    clipped, norm = clip_update(arrays, 1.5)
+    assert norm == pytest.approx(math.sqrt(12 * 4 + 5))
+    assert global_norm(clipped) == pytest.approx(1.5, rel=1e-6)
+    small, _ = clip_update([np.array([0.1, 0.2])], 10.0)
+    np.testing.assert_allclose(small[0], [0.1, 0.2], rtol=1e-6)
+
+
+def test_registry_by_name_and_clear_error():
+    cfg = ClipConfig()
+    assert isinstance(make_clip_rule("fixed", cfg), FixedClip)
+    assert isinstance(make_clip_rule("adaptive-quantile", cfg), QuantileClip)
+    assert isinstance(make_clip_rule("lac", cfg), LacClip)
+    assert isinstance(make_clip_rule("clac", cfg), ClacClip)
+    with pytest.raises(UnknownClipRule, match="choose one of"):
+        make_clip_rule("median", cfg)
+
+
+def test_fixed_rule_never_moves():
+    rule = make_clip_rule("fixed", ClipConfig(initial_clip=0.7))
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        rule.observe(RoundObservation(update_norms=(0.1, 5.0)), rng)
+    assert rule.clip_norm == 0.7
+    assert rule.update_noise_std() == pytest.approx(0.7)
+
+
+def test_quantile_rule_tracks_median_noiselessly():
+    """Median norm 1, C0 = 0.1: C must climb to ~1, not collapse (Flower 1.42's defect)."""
+    cfg = ClipConfig(initial_clip=0.1, noise_multiplier=0.0, expected_clients=50)
+    rule = QuantileClip(cfg)
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        norms = tuple(np.exp(rng.normal(0.0, 0.3, size=50)))  # lognormal, median 1
+        rule.observe(RoundObservation(update_norms=norms), rng)
+    assert 0.8 < rule.clip_norm < 1.25
+
+
+@pytest.mark.parametrize("target", [0.2, 0.5, 0.8])
+def test_quantile_rule_converges_to_target_quantile(target):
+    m = 100
+    cfg = ClipConfig(
+        initial_clip=5.0,
+        noise_multiplier=1.0,
+        expected_clients=m,
+        target_quantile=target,
+        count_noise_std=m / 20,
+    )
+    rule = QuantileClip(cfg)
+    rng = np.random.default_rng(2)
+    history = []
+    for _ in range(300):
+        norms = rng.uniform(0.0, 2.0, size=m)
+        rule.observe(RoundObservation(update_norms=tuple(norms)), rng)
+        history.append(rule.clip_norm)
+    # uniform(0, 2): the q-quantile is 2q
+    assert np.mean(history[-100:]) == pytest.approx(2 * target, rel=0.15)
+
+
+def test_quantile_noise_uses_round_clip_and_theorem1_multiplier():
+    cfg = ClipConfig(initial_clip=2.0, noise_multiplier=1.0, count_noise_std=5.0)
+    rule = QuantileClip(cfg)
+    z_eff = effective_update_multiplier(1.0, 5.0)
+    assert z_eff == pytest.approx((1.0 - 1.0 / 100.0) ** -0.5)
+    std_before = rule.update_noise_std()
+    assert std_before == pytest.approx(z_eff * 2.0)  # noise of this round: this round's C
+    # the combined privacy of (update, count) equals the requested z
+    assert combine_multipliers(QuantileClip.round_multipliers(cfg)) == pytest.approx(1.0)
+    with pytest.raises(ClipRuleError, match="2\\*sigma_b > z"):
+        effective_update_multiplier(2.0, 0.5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    c=st.floats(1e-3, 1e3),
+    v1=st.one_of(st.floats(0.0, 1e3), st.just(math.nan), st.just(math.inf)),
+    v2=st.one_of(st.floats(0.0, 1e3), st.just(math.nan)),
+)
+def test_lac_step_never_increases_clip(c, v1, v2):
+    new = lac_step(c, v1, v2)
+    assert new <= c
+    assert new >= 0
+
+
+def test_lac_rule_follows_validation_ratio():
+    rule = LacClip(ClipConfig(initial_clip=1.0, noise_multiplier=0.0))
+    rule.observe_validation(0.8)  # v_0, no ratio yet
+    assert rule.clip_norm == 1.0
+    rule.observe_validation(0.6)
+    assert rule.clip_norm == pytest.approx(0.75)
+    rule.observe_validation(0.9)  # loss went up: C kept
+    assert rule.clip_norm == pytest.approx(0.75)
+    rule.observe(RoundObservation(val_loss=float("nan")), np.random.default_rng(0))
+    assert rule.clip_norm == pytest.approx(0.75)
+    state = rule.state_dict()
+    again = LacClip(ClipConfig(initial_clip=1.0, noise_multiplier=0.0))
+    again.load_state_dict(state)
+    again.observe_validation(0.45)
+    assert again.clip_norm == pytest.approx(0.75 * 0.5)
+
+
+def test_vote_initialisation_picks_noisy_mode():
+    cfg = ClipConfig(initial_clip=2.0, vote_noise_std=1e-6, vote_factors=(0.25, 0.5, 1.0))
+    rule = LacClip(cfg)
+    votes = [one_hot_vote([0.9, 0.3, 0.5])] * 7 + [one_hot_vote([0.1, 0.3, 0.5])] * 3
+    counts = rule.initialise_from_votes(votes, np.random.default_rng(0))
+    np.testing.assert_allclose(counts, [3, 7, 0], atol=1e-4)
+    assert rule.clip_norm == pytest.approx(1.0)
+    assert one_hot_vote([float("nan"), 2.0, 1.0]) == [0, 0, 1]
+
+
+def test_vote_histogram_noise_scale_is_sigma_h():
+    """Sample variance of each bin's noise is consistent with sigma_h^2 (chi-square bounds)."""
+    sigma_h, n = 3.0, 4000
+    rng = np.random.default_rng(3)
+    votes = [[1, 0, 0], [0, 1, 0]]
+    draws = np.stack([noised_histogram(votes, 3, sigma_h, rng) for _ in range(n)])
+    noise = draws - np.array([1.0, 1.0, 0.0])
+    var = noise.var(axis=0, ddof=1)
+    # 99.9% chi-square band for n-1 dof is about 1 +/- 3.3 * sqrt(2 / n)
+    band = 3.3 * math.sqrt(2.0 / n)
+    assert np.all(np.abs(var / sigma_h**2 - 1.0) < band)
+    assert np.all(np.abs(noise.mean(axis=0)) < 4 * sigma_h / math.sqrt(n))
+    # and sensitivity 1: a vote is one-hot or rejected
+    with pytest.raises(ClipRuleError, match="one-hot"):
+        noised_histogram([[1, 1, 0]], 3, sigma_h, rng)
+
+
+def test_clac_private_loss_is_clipped_and_noised_with_its_share():
+    cfg = ClipConfig(initial_clip=1.0, noise_multiplier=1.0, loss_bound=2.0, loss_budget_share=0.2)
+    rule = ClacClip(cfg)
+    z_upd, z_loss = ClacClip.round_multipliers(cfg)
+    assert combine_multipliers((z_upd, z_loss)) == pytest.approx(1.0)
+    assert rule.loss_noise_std() == pytest.approx(2.0 / math.sqrt(0.2))
+    # clipping to [0, L_max]: an outlier cannot move the noiseless mean past L_max / m
+    assert private_mean_loss([100.0, 0.5, -3.0], 2.0, 3, 0.0, np.random.default_rng(0)) == (
+        pytest.approx((2.0 + 0.5 + 0.0) / 3)
+    )
+    rng = np.random.default_rng(4)
+    draws = [private_mean_loss([1.0] * 5, 2.0, 5, 10.0, rng) for _ in range(2000)]
+    assert 0.0 <= min(draws) and max(draws) <= 2.0
+
+
+def test_clac_rule_never_increases_and_reacts_to_losses():
+    rule = ClacClip(ClipConfig(initial_clip=1.0, noise_multiplier=0.0))
+    rng = np.random.default_rng(0)
+    seq = [(1.0, 1.0), (0.5, 0.5), (0.6, 0.6)]
+    clips = []
+    for losses in seq:
+        rule.observe(RoundObservation(client_losses=losses), rng)
+        clips.append(rule.clip_norm)
+    assert clips[0] == 1.0  # first loss: nothing to compare with
+    assert clips[1] == pytest.approx(0.5 * 2 / 5 / (1.0 * 2 / 5))  # ratio of means
+    assert clips[2] == pytest.approx(clips[1])

@@ -1,0 +1,185 @@
+"""Server core and Flower Strategy: sampling, aggregation, faults, budget stop, resume."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from dpfit.federated.app import LocalGrid
+from dpfit.federated.strategy import (
+    CheckpointMismatch,
+    ClientReply,
+    DPFedAvg,
+    DPFedAvgServer,
+    InvalidUpdate,
+    ServerConfig,
+    validate_update,
+)
+
+SHAPES = [(3, 2), (4,)]
+
+
+def _init():
+    return [np.zeros(s, dtype=np.float32) for s in SHAPES]
+
+
+def _cfg(**kw):
+    base = dict(method="fixed", num_clients=10, clients_per_round=4, rounds=3, noise_multiplier=0.0)
+    base.update(kw)
+    return ServerConfig(**base)
+
+
+def _update(value: float):
+    return [np.full(s, value, dtype=np.float32) for s in SHAPES]
+
+
+def test_poisson_sampling_rate_matches_q():
+    server = DPFedAvgServer(_cfg(num_clients=50, clients_per_round=10), _init())
+    sizes = [len(server.sample_clients(list(range(50)))) for _ in range(400)]
+    assert np.mean(sizes) == pytest.approx(10, rel=0.05)
+    assert np.var(sizes) == pytest.approx(50 * 0.2 * 0.8, rel=0.3)  # binomial, not fixed m
+
+
+def test_equal_weight_average_divides_by_expected_clients():
+    server = DPFedAvgServer(_cfg(initial_clip=100.0), _init())
+    replies = [
+        ClientReply(1, _update(1.0), {"num_examples": 1000}),
+        ClientReply(2, _update(3.0), {"num_examples": 1}),
+    ]
+    rec = server.aggregate([1, 2, 3], replies)
+    np.testing.assert_allclose(server.params[1], (1.0 + 3.0) / 4)  # /m, not /answered
+    assert rec.clients_sampled == 3 and rec.clients_answered == 2
+
+
+def test_clipping_uses_rule_norm_and_noise_std_is_z_times_c():
+    server = DPFedAvgServer(_cfg(initial_clip=0.5, noise_multiplier=2.0), _init())
+    big = _update(10.0)
+    rec = server.aggregate([1], [ClientReply(1, big, {})])
+    assert rec.noise_std == pytest.approx(2.0 * 0.5)
+    # noiseless check of the clipped contribution
+    quiet = DPFedAvgServer(_cfg(initial_clip=0.5), _init())
+    quiet.aggregate([1], [ClientReply(1, big, {})])
+    norm = math.sqrt(sum(float(np.sum(p**2)) for p in quiet.params))
+    assert norm == pytest.approx(0.5 / 4, rel=1e-5)
+
+
+def test_noise_on_aggregate_has_the_calibrated_scale():
+    server = DPFedAvgServer(
+        _cfg(initial_clip=1.0, noise_multiplier=3.0, clients_per_round=2), [np.zeros(20000)]
+    )
+    server.shapes = [(20000,)]
+    server.aggregate([], [])
+    assert np.std(server.params[0]) == pytest.approx(3.0 * 1.0 / 2, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ([np.full((3, 2), np.nan), np.zeros(4)], "NaN or Inf"),
+        ([np.zeros((3, 2)), np.full(4, np.inf)], "NaN or Inf"),
+        ([np.zeros((2, 3)), np.zeros(4)], "shape"),
+        ([np.zeros((3, 2))], "expected 2 arrays"),
+    ],
+)
+def test_bad_updates_are_rejected_and_logged(bad, match, caplog):
+    with pytest.raises(InvalidUpdate, match=match):
+        validate_update(bad, SHAPES)
+    server = DPFedAvgServer(_cfg(initial_clip=100.0), _init())
+    rec = server.aggregate([1, 2], [ClientReply(1, bad, {}), ClientReply(2, _update(2.0), {})])
+    assert rec.clients_rejected == 1
+    assert np.all(np.isfinite(server.params[0]))
+    np.testing.assert_allclose(server.params[1], 2.0 / 4)
+    assert "rejected" in caplog.text
+
+
+def test_missing_and_crashed_clients_do_not_stall_and_accounting_uses_sampling():
+    server = DPFedAvgServer(_cfg(noise_multiplier=1.0), _init())
+    rec = server.aggregate([1, 2, 3], [ClientReply(2, error="boom")])
+    assert (rec.clients_sampled, rec.clients_answered, rec.clients_rejected) == (3, 1, 1)
+    assert len(server.accountant.rounds) == 1  # the round is paid for anyway
+    assert math.isfinite(rec.epsilon)
+
+
+def test_checkpoint_resume_continues_identically(tmp_path):
+    cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, checkpoint_dir=str(tmp_path))
+    replies = lambda r: [ClientReply(i, _update(0.1 * (i + r)), {}) for i in range(1, 4)]  # noqa: E731
+    full = DPFedAvgServer(_cfg(method="adaptive-quantile", noise_multiplier=1.0), _init())
+    for r in range(3):
+        full.aggregate([1, 2, 3], replies(r))
+    part = DPFedAvgServer(cfg, _init())
+    for r in range(2):
+        part.aggregate([1, 2, 3], replies(r))
+    resumed = DPFedAvgServer(cfg, _init())  # a restarted server
+    assert resumed.load_checkpoint(tmp_path)
+    assert resumed.round == 2 and len(resumed.history) == 2
+    resumed.aggregate([1, 2, 3], replies(2))
+    for a, b in zip(full.params, resumed.params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert resumed.rule.clip_norm == pytest.approx(full.rule.clip_norm)
+    assert resumed.accountant.epsilon() == pytest.approx(full.accountant.epsilon())
+    other = DPFedAvgServer(_cfg(method="fixed", noise_multiplier=1.0), _init())
+    with pytest.raises(CheckpointMismatch, match="checkpoint-dir"):
+        other.load_checkpoint(tmp_path)
+
+
+# ------------------------------------------------------------------ through Flower messages
+
+
+def _fake_client(value: float | None = None, crash: bool = False, silent: bool = False):
+    def fn(msg, ctx):
+        if crash:
+            raise RuntimeError("client crashed")
+        if silent:
+            return None
+        if msg.metadata.message_type.startswith("query"):
+            content = RecordDict({"vote": MetricRecord({"vote": [0, 1, 0]})})
+            return Message(content=content, reply_to=msg)
+        arrays = msg.content["arrays"].to_numpy_ndarrays()
+        upd = [np.full(a.shape, value, dtype=np.float32) for a in arrays]
+        content = RecordDict(
+            {"update": ArrayRecord(upd), "metrics": MetricRecord({"loss_before": 0.5})}
+        )
+        return Message(content=content, reply_to=msg)
+
+    return fn
+
+
+def _grid(num: int, faulty: dict[int, dict]):
+    clients = {n: _fake_client(**faulty.get(n, {"value": 0.01})) for n in range(num)}
+    return LocalGrid(clients, {n: {"partition-id": n} for n in range(num)})
+
+
+def test_strategy_runs_rounds_with_faulty_clients_through_messages(caplog):
+    faulty = {0: {"crash": True}, 1: {"silent": True}, 2: {"value": float("nan")}}
+    cfg = _cfg(num_clients=6, clients_per_round=6, rounds=3, initial_clip=10.0)
+    rows = []
+    strategy = DPFedAvg(DPFedAvgServer(cfg, _init()), {}, on_round=rows.append)
+    server = strategy.start(_grid(6, faulty))
+    assert server.round == 3
+    for r in rows:
+        assert r.clients_sampled == 6 and r.clients_answered == 5 and r.clients_rejected == 2
+    np.testing.assert_allclose(server.params[1], 3 * 3 * 0.01 / 6, rtol=1e-5)
+    assert "NaN" in caplog.text
+
+
+def test_lac_vote_round_and_budget_stop_through_messages():
+    cfg = _cfg(
+        method="lac",
+        num_clients=6,
+        clients_per_round=3,
+        rounds=4,
+        noise_multiplier=None,
+        target_epsilon=8.0,
+        initial_clip=2.0,
+        vote_noise_std=2.0,
+    )
+    server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (1.0, 0.5))
+    strategy = DPFedAvg(server, {})
+    strategy.start(_grid(6, {}), num_rounds=6)  # asks for more rounds than the budget allows
+    assert server.initial_clip == pytest.approx(1.0)  # 0.5 x C_init won the vote
+    assert server.round == 4
+    assert "would bring client-level epsilon" in server.stop_reason
+    assert server.accountant.epsilon() <= 8.0 * (1 + 1e-6)
