@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +35,15 @@ from dpfit.grad_sample.full import is_factored, norm_sampler_for
 from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
 from dpfit.params import is_bias
 from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader, secure_seed
+from dpfit.schedule import (
+    Phase,
+    PhaseSpec,
+    bias_selection,
+    parse_schedule,
+    rebuild_optimizer,
+    set_trainable,
+    total_epochs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +124,14 @@ class PrivacyEngine:
         batch_first: bool = True,
         batch_dims: dict[str, int] | None = None,
         check_gradients: bool = True,
+        schedule: Sequence[PhaseSpec] | None = None,
     ) -> None:
+        # two-phase X+BiTFiT (dpfit.schedule): noise calibrated for all phases together
+        self._phases = parse_schedule(schedule) if schedule is not None else ()
+        if self._phases:
+            mode = self._phases[0].mode
+            if epochs is None and steps is None:
+                epochs = total_epochs(self._phases)
         self.config = PrivacyConfig(
             expected_batch_size=expected_batch_size,
             sample_size=sample_size,
@@ -137,6 +153,9 @@ class PrivacyEngine:
             check_gradients=check_gradients,
         )
         self.model = model
+        self._bias_selection = bias_selection(model)
+        if self._phases:
+            set_trainable(model, mode, self._bias_selection)
         self._clip_fn = get_clipping(clipping)
         self.ledger = PrivacyLedger(target_delta, accountant)
         self._plans = self._plan_layers(model)
@@ -627,6 +646,66 @@ class PrivacyEngine:
                 self._loader.load_state_dict(sd["loader"])
             else:  # applied when data_loader() is called
                 self._pending_loader_state = sd["loader"]
+
+    # ------------------------------------------------------------------ phases
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    def phases(self) -> Iterator[Phase]:
+        """Yield the schedule's phases, switching to each (after the first) before yielding.
+
+        Build a new optimizer over ``engine.parameters()`` at the start of each phase.
+        """
+        if not self._phases:
+            raise ValueError("the engine was built without schedule=[(mode, epochs), ...]")
+        for i, phase in enumerate(self._phases):
+            if i > 0 and phase.mode != self.config.mode:
+                self.switch_phase(phase.mode)
+            yield phase
+
+    def switch_phase(
+        self,
+        mode: str,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        remaining_steps: int | None = None,
+    ) -> torch.optim.Optimizer | None:
+        """Switch between "full" and "bias" training between two logical steps.
+
+        Hooks are removed and re-registered for the new trainable set; the ledger carries on,
+        so epsilon stays the composed one. Given `optimizer`, returns a rebuilt one for the new
+        parameters. With `remaining_steps` (and a target epsilon) the noise is re-calibrated so
+        that the steps already taken plus these meet the target.
+        """
+        if self._physical_left or self._summed or self._per_example:
+            raise SamplingError(
+                "switch_phase() in the middle of a logical batch; call it between epochs, "
+                "after engine.step(optimizer) returned True"
+            )
+        self.detach()
+        set_trainable(self.model, mode, self._bias_selection)
+        self.config = replace(self.config, mode=mode)
+        self._plans = self._plan_layers(self.model)
+        self._params = self._ordered_trainable(self.model)
+        self._register_hooks()
+        if remaining_steps is not None:
+            if self.config.target_epsilon is None:
+                raise ValueError("remaining_steps re-calibrates noise: needs target_epsilon")
+            self.config = replace(
+                self.config, noise_multiplier=None, steps=remaining_steps, epochs=None
+            )
+            self.noise_multiplier = self._resolve_noise_multiplier()
+            self.config = replace(self.config, steps=self.ledger.steps + remaining_steps)
+            self._max_steps = self._compute_max_steps()
+        log.info(
+            "phase switch to %s after %d steps (epsilon so far %.3f): %d trainable tensors",
+            mode,
+            self.ledger.steps,
+            self.epsilon(),
+            len(self._params),
+        )
+        return None if optimizer is None else rebuild_optimizer(optimizer, self._params)
 
     def with_config(self, **changes: Any) -> PrivacyConfig:
         """A copy of the config with changes (for phase switches built on top of the engine)."""

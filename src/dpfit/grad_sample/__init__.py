@@ -1,7 +1,14 @@
 """Per-example gradient samplers, one module per layer family; importing registers them."""
 
-from dpfit.grad_sample import attention, conv, linear, norm  # noqa: F401  (registration)
-from dpfit.grad_sample import embedding, full, rmsnorm  # noqa: F401  (registration)
+from dpfit.grad_sample import (  # noqa: F401  (registration)
+    attention,
+    conv,
+    embedding,
+    full,
+    linear,
+    norm,
+    rmsnorm,
+)
 from dpfit.grad_sample.registry import (
     SamplerEntry,
     lookup,

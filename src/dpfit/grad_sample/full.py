@@ -122,14 +122,24 @@ class OuterGrad:
     def dtype(self) -> torch.dtype:
         return self.terms[0][1].dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.terms[0][1].device
+
     def use_ghost(self) -> bool:
         """Mixed ghost clipping's rule: Gram matrices when 2 T^2 < p d, else materialise."""
         return 2 * self.positions**2 < self.rows * self.cols
 
     # -- norms
-    def sq_norms(self) -> torch.Tensor:
-        """Squared Frobenius norm of each example's gradient, float32 [B]."""
-        if not self.use_ghost():
+    def sq_norms(self, method: str | None = None) -> torch.Tensor:
+        """Squared Frobenius norm of each example's gradient, float32 [B].
+
+        method: "ghost" (Gram matrices), "explicit" (materialise), or None to pick the cheaper.
+        """
+        if method not in (None, "ghost", "explicit"):
+            raise ValueError(f"method must be 'ghost', 'explicit' or None, got {method!r}")
+        ghost = self.use_ghost() if method is None else method == "ghost"
+        if not ghost:
             return self.materialize().flatten(1).pow(2).sum(1).float()
         total = None
         for k, (xk, yk) in enumerate(self.terms):
@@ -158,7 +168,7 @@ class OuterGrad:
     def sum(self, dim: int = 0) -> torch.Tensor:
         if dim != 0:
             raise ValueError("OuterGrad only sums over the batch axis (dim=0)")
-        return self.weighted_sum(torch.ones(self.batch_size, device=self.terms[0][1].device))
+        return self.weighted_sum(torch.ones(self.batch_size, device=self.device))
 
     def materialize(self) -> torch.Tensor:
         """Explicit per-example gradients [B, *param_shape]."""

@@ -1,0 +1,104 @@
+"""Causal LM with DP-BiTFiT-Add: per-example loss, a tiny end-to-end run, a SmolLM2 smoke run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dpfit.causal_lm import (
+    CausalLMConfig,
+    TokenizedLines,
+    causal_lm_loss,
+    make_collate,
+    train_causal_lm,
+)
+
+torch.set_num_threads(1)
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for the training loop: bytes as ids, 0 = pad, 1 = eos."""
+
+    pad_token_id = 0
+    eos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = [2 + (b % 60) for b in text.encode()]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + int(i)) for i in ids if int(i) > 1)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+LINES = [f"line {i}: to be or not to be, that is {i % 7}" for i in range(80)]
+
+
+def test_loss_is_mean_of_per_example_token_means():
+    model = tiny_llama().eval()
+    data = TokenizedLines(
+        ["short", "a much longer line of text", "mid length"], CharTokenizer(), 32
+    )
+    collate = make_collate(0)
+    batch = collate([data[i] for i in range(3)])
+    alone = [causal_lm_loss(model, collate([data[i]])) for i in range(3)]
+    assert torch.allclose(causal_lm_loss(model, batch), torch.stack(alone).mean(), rtol=1e-5)
+
+
+def test_tiny_llama_end_to_end():
+    model = tiny_llama()
+    cfg = CausalLMConfig(
+        train_examples=32, eval_examples=8, lines_per_example=1, max_length=24,
+        expected_batch_size=8, physical_batch_size=4, epochs=1, target_epsilon=4.0,
+        sample_prompts=("line",), sample_tokens=4, check_gradients=True,
+    )  # fmt: skip
+    res = train_causal_lm(model, CharTokenizer(), LINES, cfg)
+    assert res.steps == round(32 / 8)
+    assert 0 < res.epsilon <= 4.0 * 1.001
+    assert math.isfinite(res.perplexity_before) and math.isfinite(res.perplexity_after)
+    assert res.trainable < res.total and len(res.samples) == 1
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.endswith("bias") for n in trained)
+
+
+@pytest.mark.slow
+def test_smollm2_smoke():
+    """The bundled SmolLM2-135M: add biases (same outputs), a few DP steps on Hamlet."""
+    pytest.importorskip("gguf")
+    from dpfit.data.bundled import hamlet_lines
+    from dpfit.data.smollm import load_smollm2
+
+    loaded = load_smollm2()  # ~40 s the first time on this machine, ~1 s from the cache
+    model, tok = loaded.model, loaded.tokenizer
+    cfg = CausalLMConfig(
+        train_examples=8, eval_examples=4, max_length=24, expected_batch_size=4,
+        physical_batch_size=4, epochs=1, target_epsilon=8.0, sample_prompts=("My lord,",),
+        sample_tokens=4,
+    )  # fmt: skip
+    ids = tok("To be, or not to be", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    res = train_causal_lm(model, tok, hamlet_lines(), cfg)
+    assert res.steps == 2
+    assert res.perplexity_before < 2000  # a trained LM (uniform over 49,152 tokens: 49,152)
+    assert res.trainable_fraction < 2e-3
+    assert math.isfinite(res.perplexity_after)
+    model.eval()
+    for p in model.parameters():  # zero the learned biases: the original function returns
+        if p.requires_grad:
+            p.data.zero_()
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
