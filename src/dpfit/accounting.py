@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import dp_accounting
@@ -57,12 +58,45 @@ class StepRecord:
         return dp_accounting.SelfComposedDpEvent(inner, self.count)
 
 
-def make_accountant(kind: str = "rdp") -> dp_accounting.PrivacyAccountant:
+def make_accountant(
+    kind: str = "rdp", pld_discretization: float = 1e-4
+) -> dp_accounting.PrivacyAccountant:
     if kind == "rdp":
         return rdp.RdpAccountant()
     if kind == "pld":
-        return pld.PLDAccountant(value_discretization_interval=1e-3)
+        return pld.PLDAccountant(value_discretization_interval=pld_discretization)
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
+
+
+def calibrate(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    delta: float,
+    accountant: str = "rdp",
+    *,
+    upper: float = 1e3,
+    tolerance: float = 1e-3,
+) -> float:
+    """Smallest noise multiplier in [1e-3, upper] whose event meets (target_epsilon, delta).
+
+    Raises InfeasibleTargetError (with dp-accounting's reason) when none does.
+    """
+    try:
+        return float(
+            dp_accounting.calibrate_dp_mechanism(
+                lambda: make_accountant(accountant),
+                make_event,
+                target_epsilon,
+                delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, upper),
+                tol=tolerance,
+            )
+        )
+    except (ValueError, dp_accounting.mechanism_calibration.NoBracketIntervalFoundError) as e:
+        raise InfeasibleTargetError(
+            f"no noise multiplier up to {upper:g} reaches epsilon={target_epsilon} at "
+            f"delta={delta}: {e}"
+        ) from e
 
 
 def epsilon_of(event: dp_accounting.DpEvent, delta: float, accountant: str = "rdp") -> float:
@@ -125,21 +159,12 @@ def noise_multiplier_for(
                 "raise the target or add noise to the earlier phase"
             )
     try:
-        sigma = dp_accounting.calibrate_dp_mechanism(
-            lambda: make_accountant(accountant),
-            make_event,
-            target_epsilon,
-            target_delta,
-            bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, 1e3),
-            tol=tolerance,
-        )
-    except (ValueError, dp_accounting.mechanism_calibration.NoBracketIntervalFoundError) as e:
+        return calibrate(make_event, target_epsilon, target_delta, accountant, tolerance=tolerance)
+    except InfeasibleTargetError as e:
         raise InfeasibleTargetError(
-            f"no noise multiplier up to 1000 reaches epsilon={target_epsilon} at delta={target_delta} "
-            f"with q={sample_rate:.4g} and {steps} steps; use fewer steps, a smaller sampling rate "
-            "or a larger epsilon"
+            f"{e}; with q={sample_rate:.4g} and {steps} steps. Use fewer steps, a smaller "
+            "sampling rate or a larger epsilon"
         ) from e
-    return float(sigma)
 
 
 @dataclass

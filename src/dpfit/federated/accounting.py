@@ -9,35 +9,26 @@ the sampling performed, not the replies that came back.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import dp_accounting as dpa
-from dp_accounting import pld, rdp
 
+from dpfit.accounting import ACCOUNTANTS, calibrate, epsilon_of
+from dpfit.errors import BudgetExhaustedError, InfeasibleTargetError
 from dpfit.federated.clipping import combine_multipliers
 
-ACCOUNTANTS = ("rdp", "pld")
+__all__ = ["ACCOUNTANTS", "BudgetExhausted", "CalibrationError", "epsilon_of"]
 
 
-class BudgetExhausted(RuntimeError):
+class BudgetExhausted(BudgetExhaustedError):
     """The next round would spend more than the target epsilon."""
 
 
-class CalibrationError(ValueError):
+class CalibrationError(InfeasibleTargetError):
     """No noise multiplier meets the target with the given sampling and rounds."""
-
-
-def _make_accountant(kind: str) -> dpa.PrivacyAccountant:
-    if kind == "rdp":
-        return rdp.RdpAccountant()
-    if kind == "pld":
-        return pld.PLDAccountant()
-    raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
 
 
 def round_event(q: float, multipliers: Sequence[float], kind: str = "rdp") -> dpa.DpEvent:
@@ -71,25 +62,6 @@ def training_event(
     return dpa.ComposedDpEvent(events)
 
 
-@contextlib.contextmanager
-def _quiet_absl() -> Iterator[None]:
-    """dp-accounting logs a warning per skipped fractional RDP order; keep them out of output."""
-    absl = logging.getLogger("absl")
-    old = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl.setLevel(old)
-
-
-def epsilon_of(event: dpa.DpEvent, delta: float, kind: str = "rdp") -> float:
-    acc = _make_accountant(kind)
-    with _quiet_absl():
-        acc.compose(event)
-        return float(acc.get_epsilon(delta))
-
-
 def calibrate_noise_multiplier(
     target_epsilon: float,
     delta: float,
@@ -114,21 +86,12 @@ def calibrate_noise_multiplier(
         return training_event(q, rounds, (z,), one_off_multipliers, kind)
 
     try:
-        with _quiet_absl():
-            z = dpa.calibrate_dp_mechanism(
-                lambda: _make_accountant(kind),
-                make_event,
-                target_epsilon,
-                delta,
-                bracket_interval=dpa.ExplicitBracketInterval(1e-3, 1e4),
-                tol=1e-4,
-            )
-    except Exception as exc:  # dp-accounting raises plain ValueError/RuntimeError here
+        return calibrate(make_event, target_epsilon, delta, kind, upper=1e4, tolerance=1e-4)
+    except InfeasibleTargetError as exc:
         raise CalibrationError(
             f"cannot reach eps={target_epsilon} at delta={delta} with q={q:.4g}, "
             f"{rounds} rounds: {exc}"
         ) from exc
-    return float(z)
 
 
 @dataclass
