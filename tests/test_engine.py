@@ -356,3 +356,20 @@ def test_detach_leaves_model_as_before():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert [p.requires_grad for p in model.parameters()] == flags
     assert not any(k.startswith("_dpfit") for p in model.parameters() for k in vars(p))
+
+
+def test_broadcast_input_gets_a_specific_error():
+    class Pos(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(5, 4)
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):  # position embeddings of shape (1, T), broadcast over the batch
+            return self.lin(x + self.pos(torch.arange(x.shape[1]).unsqueeze(0)))
+
+    model = Pos()
+    engine = make_engine(model, mode="full")
+    model(torch.randn(3, 5, 4)).sum().backward()
+    with pytest.raises(dpfit.GradientMismatchError, match="broadcast"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))

@@ -520,6 +520,14 @@ class PrivacyEngine:
                 "engine.step() was called without a backward pass since the last step"
             )
         sizes = {g.shape[0] for g in per_ex.values()}
+        if len(sizes) == 2 and 1 in sizes:
+            ones = [self._names[p] for p, g in per_ex.items() if g.shape[0] == 1]
+            raise GradientMismatchError(
+                f"{ones[:5]} saw an input with batch size 1 while other layers saw "
+                f"{max(sizes)}: that input was broadcast across the batch (e.g. position ids "
+                "of shape (1, L)), so its gradient mixes examples. Pass it with the batch "
+                "axis expanded, e.g. position_ids=torch.arange(L).expand(B, L)."
+            )
         if len(sizes) != 1:
             raise GradientMismatchError(
                 f"per-example gradients disagree on the batch size ({sorted(sizes)}): some layer "

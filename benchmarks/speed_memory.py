@@ -1,0 +1,635 @@
+"""Speed and memory of DP-BiTFiT (dpfit) against non-private and Opacus baselines, in one run.
+
+Per (model, sequence length, method) a fresh worker process loads the model, sets the method
+up, runs warm-up steps and timed steps (forward + backward + optimizer step, batch 8) and
+reports:
+
+* wall time per step (time.perf_counter; median over all timed steps of all repetitions),
+* CPU time per step (time.process_time; far less sensitive to other jobs on a shared machine),
+* peak memory: on CPU the peak RSS of the worker during the steps minus its RSS just before them
+  (Linux: the peak is reset through /proc/self/clear_refs, read from VmHWM; elsewhere
+  ru_maxrss); on CUDA torch.cuda.max_memory_allocated minus the allocation before the steps,
+* activation bytes: tensors autograd saves for backward during forward + loss
+  (torch.autograd.graph.saved_tensors_hooks), plus tensors Opacus caches in its forward hooks,
+  unique by storage and excluding parameters. Deterministic, so a noise-free memory signal.
+
+Methods: nonpriv-full, nonpriv-bias, dpfit-bitfit, dpfit-full (only if dpfit's mode="full"
+accepts the model), opacus-hooks, opacus-ghost (DP full fine-tuning) and opacus-bias (hooks mode,
+only biases trainable). Opacus has no grad sampler for transformers' Conv1D, so for GPT-2 the
+Opacus rows run on a copy whose Conv1D layers are replaced by the equivalent nn.Linear.
+Methods are interleaved within each length, and repetitions rotate their order.
+
+    python benchmarks/speed_memory.py                 # defaults (see --help)
+    python benchmarks/speed_memory.py --quick         # smoke run (a few minutes on 2 cores)
+    python benchmarks/speed_memory.py --lengths 64 128 256 512 --steps 3 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+BATCH = 8
+NUM_LABELS = 2
+
+METHODS = [
+    "nonpriv-full",
+    "nonpriv-bias",
+    "dpfit-bitfit",
+    "dpfit-full",
+    "opacus-hooks",
+    "opacus-ghost",
+    "opacus-bias",
+]
+LABELS = {
+    "nonpriv-full": "non-private full",
+    "nonpriv-bias": "non-private bias-only",
+    "dpfit-bitfit": "dpfit DP-BiTFiT",
+    "dpfit-full": "dpfit DP full",
+    "opacus-hooks": "Opacus DP full (hooks)",
+    "opacus-ghost": "Opacus DP full (ghost)",
+    "opacus-bias": "Opacus bias-only (hooks)",
+}
+MODELS = ("roberta-base", "gpt2")
+
+
+# ---------------------------------------------------------------------------- models
+def build_model(name: str, seed: int = 0):
+    import torch
+    import transformers as T
+
+    torch.manual_seed(seed)
+    if name == "roberta-base":
+        cfg = T.RobertaConfig(num_labels=NUM_LABELS)  # defaults are roberta-base
+        model = T.RobertaForSequenceClassification(cfg)
+    elif name == "gpt2":
+        cfg = T.GPT2Config(num_labels=NUM_LABELS, pad_token_id=0)  # defaults are GPT-2 small
+        model = T.GPT2ForSequenceClassification(cfg)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    return model
+
+
+def conv1d_to_linear(model):
+    """Replace transformers Conv1D (y = x W + b, W: in x out) by the equivalent nn.Linear."""
+    import torch
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    for parent in list(model.modules()):
+        for cname, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                w = child.weight  # (in, out)
+                lin = nn.Linear(w.shape[0], w.shape[1], bias=child.bias is not None)
+                with torch.no_grad():
+                    lin.weight.copy_(w.t())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(parent, cname, lin)
+    return model
+
+
+# ---------------------------------------------------------------------------- memory probes
+def _rss_now() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss(resettable: bool) -> int:
+    if resettable:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+class SavedTensorMeter:
+    """Bytes autograd saves for backward (unique storages, parameters excluded)."""
+
+    def __init__(self, model):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+        self.raw = 0
+
+    def add(self, t) -> None:
+        import torch
+
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        try:
+            st = t.untyped_storage()
+        except Exception:
+            return
+        ptr = st.data_ptr()
+        self.raw += t.numel() * t.element_size()
+        if ptr in self.param_ptrs or ptr == 0:
+            return
+        self.storages[ptr] = st.nbytes()
+
+    def pack(self, t):
+        self.add(t)
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+# ---------------------------------------------------------------------------- worker
+def _setup(method: str, model_name: str, model_path: str, device: str):
+    """Return (model, step_fn) for a method; step_fn(x, y, meter=None) runs one full step."""
+    import torch
+    from torch import nn
+
+    import dpfit
+
+    model = torch.load(model_path, weights_only=False)
+    model.train()
+    if method.startswith("opacus") and model_name == "gpt2":
+        conv1d_to_linear(model)
+    model.to(device)
+    ce = nn.CrossEntropyLoss()
+    info: dict = {}
+
+    def all_trainable():
+        for p in model.parameters():
+            p.requires_grad_(True)
+
+    if method in ("nonpriv-full", "dpfit-full", "opacus-hooks", "opacus-ghost"):
+        all_trainable()
+    else:
+        dpfit.make_bias_trainable(model)
+    info["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    if method.startswith("nonpriv"):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+        def step(x, y, meter=None):
+            if meter is not None:
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                    loss = ce(model(**x).logits, y)
+            else:
+                loss = ce(model(**x).logits, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return model, step, info
+
+    if method.startswith("dpfit"):
+        engine = dpfit.PrivacyEngine(
+            model,
+            expected_batch_size=BATCH,
+            sample_size=10_000,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            sampling="user-poisson",
+            loss_reduction="mean",
+            mode="full" if method == "dpfit-full" else "bias",
+            seed=0,
+        )
+        opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
+
+        def step(x, y, meter=None):
+            if meter is not None:
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                    loss = ce(model(**x).logits, y)
+            else:
+                loss = ce(model(**x).logits, y)
+            loss.backward()
+            engine.step(opt)
+
+        return model, step, info
+
+    # Opacus
+    import warnings
+
+    from opacus import PrivacyEngine as OpacusEngine
+
+    warnings.filterwarnings("ignore")
+    mode = "ghost" if method == "opacus-ghost" else "hooks"
+    if method == "opacus-bias":
+        dpfit.make_bias_trainable(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    ds = torch.utils.data.TensorDataset(
+        torch.zeros(10_000, 1, dtype=torch.long), torch.zeros(10_000, dtype=torch.long)
+    )
+    dl = torch.utils.data.DataLoader(ds, batch_size=BATCH)
+    pe = OpacusEngine(accountant="rdp")
+    kw = dict(
+        module=model,
+        optimizer=opt,
+        data_loader=dl,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+    )
+    if mode == "ghost":
+        gmodel, gopt, crit, _ = pe.make_private(criterion=ce, **kw)
+    else:
+        gmodel, gopt, _ = pe.make_private(**kw)
+        crit = ce
+
+    def hook_cached(meter):
+        for m in gmodel.modules():
+            for entry in getattr(m, "activations", None) or []:
+                for t in entry if isinstance(entry, (list, tuple)) else [entry]:
+                    meter.add(t)
+
+    def step(x, y, meter=None):
+        if meter is not None:
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                loss = crit(gmodel(**x).logits, y)
+            hook_cached(meter)
+        else:
+            loss = crit(gmodel(**x).logits, y)
+        loss.backward()
+        gopt.step()
+        gopt.zero_grad(set_to_none=True)
+
+    return gmodel, step, info
+
+
+def worker(spec: dict) -> dict:
+    import gc
+
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    device = spec["device"]
+    cuda = device.startswith("cuda")
+    res: dict = {k: spec[k] for k in ("model", "length", "method", "rep")}
+    t_setup = time.perf_counter()
+    model, step, info = _setup(spec["method"], spec["model"], spec["model_path"], device)
+    res.update(info)
+    res["setup_s"] = time.perf_counter() - t_setup
+    vocab = model.config.vocab_size if hasattr(model, "config") else 50000
+    g = torch.Generator().manual_seed(1234 + spec["length"])
+    x = torch.randint(5, min(vocab, 30_000), (BATCH, spec["length"]), generator=g).to(device)
+    y = torch.randint(0, NUM_LABELS, (BATCH,), generator=g).to(device)
+    # GPT-2 builds position_ids of shape (1, L) and broadcasts the position embedding over the
+    # batch, which hides per-example gradients of `wpe` from any DP method (Opacus and dpfit
+    # both reject it). Every method therefore gets explicit (B, L) position ids.
+    pos = spec["model"] == "gpt2"
+
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        resettable = _reset_peak_rss()
+        base = _rss_now()
+    meter = SavedTensorMeter(model)
+    wl = spec.get("warmup_length") or spec["length"]
+    xw = x if wl == spec["length"] else x[:, :wl].contiguous()
+    walls, cpus = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        if cuda:
+            torch.cuda.synchronize()
+        w0, c0 = time.perf_counter(), time.process_time()
+        timed = i >= spec["warmup"]
+        xi = x if timed else xw
+        inputs = {"input_ids": xi}
+        if pos:
+            inputs["position_ids"] = torch.arange(xi.shape[1], device=device).expand_as(xi).contiguous()
+        step(inputs, y, meter if i == spec["warmup"] else None)
+        if cuda:
+            torch.cuda.synchronize()
+        w1, c1 = time.perf_counter(), time.process_time()
+        if timed:
+            walls.append(w1 - w0)
+            cpus.append(c1 - c0)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _peak_rss(resettable) - base
+    res.update(
+        wall_s=walls,
+        cpu_s=cpus,
+        peak_mem_bytes=int(peak),
+        mem_probe="cuda.max_memory_allocated" if cuda else ("VmHWM" if resettable else "ru_maxrss"),
+        activation_bytes=meter.bytes,
+        saved_raw_bytes=meter.raw,
+        ok=True,
+    )
+    return res
+
+
+# ---------------------------------------------------------------------------- driver
+def run_one(spec: dict, timeout: float) -> dict:
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", json.dumps(spec), "--_out", out]
+    base = {k: spec[k] for k in ("model", "length", "method", "rep")}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "ok": False, "error": f"timeout after {timeout:.0f}s"}
+    try:
+        with open(out) as f:
+            txt = f.read()
+        os.unlink(out)
+        if txt:
+            return json.loads(txt)
+    except (OSError, json.JSONDecodeError):
+        pass
+    err = (p.stderr or "").strip().splitlines()
+    tail = [ln for ln in err if ln.strip()][-1:] or [f"exit code {p.returncode}"]
+    if p.returncode < 0 or p.returncode == 137:
+        tail = [f"killed (signal {-p.returncode if p.returncode < 0 else 9}; out of memory?)"]
+    return {**base, "ok": False, "error": tail[0][:300]}
+
+
+def summarize(rows: list[dict], models, lengths, methods) -> dict:
+    table: dict = {}
+    for m in models:
+        for L in lengths:
+            for meth in methods:
+                rs = [r for r in rows if (r["model"], r["length"], r["method"]) == (m, L, meth)]
+                good = [r for r in rs if r.get("ok")]
+                key = f"{m}|{L}|{meth}"
+                if not good:
+                    errs = sorted({r.get("error", "?") for r in rs})
+                    table[key] = {"ok": False, "error": "; ".join(errs)}
+                    continue
+                walls = [t for r in good for t in r["wall_s"]]
+                cpus = [t for r in good for t in r["cpu_s"]]
+                table[key] = {
+                    "ok": True,
+                    "wall_s": statistics.median(walls),
+                    "cpu_s": statistics.median(cpus),
+                    "wall_samples": walls,
+                    "cpu_samples": cpus,
+                    "peak_mem_bytes": int(statistics.median(r["peak_mem_bytes"] for r in good)),
+                    "activation_bytes": good[0]["activation_bytes"],
+                    "trainable_params": good[0]["trainable_params"],
+                }
+    return table
+
+
+def ratios(table: dict, models, lengths) -> dict:
+    out: dict = {}
+
+    def get(m, L, meth, k):
+        e = table.get(f"{m}|{L}|{meth}")
+        return e[k] if e and e.get("ok") else None
+
+    def div(a, b):
+        return a / b if a is not None and b else None
+
+    for m in models:
+        r: dict = {"dpfit_over_nonpriv_bias": {}, "speedup_vs_nonpriv_full": {}}
+        for L in lengths:
+            r["dpfit_over_nonpriv_bias"][L] = {
+                k: div(get(m, L, "dpfit-bitfit", k), get(m, L, "nonpriv-bias", k))
+                for k in ("wall_s", "cpu_s", "activation_bytes")
+            }
+            r["speedup_vs_nonpriv_full"][L] = {
+                k: div(get(m, L, "nonpriv-full", k), get(m, L, "dpfit-bitfit", k))
+                for k in ("wall_s", "cpu_s")
+            }
+        L0 = 256 if 256 in lengths else max(lengths)
+        r["ref_length"] = L0
+        for opx in ("opacus-hooks", "opacus-ghost", "opacus-bias"):
+            r[f"vs_{opx}"] = {
+                "speedup_wall": div(get(m, L0, opx, "wall_s"), get(m, L0, "dpfit-bitfit", "wall_s")),
+                "speedup_cpu": div(get(m, L0, opx, "cpu_s"), get(m, L0, "dpfit-bitfit", "cpu_s")),
+                "peak_mem_ratio": div(
+                    get(m, L0, opx, "peak_mem_bytes"), get(m, L0, "dpfit-bitfit", "peak_mem_bytes")
+                ),
+                "activation_ratio": div(
+                    get(m, L0, opx, "activation_bytes"),
+                    get(m, L0, "dpfit-bitfit", "activation_bytes"),
+                ),
+            }
+        out[m] = r
+    return out
+
+
+def fmt_mb(b):
+    return "—" if b is None else f"{b / 2**20:,.0f}"
+
+
+def fmt(x, d=2):
+    return "—" if x is None else f"{x:.{d}f}"
+
+
+def markdown(table, rat, models, lengths, methods, meta) -> str:
+    lines = [
+        f"Batch {BATCH}; {meta['steps']} timed step(s) after {meta['warmup']} warm-up, "
+        f"x {meta['reps']} repetition(s); device {meta['device']}, "
+        f"{meta['threads']} torch thread(s); medians. Memory: {meta['mem_probe']}.",
+        "",
+        "| model | len | method | wall s/step | CPU s/step | peak mem MB | activations MB | trainable |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for m in models:
+        for L in lengths:
+            for meth in methods:
+                e = table[f"{m}|{L}|{meth}"]
+                if not e["ok"]:
+                    lines.append(f"| {m} | {L} | {LABELS[meth]} | failed: {e['error'][:120]} | | | | |")
+                    continue
+                lines.append(
+                    f"| {m} | {L} | {LABELS[meth]} | {e['wall_s']:.3f} | {e['cpu_s']:.3f} | "
+                    f"{fmt_mb(e['peak_mem_bytes'])} | {fmt_mb(e['activation_bytes'])} | "
+                    f"{e['trainable_params']:,} |"
+                )
+    lines += ["", "Target ratios (same run; wall / CPU time):", ""]
+    for m in models:
+        r = rat[m]
+        lines.append(f"**{m}**")
+        lines.append("")
+        lines.append("| len | dpfit / non-private bias-only (target <= 1.05) | activations ratio | "
+                     "speedup vs non-private full (target >= 1.4) |")
+        lines.append("|---:|---|---:|---|")
+        for L in lengths:
+            a = r["dpfit_over_nonpriv_bias"][L]
+            b = r["speedup_vs_nonpriv_full"][L]
+            lines.append(
+                f"| {L} | {fmt(a['wall_s'], 3)} / {fmt(a['cpu_s'], 3)} | "
+                f"{fmt(a['activation_bytes'], 3)} | {fmt(b['wall_s'])}x / {fmt(b['cpu_s'])}x |"
+            )
+        lines.append("")
+        L0 = r["ref_length"]
+        lines.append(f"| at len {L0}: dpfit vs | speedup wall / CPU (target >= 3x) | "
+                     "peak-mem ratio (target >= 2x) | activations ratio |")
+        lines.append("|---|---|---:|---:|")
+        for opx in ("opacus-hooks", "opacus-ghost", "opacus-bias"):
+            v = r[f"vs_{opx}"]
+            lines.append(
+                f"| {LABELS[opx]} | {fmt(v['speedup_wall'])}x / {fmt(v['speedup_cpu'])}x | "
+                f"{fmt(v['peak_mem_ratio'])}x | {fmt(v['activation_ratio'])}x |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(table, models, lengths, methods, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, len(models), figsize=(6 * len(models), 12), squeeze=False)
+    for j, m in enumerate(models):
+        for i, (key, ylabel, scale) in enumerate(
+            [
+                ("wall_s", "wall time per step (s)", 1),
+                ("peak_mem_bytes", "peak memory delta (MB)", 2**20),
+                ("activation_bytes", "autograd/hook activations (MB)", 2**20),
+            ]
+        ):
+            ax = axes[i][j]
+            for meth in methods:
+                xs, ys = [], []
+                for L in lengths:
+                    e = table[f"{m}|{L}|{meth}"]
+                    if e["ok"]:
+                        xs.append(L)
+                        ys.append(e[key] / scale)
+                if xs:
+                    ax.plot(xs, ys, marker="o", label=LABELS[meth])
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(L) for L in lengths])
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{m}, batch {BATCH}")
+            ax.grid(alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--lengths", nargs="+", type=int, default=None,
+                    help="sequence lengths (default 64 256 on CPU, 64 128 256 512 on CUDA)")
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per worker (default 1 CPU / 10 CUDA)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 1 CPU / 3 CUDA)")
+    ap.add_argument("--warmup-length", type=int, default=None,
+                    help="sequence length of the warm-up steps (default 16 on CPU to save time, "
+                    "the timed length on CUDA); they allocate optimizer state and hooks")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions (fresh workers, rotated order)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per worker (1 keeps CPU time meaningful on a shared machine)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
+    ap.add_argument("--quick", action="store_true", help="smoke run: roberta-base, length 32, 1+1 steps")
+    ap.add_argument("--out", type=Path, default=RESULTS / "speed_memory")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    ap.add_argument("--_out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a._worker:
+        spec = json.loads(a._worker)
+        res = worker(spec)
+        with open(a._out, "w") as f:
+            json.dump(res, f)
+        return 0
+
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    if a.quick:
+        a.models, a.lengths = ["roberta-base"], a.lengths or [32]
+        a.steps, a.warmup = a.steps or 1, a.warmup if a.warmup is not None else 1
+    lengths = a.lengths or ([64, 128, 256, 512] if cuda else [64, 256])
+    steps = a.steps or (10 if cuda else 1)
+    warmup_length = a.warmup_length if a.warmup_length is not None else (0 if cuda else 16)
+    warmup = a.warmup if a.warmup is not None else (3 if cuda else 1)
+    meta = dict(
+        device=device, threads=a.threads, steps=steps, warmup=warmup, reps=a.reps,
+        warmup_length=warmup_length or "same as timed",
+        batch=BATCH, lengths=lengths, models=a.models, methods=a.methods,
+        torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
+        command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    try:
+        import opacus
+        import transformers
+
+        meta.update(opacus=opacus.__version__, transformers=transformers.__version__)
+    except ImportError:
+        pass
+
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in a.models:
+            path = os.path.join(tmp, f"{m}.pt")
+            torch.save(build_model(m), path)
+            for L in lengths:
+                for rep in range(a.reps):
+                    order = a.methods[rep % len(a.methods):] + a.methods[: rep % len(a.methods)]
+                    for meth in order:
+                        spec = dict(model=m, model_path=path, length=L, method=meth, rep=rep,
+                                    steps=steps, warmup=warmup, threads=a.threads, device=device,
+                                    warmup_length=warmup_length)
+                        r = run_one(spec, a.timeout)
+                        rows.append(r)
+                        el = time.perf_counter() - t_start
+                        if r.get("ok"):
+                            print(f"[{el:6.0f}s] {m:12s} L={L:<4d} {meth:13s} rep {rep}: "
+                                  f"wall {statistics.median(r['wall_s']):7.3f}s "
+                                  f"cpu {statistics.median(r['cpu_s']):7.3f}s "
+                                  f"peak {r['peak_mem_bytes'] / 2**20:8.0f} MB "
+                                  f"act {r['activation_bytes'] / 2**20:7.1f} MB", flush=True)
+                        else:
+                            print(f"[{el:6.0f}s] {m:12s} L={L:<4d} {meth:13s} rep {rep}: "
+                                  f"FAILED {r['error']}", flush=True)
+    meta["elapsed_s"] = time.perf_counter() - t_start
+    meta["mem_probe"] = next((r["mem_probe"] for r in rows if r.get("ok")), "n/a")
+    table = summarize(rows, a.models, lengths, a.methods)
+    rat = ratios(table, a.models, lengths)
+    md = markdown(table, rat, a.models, lengths, a.methods, meta)
+    print()
+    print(md)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out.with_suffix(".json"), "w") as f:
+        json.dump({"meta": meta, "table": table, "ratios": rat, "runs": rows}, f, indent=1)
+    with open(a.out.with_suffix(".md"), "w") as f:
+        f.write(f"# Speed and memory (`{meta['command']}`)\n\n{md}\n")
+    plot(table, a.models, lengths, a.methods, a.out.with_suffix(".png"))
+    print(f"\nwrote {a.out.with_suffix('.json')}, .md, .png in {meta['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
