@@ -183,3 +183,10 @@ def test_lac_vote_round_and_budget_stop_through_messages():
     assert server.round == 4
     assert "would bring client-level epsilon" in server.stop_reason
     assert server.accountant.epsilon() <= 8.0 * (1 + 1e-6)
+
+
+def test_dirichlet_with_too_many_clients_is_a_clear_error():
+    from dpfit.federated.app import PartitionError, partitions
+
+    with pytest.raises(PartitionError, match="--alpha"):
+        partitions(1000, "dirichlet", 0.5, 0)

@@ -94,7 +94,16 @@ def partitions(
         ids = sorted(set(data["client"]))
         if len(ids) < num_clients:
             raise PartitionError(f"only {len(ids)} movie clients for {num_clients} requested")
-    out = [part.load_partition(i) for i in range(num_clients)]
+    try:
+        out = [part.load_partition(i) for i in range(num_clients)]
+    except ValueError as exc:
+        if partition != "dirichlet":
+            raise
+        raise PartitionError(
+            f"Dirichlet(alpha={alpha}) over {num_clients} clients keeps leaving some client "
+            f"with fewer than 2 of the {len(train)} training examples ({exc}). Use fewer "
+            "--clients, a larger --alpha, or --partition iid / movie."
+        ) from exc
     return tuple(tuple(int(x) for x in p["idx"]) for p in out)
 
 

@@ -161,7 +161,9 @@ class _Features:
 
     @classmethod
     def get(cls, lm: LocalModel, texts: Sequence[str], max_length: int) -> torch.Tensor:
-        key = (lm.local_mode + str(id(lm)) + str(hash(tuple(texts))), max_length)
+        # the encoder is frozen in head mode: features depend only on which model it is
+        source = str(getattr(lm.model.config, "_name_or_path", "")) or f"object-{id(lm.model)}"
+        key = (f"{lm.local_mode}:{source}:{hash(tuple(texts))}", max_length)
         if key not in cls._cache:
             enc = _encoder(lm.model)
             outs = []
