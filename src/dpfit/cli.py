@@ -55,7 +55,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
-    g.add_argument("--max-length", type=_positive_int, default=64, help="tokens per example (64)")
+    g.add_argument("--max-length", type=_positive_int, default=48, help="tokens per example (48)")
     g.add_argument(
         "--full-data",
         action="store_true",
@@ -92,7 +92,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=32,
         help="examples per forward/backward; bounds memory (32)",
     )
-    g.add_argument("--lr", type=_positive_float, default=5e-3)
+    g.add_argument("--lr", type=_positive_float, default=2e-3)
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mode", choices=("bias", "full"), default="bias")
     g.add_argument("--add-biases", action="store_true", help="BiTFiT-Add for models without biases")
@@ -100,6 +101,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--full-epochs", type=int, default=0, help="two-phase: full fine-tuning epochs first"
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    g.add_argument(
+        "--threads",
+        default="auto",
+        help="CPU threads for torch: a number, or auto (1 when the CPUs are already "
+        "busy, where more threads spin against each other; else torch's default)",
+    )
 
     g = p.add_argument_group("output")
     g.add_argument("--output", help="folder for metrics.json, steps.csv, plots and the model")
@@ -136,6 +143,7 @@ def train_config_from_args(args: argparse.Namespace):
         max_grad_norm=args.max_grad_norm,
         clipping=args.clipping,
         lr=args.lr,
+        optimizer=args.optimizer,
         max_length=args.max_length,
         seed=args.seed,
         non_private=args.non_private,
@@ -176,8 +184,31 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
     return rows
 
 
+def _set_threads(spec: str) -> None:
+    import torch
+
+    if spec == "auto":
+        try:
+            busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
+        except OSError:  # pragma: no cover - no load average on this platform
+            busy = False
+        if busy and torch.get_num_threads() > 1 and "OMP_NUM_THREADS" not in os.environ:
+            logger.info("CPUs busy (load average >= cores): using 1 torch thread")
+            torch.set_num_threads(1)
+        return
+    try:
+        n = int(spec)
+    except ValueError:
+        raise DPFitError(f"--threads must be a number or auto, got {spec!r}") from None
+    if n < 1:
+        raise DPFitError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+
+
 def run_train(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
+
+    _set_threads(args.threads)
 
     from dpfit.reporting import format_table, to_json
     from dpfit.train import train
@@ -233,6 +264,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=_positive_int, default=128)
     p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument("--device", default="auto")
+    p.add_argument("--threads", default="auto", help="CPU threads for torch (a number, or auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -245,6 +277,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from dpfit.reporting import format_table, to_json
     from dpfit.train import _device, evaluate
 
+    _set_threads(args.threads)
     loaded = load_classifier(args.model)
     model = loaded.model
     id2label = model.config.id2label
@@ -349,7 +382,7 @@ def run_federated(args: argparse.Namespace) -> int:
     if fcli is None:
         raise DPFitError(
             f"`dpfit federated` is not available: dpfit.federated.cli could not be imported "
-            f"({err}); install the extra with `pip install 'dpfit[flwr]'`"
+            f"({err}); if it exists, install its extra with `pip install 'dpfit[flwr]'`"
         )
     rc = fcli.run(args)
     return int(rc or 0)

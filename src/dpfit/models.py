@@ -152,9 +152,20 @@ def load_classifier(
         )
     except (OSError, ValueError) as e:
         raise _load_error(target, local, "model", e) from e
+    _restore_added_biases(model, target, local)
     heads = head_module_names(model)
     logger.info("loaded %s (%s) with head %s", target, type(model).__name__, heads)
     return LoadedModel(model, tokenizer, target, heads)
+
+
+def _restore_added_biases(model, folder: str, local: bool) -> None:
+    """A model saved after BiTFiT-Add records its added biases in its config; re-add them."""
+    try:
+        from dpfit import biases
+    except ImportError:  # pragma: no cover - older builds without BiTFiT-Add
+        return
+    if local and getattr(model.config, biases.CONFIG_KEY, None):
+        biases.restore_added_biases(model, folder)
 
 
 def count_bias_parameters(model, exclude: Sequence[str] = ()) -> int:
@@ -197,8 +208,7 @@ def save_tiny_random_model(folder: str | os.PathLike, arch: str = "bert", seed: 
     torch.manual_seed(seed)
     if arch == "bert":
         vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *TINY_WORDS]
-        (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-        tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+        tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
         config = BertConfig(
             vocab_size=len(vocab),
             hidden_size=16,

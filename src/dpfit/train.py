@@ -34,6 +34,10 @@ DEFAULT_DELTA = 1e-5
 CLIPPING = ("flat", "automatic")
 MODES = ("bias", "full")
 TASKS = ("classification", "causal-lm")
+OPTIMIZERS = {
+    "adamw": lambda params, lr, wd: torch.optim.AdamW(params, lr=lr, weight_decay=wd),
+    "sgd": lambda params, lr, wd: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd),
+}
 
 
 class PhysicalBatchMemoryError(DPFitError, MemoryError):
@@ -60,9 +64,10 @@ class TrainConfig:
     physical_batch_size: int = 32
     max_grad_norm: float = 1.0
     clipping: str = "flat"
-    lr: float = 5e-3
+    lr: float = 2e-3
+    optimizer: str = "adamw"  # adamw | sgd (momentum 0.9)
     weight_decay: float = 0.0
-    max_length: int = 64
+    max_length: int = 48
     seed: int = 0
     non_private: bool = False
     mode: str = "bias"
@@ -81,6 +86,10 @@ class TrainConfig:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         for name in (
@@ -363,17 +372,31 @@ def _seed_everything(seed: int) -> None:
 
 
 def _task_hook(config: TrainConfig):
-    """Tasks other than classification live in their own module (issue #5)."""
-    if config.task == "classification":
-        return None
-    try:
-        from dpfit.causal_lm import train_causal_lm  # type: ignore[import-not-found]
-    except ImportError as e:
+    """Hooks for issue #5's features: other tasks and two-phase schedules run elsewhere.
+
+    `--task causal-lm` is delegated to ``dpfit.causal_lm.train_from_config(config)`` when that
+    module provides it; `--full-epochs` needs the phase switch of ``dpfit.schedule`` wired into
+    this loop. Until then both stop with a message instead of silently training something else.
+    """
+    if config.task != "classification":
+        try:
+            from dpfit import causal_lm
+        except ImportError as e:
+            raise DPFitError(f"--task {config.task} needs dpfit.causal_lm (issue #5): {e}") from e
+        run = getattr(causal_lm, "train_from_config", None)
+        if run is None:
+            raise DPFitError(
+                f"--task {config.task} is not wired into `dpfit train` yet; use "
+                "dpfit.causal_lm.train_causal_lm(model, tokenizer, lines, CausalLMConfig(...)) "
+                "from Python (issue #5)"
+            )
+        return run(config)
+    if config.full_epochs:
         raise DPFitError(
-            "--task causal-lm is not available in this build yet (dpfit.causal_lm, issue #5); "
-            "use --task classification"
-        ) from e
-    return train_causal_lm(config)
+            "--full-epochs (two-phase X+BiTFiT) is not wired into `dpfit train` yet; see "
+            "dpfit.schedule (issue #5)"
+        )
+    return None
 
 
 def _prepare_trainables(model, heads: tuple[str, ...], config: TrainConfig):
@@ -483,7 +506,7 @@ def train(
         )
         stepper = engine
         params = list(engine.parameters())
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
 
     rows: list[StepRow] = []
     epoch = 0

@@ -1,0 +1,147 @@
+"""Checkpoints: atomic files, RNG round trips, and resume after SIGKILL == uninterrupted run."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dpfit import checkpoint as ckpt
+from dpfit.cli import main
+from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
+
+
+def test_save_is_atomic_and_keeps_newest(tmp_path):
+    d = tmp_path / "ck"
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(d, step, {"step": step, "w": torch.full((3,), float(step))}, keep=2)
+    # a kill mid-write leaves only a temporary file: never picked up, cleaned on the next save
+    (d / ".ckpt-000000004.pt.tmp-999").write_bytes(b"half a file")
+    assert [s for s, _ in ckpt.list_checkpoints(d)] == [2, 3]
+    latest = ckpt.latest_checkpoint(d)
+    assert ckpt.load_checkpoint(latest)["step"] == 3
+    ckpt.save_checkpoint(d, 4, {"step": 4}, keep=2)
+    assert not list(d.glob(".*tmp*"))
+    assert ckpt.latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_rng_state_round_trip(tmp_path):
+    state = ckpt.rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.save_checkpoint(tmp_path, 1, {"rng": state})
+    ckpt.set_rng_state(ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))["rng"])
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_trainable_state_round_trip_and_mismatch():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    m[0].weight.requires_grad_(False)
+    sd = ckpt.trainable_state(m)
+    assert set(sd) == {"0.bias", "1.weight", "1.bias"}
+    with torch.no_grad():
+        m[1].bias.add_(1.0)
+    ckpt.load_trainable_state(m, sd)
+    assert torch.equal(m[1].bias, sd["1.bias"])
+    with pytest.raises(ckpt.CheckpointError, match="same --model"):
+        ckpt.load_trainable_state(m, {"2.bias": torch.zeros(1)})
+    with pytest.raises(ckpt.CheckpointError, match="same model"):
+        ckpt.load_trainable_state(m, {"1.bias": torch.zeros(5)})
+
+
+def test_check_compatible():
+    ckpt.check_compatible({"lr": 1.0}, {"lr": 1.0}, ("lr",))
+    with pytest.raises(ckpt.CheckpointError, match="lr: 1.0 -> 2.0"):
+        ckpt.check_compatible({"lr": 1.0}, {"lr": 2.0}, ("lr",))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # `--threads 1` below sets it process-wide
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return (
+        save_tiny_random_model(root / "model"),
+        write_tiny_sentiment_csv(root / "data.csv", n=240),
+    )
+
+
+def _args(tiny, out, *extra):
+    model, data = tiny
+    return [
+        "train", "--model", str(model), "--data", str(data), "--epochs", "2",
+        "--batch-size", "16", "--physical-batch-size", "8", "--lr", "0.05", "--seed", "3",
+        "--epsilon", "4", "--threads", "1", "--quiet", "--json", "--output", str(out), *extra,
+    ]  # fmt: skip
+
+
+def _final(out):
+    return load_file(str(out / "model" / "model.safetensors")), json.loads(
+        (out / "metrics.json").read_text()
+    )
+
+
+def test_resume_with_other_settings_is_refused(tiny, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert main(_args(tiny, tmp_path / "a", "--checkpoint-dir", str(ck), "--max-steps", "2")) == 0
+    rc = main(_args(tiny, tmp_path / "b", "--checkpoint-dir", str(ck), "--resume", "--lr", "0.1"))
+    assert rc == 2
+    assert "lr: 0.05 -> 0.1" in capsys.readouterr().err
+
+
+def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path):
+    """Kill a run with SIGKILL at a random moment, resume it, compare with a clean run."""
+    assert main(_args(tiny, tmp_path / "ref")) == 0
+    ref_params, ref_metrics = _final(tmp_path / "ref")
+    total = ref_metrics["steps"]
+    assert total >= 20
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    kill_at = rng.randint(1, total - 4)
+    delay = rng.uniform(0, 0.05)
+    ck = tmp_path / "ck"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpfit.cli", *_args(tiny, tmp_path / "killed", "--checkpoint-dir", str(ck))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = ckpt.list_checkpoints(ck)
+        if found and found[-1][0] >= kill_at:
+            time.sleep(delay)  # land somewhere inside a later step or checkpoint write
+            proc.kill()
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.returncode == -9, (
+        f"run was not killed (rc={proc.returncode}, kill_at={kill_at}): {err[-2000:]}"
+    )
+    assert not (tmp_path / "killed" / "metrics.json").exists()
+    killed_at = ckpt.list_checkpoints(ck)[-1][0]
+    assert killed_at < total, "killed after the last step: nothing left to resume"
+
+    assert main(_args(tiny, tmp_path / "resumed", "--checkpoint-dir", str(ck), "--resume")) == 0
+    params, metrics = _final(tmp_path / "resumed")
+    msg = f"kill_at={kill_at}, delay={delay:.3f}, last checkpoint before kill={killed_at}"
+    assert metrics["steps"] == total, msg
+    assert metrics["epsilon"] == ref_metrics["epsilon"], msg
+    assert metrics["accuracy"] == ref_metrics["accuracy"], msg
+    assert set(params) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
+    steps_csv = (tmp_path / "resumed" / "steps.csv").read_text().splitlines()
+    assert len(steps_csv) == total + 1  # no step counted twice or lost

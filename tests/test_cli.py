@@ -1,0 +1,165 @@
+"""`dpfit` CLI on a tiny random model and a tiny CSV: outputs, JSON, and one-line errors."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from dpfit import accounting
+from dpfit.cli import build_parser, main
+from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    return (
+        str(save_tiny_random_model(root / "model")),
+        str(write_tiny_sentiment_csv(root / "train.csv", n=160, seed=0)),
+        str(write_tiny_sentiment_csv(root / "test.csv", n=40, seed=1)),
+    )
+
+
+def train_args(tiny, *extra):
+    model, data, _ = tiny
+    return ["train", "--model", model, "--data", data, "--epochs", "1", "--batch-size", "32",
+            "--physical-batch-size", "16", "--threads", "1", "--quiet", *extra]  # fmt: skip
+
+
+def test_train_writes_everything(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert (
+        main(train_args(tiny, "--eval-data", tiny[2], "--epsilon", "2", "--output", str(out))) == 0
+    )
+    table = capsys.readouterr().out
+    for word in ("accuracy", "epsilon", "delta", "sigma", "clip norm", "logical steps",
+                 "trainable fraction", "wall time", "peak memory"):  # fmt: skip
+        assert word in table
+    m = json.loads((out / "metrics.json").read_text())
+    for key in (
+        "accuracy",
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "max_grad_norm",
+        "steps",
+        "trainable_fraction",
+    ):
+        assert key in m
+    assert m["eval_n"] == 40 and m["train_examples"] == 160  # --eval-data: no hold-out
+    assert 1.9 < m["epsilon"] <= 2.0 + 1e-6 and m["steps"] == 5
+    with open(out / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 6))
+    assert float(rows[-1]["epsilon"]) == pytest.approx(m["epsilon"])
+    assert (out / "loss.png").stat().st_size > 1000 and (out / "epsilon.png").stat().st_size > 1000
+    record = json.loads((out / "model" / "dpfit.json").read_text())
+    assert record["epsilon"] == pytest.approx(m["epsilon"]) and record["delta"] == m["delta"]
+    assert record["trained_parameters"] and "sample_rate" in record and record["clipping"] == "flat"
+    assert (out / "model" / "config.json").exists()
+
+    # the saved model is a normal transformers folder: `evaluate` scores it
+    assert main(["evaluate", "--model", str(out / "model"), "--data", tiny[2], "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["n"] == 40 and ev["accuracy"] == pytest.approx(m["accuracy"])
+    assert sum(c["n"] for c in ev["per_class"].values()) == 40
+    assert ev["privacy"]["epsilon"] == pytest.approx(m["epsilon"])
+
+    # evaluation data with a label the model never saw
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text,label\nthe film was good,pos\nthe film was so-so,mixed\n")
+    assert main(["evaluate", "--model", str(out / "model"), "--data", str(bad)]) == 2
+    assert "mixed" in capsys.readouterr().err
+
+
+def test_train_json_non_private(tiny, capsys):
+    assert main(train_args(tiny, "--non-private", "--json")) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["private"] is False and m["epsilon"] == "inf" and m["noise_multiplier"] is None
+    assert m["steps"] == 5  # ceil(144 / 32)
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--data", "/nonexistent/data.csv"], "does not exist"),
+        (["--text-column", "review"], "--text-column"),
+        (["--epsilon", "0.0001", "--batch-size", "120"], "epsilon"),
+        (["--model", "/nonexistent/model"], "not a folder"),
+        (["--threads", "many"], "--threads"),
+    ],
+)
+def test_bad_input_is_one_line_error(tiny, capsys, extra, needle):
+    assert main(train_args(tiny, *extra)) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_empty_and_single_class_data(tiny, tmp_path, capsys):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text,label\n")
+    one = tmp_path / "one.csv"
+    one.write_text("text,label\n" + "the film was good,pos\n" * 20)
+    assert main(train_args(tiny, "--data", str(empty))) == 2
+    assert "no rows" in capsys.readouterr().err
+    assert main(train_args(tiny, "--data", str(one))) == 2
+    assert "two classes" in capsys.readouterr().err
+
+
+def test_model_without_biases(tiny, tmp_path, capsys):
+    llama = save_tiny_random_model(tmp_path / "llama", arch="llama")
+    assert main(train_args(tiny, "--model", str(llama))) == 2
+    assert "--add-biases" in capsys.readouterr().err
+
+
+def test_accountant_both_directions(capsys):
+    assert (
+        main(
+            [
+                "accountant",
+                "--noise-multiplier",
+                "1.1",
+                "--sample-rate",
+                "0.01",
+                "--steps",
+                "1000",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["epsilon"] == pytest.approx(accounting.epsilon_for(1.1, 0.01, 1000, 1e-5))
+    args = ["accountant", "--epsilon", str(out["epsilon"]), "--batch-size", "100", "--dataset-size",
+            "10000", "--steps", "1000", "--json"]  # fmt: skip
+    assert main(args) == 0
+    back = json.loads(capsys.readouterr().out)
+    assert back["noise_multiplier"] == pytest.approx(1.1, rel=0.01)
+    assert main(["accountant", "--noise-multiplier", "1", "--steps", "10"]) == 2
+    assert "--sample-rate" in capsys.readouterr().err
+
+
+def test_federated_is_wired_or_explains(capsys):
+    try:
+        from dpfit.federated import cli as _  # noqa: F401
+    except ImportError:
+        assert main(["federated"]) == 2
+        assert "dpfit.federated.cli" in capsys.readouterr().err
+    else:
+        assert "federated" in build_parser().format_help()
+
+
+def test_help_lists_the_commands():
+    text = build_parser().format_help()
+    for cmd in ("train", "evaluate", "accountant", "federated"):
+        assert cmd in text
+    with pytest.raises(SystemExit):
+        main(["train", "--clipping", "per-layer"])

@@ -1,0 +1,183 @@
+"""The training loop as a library function: private, non-private, and every bad input."""
+
+import math
+
+import pytest
+import torch
+
+import dpfit
+from dpfit.errors import BatchNormError, InfeasibleTargetError, NoTrainableParametersError
+from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
+from dpfit.train import PhysicalBatchMemoryError, TrainConfig, train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core box: more threads only spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return (
+        str(save_tiny_random_model(root / "model")),
+        str(write_tiny_sentiment_csv(root / "data.csv", n=200)),
+    )
+
+
+def cfg(tiny, **kw):
+    model, data = tiny
+    base = dict(model=model, data=data, epochs=2, batch_size=30, physical_batch_size=8, lr=0.05)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_private_run_spends_the_target_and_reports(tiny):
+    res = train(cfg(tiny, epsilon=3.0))
+    m = res.metrics
+    n = 180  # 10% of 200 held out
+    assert m["train_examples"] == n and m["eval_n"] == 20
+    assert m["steps"] == 2 * round(n / 30) == len(res.steps)
+    assert 2.9 < m["epsilon"] <= 3.0 + 1e-6
+    assert m["delta"] == pytest.approx(1e-5)
+    assert m["noise_multiplier"] > 0 and m["max_grad_norm"] == 1.0
+    assert 0 < m["trainable_fraction"] < 0.2
+    assert [r.step for r in res.steps] == list(range(1, m["steps"] + 1))
+    eps = [r.epsilon for r in res.steps]
+    assert eps == sorted(eps) and eps[-1] == pytest.approx(m["epsilon"])
+    # only biases and the new head moved
+    assert res.privacy["trained_parameters"]
+    assert all(
+        n.endswith("bias") or n.startswith("classifier") for n in res.privacy["trained_parameters"]
+    )
+
+
+def test_same_seed_same_result_other_seed_differs(tiny):
+    a = train(cfg(tiny, max_steps=3, seed=1))
+    b = train(cfg(tiny, max_steps=3, seed=1))
+    c = train(cfg(tiny, max_steps=3, seed=2))
+    pa, pb, pc = (dict(r.model.named_parameters()) for r in (a, b, c))
+    name = "bert.encoder.layer.0.output.dense.bias"
+    assert torch.equal(pa[name], pb[name])
+    assert not torch.equal(pa[name], pc[name])
+
+
+def test_fixed_noise_multiplier(tiny):
+    res = train(cfg(tiny, noise_multiplier=1.5, epsilon=None, max_steps=4))
+    assert res.metrics["noise_multiplier"] == 1.5
+    assert res.metrics["steps"] == 4
+    assert res.metrics["epsilon"] == pytest.approx(
+        dpfit.epsilon_for(1.5, 30 / 180, 4, 1e-5), rel=1e-9
+    )
+
+
+def test_non_private_learns_the_toy_task(tiny):
+    # full fine-tuning: a 16-wide random BERT is too weak to learn this from biases alone
+    res = train(cfg(tiny, non_private=True, mode="full", epochs=10, lr=3e-3, batch_size=16))
+    m = res.metrics
+    assert m["private"] is False and math.isinf(m["epsilon"]) and m["noise_multiplier"] is None
+    assert m["trainable_fraction"] == 1.0
+    assert m["steps"] == 10 * math.ceil(180 / 16)
+    assert m["accuracy"] >= 0.8  # the toy sentiment words are easy; chance is ~0.5
+    assert res.steps[-1].loss < res.steps[0].loss
+
+
+def test_decoder_model_trains_with_score_head(tmp_path):
+    model = save_tiny_random_model(tmp_path / "gpt2", arch="gpt2")
+    data = write_tiny_sentiment_csv(tmp_path / "d.csv", n=100)
+    res = train(
+        TrainConfig(
+            model=str(model), data=str(data), epochs=1, batch_size=20, physical_batch_size=8
+        )
+    )
+    assert res.metrics["steps"] == round(90 / 20)  # 10% of 100 held out
+    names = res.privacy["trained_parameters"]
+    assert "score.weight" in names and any(".attn.c_attn.bias" in n for n in names)
+
+
+def test_model_without_biases_points_to_add_biases(tmp_path):
+    model = save_tiny_random_model(tmp_path / "llama", arch="llama")
+    data = write_tiny_sentiment_csv(tmp_path / "d.csv", n=50)
+    with pytest.raises(NoTrainableParametersError, match="--add-biases"):
+        train(TrainConfig(model=str(model), data=str(data), epochs=1, batch_size=10))
+
+
+def test_batchnorm_model_is_refused(tiny, monkeypatch):
+    import dpfit.train as train_mod
+
+    real = train_mod.load_classifier
+
+    def with_batchnorm(*a, **kw):
+        loaded = real(*a, **kw)
+        loaded.model.bert.pooler.add_module("norm", torch.nn.BatchNorm1d(16))
+        return loaded
+
+    monkeypatch.setattr(train_mod, "load_classifier", with_batchnorm)
+    with pytest.raises(BatchNormError, match="GroupNorm"):
+        train(cfg(tiny, max_steps=1))
+
+
+def test_infeasible_epsilon(tiny):
+    with pytest.raises(InfeasibleTargetError, match="epsilon"):
+        train(cfg(tiny, epsilon=1e-4, batch_size=150, epochs=1))
+
+
+def test_out_of_memory_suggests_physical_batch_size(tiny, monkeypatch):
+    from transformers import BertForSequenceClassification
+
+    def oom(self, *a, **kw):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(BertForSequenceClassification, "forward", oom)
+    with pytest.raises(PhysicalBatchMemoryError, match="--physical-batch-size 4"):
+        train(cfg(tiny, max_steps=1))
+
+
+def test_other_runtime_errors_are_not_disguised(tiny, monkeypatch):
+    from transformers import BertForSequenceClassification
+
+    def broken(self, *a, **kw):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(BertForSequenceClassification, "forward", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        train(cfg(tiny, max_steps=1))
+
+
+def test_eval_data_with_unseen_labels_fails_before_training(tiny, tmp_path):
+    bad = tmp_path / "eval.csv"
+    bad.write_text("text,label\nthe film was good,pos\nthe film was meh,neutral\n")
+    with pytest.raises(dpfit.DPFitError, match="neutral"):
+        train(cfg(tiny, eval_data=str(bad)))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="clipping"):
+        TrainConfig(clipping="per-layer")
+    with pytest.raises(ValueError, match="resume"):
+        TrainConfig(resume=True)
+    with pytest.raises(ValueError, match="epsilon"):
+        TrainConfig(epsilon=None)
+
+
+def test_unavailable_task_and_phase_hooks_say_so(tiny):
+    from dpfit import causal_lm
+
+    if not hasattr(causal_lm, "train_from_config"):
+        with pytest.raises(dpfit.DPFitError, match="causal-lm"):
+            train(cfg(tiny, task="causal-lm"))
+    with pytest.raises(dpfit.DPFitError, match="--full-epochs"):
+        train(cfg(tiny, full_epochs=1))
+
+
+def test_add_biases_makes_a_bias_free_model_trainable(tmp_path):
+    model = save_tiny_random_model(tmp_path / "llama", arch="llama")
+    data = write_tiny_sentiment_csv(tmp_path / "d.csv", n=50)
+    res = train(
+        TrainConfig(model=str(model), data=str(data), epochs=1, batch_size=15, add_biases=True)
+    )
+    names = res.privacy["trained_parameters"]
+    assert res.metrics["steps"] == 3 and any(n.endswith("bias") for n in names)
