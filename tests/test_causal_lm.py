@@ -102,3 +102,48 @@ def test_smollm2_smoke():
             p.data.zero_()
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
+
+
+def test_cli_task_causal_lm_writes_metrics(tmp_path, capsys):
+    import json
+
+    from dpfit.cli import main
+    from dpfit.models import save_tiny_random_model
+
+    folder = save_tiny_random_model(tmp_path / "llama", arch="llama")
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(f"the good movie number {i} was great" for i in range(80)))
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "train",
+            "--task",
+            "causal-lm",
+            "--model",
+            str(folder),
+            "--data",
+            str(lines),
+            "--epochs",
+            "1",
+            "--max-train-examples",
+            "32",
+            "--batch-size",
+            "8",
+            "--physical-batch-size",
+            "4",
+            "--max-length",
+            "16",
+            "--epsilon",
+            "8",
+            "--output",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["task"] == "causal-lm"
+    assert 0 < m["epsilon"] <= 8.0
+    assert m["steps"] >= 1
+    assert math.isfinite(m["perplexity_after"])
+    assert (out / "model" / "config.json").exists()
+    assert "perplexity" in capsys.readouterr().out

@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -243,3 +244,76 @@ def train_causal_lm(
         seconds=time.perf_counter() - t0,
         history=tuple(history),
     )
+
+
+# --------------------------------------------------------------------------- CLI entry
+def train_from_config(config) -> Any:
+    """`dpfit train --task causal-lm`: DP-BiTFiT-Add on a text file's lines (default: Hamlet).
+
+    Takes the classification CLI's TrainConfig; sizes not given there keep this module's
+    defaults (512 training examples, logical batch at most 32). With `output`, writes
+    metrics.json and the model (a transformers folder; reload its added biases with
+    dpfit.load_pretrained_with_biases).
+    """
+    from pathlib import Path
+
+    from dpfit.data.bundled import hamlet_lines
+    from dpfit.errors import DPFitError
+    from dpfit.reporting import peak_memory_mb, write_json
+    from dpfit.train import TrainResult
+
+    if config.non_private or config.noise_multiplier is not None:
+        raise DPFitError("--task causal-lm takes --epsilon/--delta (no --noise-multiplier)")
+    if config.model is None:
+        from dpfit.data.smollm import load_smollm2
+
+        lm = load_smollm2()
+        model, tokenizer = lm.model, lm.tokenizer
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+    if config.data is None:
+        lines = hamlet_lines()
+    else:
+        path = Path(config.data)
+        if not path.is_file():
+            raise DPFitError(f"--data {path}: no such file (a text file, one line per row)")
+        lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    n_train = config.max_train_examples or CausalLMConfig.train_examples
+    cfg = CausalLMConfig(
+        train_examples=n_train,
+        max_length=config.max_length,
+        expected_batch_size=min(config.batch_size, CausalLMConfig.expected_batch_size),
+        physical_batch_size=config.physical_batch_size,
+        epochs=float(config.epochs),
+        target_epsilon=config.epsilon,
+        target_delta=config.delta,
+        max_grad_norm=config.max_grad_norm,
+        lr=config.lr,
+        seed=config.seed,
+    )
+    result = train_causal_lm(model, tokenizer, lines, cfg)
+    metrics = {
+        "task": "causal-lm",
+        "perplexity_before": result.perplexity_before,
+        "perplexity_after": result.perplexity_after,
+        "epsilon": result.epsilon,
+        "delta": result.delta,
+        "max_grad_norm": cfg.max_grad_norm,
+        "steps": result.steps,
+        "trainable_fraction": result.trainable_fraction,
+        "trainable_params": result.trainable,
+        "samples": [{"prompt": p, "continuation": c} for p, c in result.samples],
+        "wall_time_s": result.seconds,
+        "peak_memory_mb": peak_memory_mb(),
+    }
+    out = None
+    if config.output:
+        out = Path(config.output)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "metrics.json", metrics)
+        model.save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
+    return TrainResult(metrics, [], model, tokenizer, None, [], out)

@@ -160,6 +160,21 @@ def train_config_from_args(args: argparse.Namespace):
 
 
 def summary_rows(m: dict) -> list[tuple[str, object]]:
+    if m.get("task") == "causal-lm":
+        rows: list[tuple[str, object]] = [
+            ("held-out perplexity", f"{m['perplexity_before']:.1f} -> {m['perplexity_after']:.1f}"),
+            ("epsilon", m["epsilon"]),
+            ("delta", m["delta"]),
+            ("clip norm", m["max_grad_norm"]),
+            ("logical steps", m["steps"]),
+            (
+                "trainable fraction",
+                f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})",
+            ),
+            ("wall time", f"{m['wall_time_s']:.1f} s"),
+            ("peak memory", f"{m['peak_memory_mb']:.0f} MB"),
+        ]
+        return rows + [(f"sample: {s['prompt']!r}", s["continuation"]) for s in m["samples"]]
     private = m.get("private", True)
     rows: list[tuple[str, object]] = [
         ("accuracy", m["accuracy"]),
