@@ -63,6 +63,8 @@ def test_flwr_run_on_local_superlink_and_two_supernodes(tmp_path):
         f'address = "127.0.0.1:{port}"\ninsecure = true\n'
     )
     env = dict(os.environ, FLWR_HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the SuperLink starts `flower-superexec` from PATH: the venv may not be activated
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     app = tmp_path / "app"
     shutil.copytree(APP, app)
     out = tmp_path / "out"
