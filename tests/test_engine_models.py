@@ -12,6 +12,10 @@ import dpfit
 transformers = pytest.importorskip("transformers")
 
 B, T = 3, 7
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+SMALL_ENCODER = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+)
 
 
 def bert_minilm_sized():
@@ -21,24 +25,15 @@ def bert_minilm_sized():
         num_hidden_layers=2,
         num_attention_heads=12,
         intermediate_size=1536,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
         num_labels=2,
+        **NO_DROPOUT,
     )
     return transformers.BertForSequenceClassification(cfg), "classifier"
 
 
 def roberta():
     cfg = transformers.RobertaConfig(
-        vocab_size=200,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        max_position_embeddings=40,
-        num_labels=3,
+        vocab_size=200, max_position_embeddings=40, num_labels=3, **SMALL_ENCODER, **NO_DROPOUT
     )
     return transformers.RobertaForSequenceClassification(cfg), "classifier"
 
@@ -84,16 +79,7 @@ def test_text_model_matches_oracle(name):
 
 def test_vit_matches_oracle():
     cfg = transformers.ViTConfig(
-        image_size=16,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=5,
+        image_size=16, patch_size=4, num_channels=3, num_labels=5, **SMALL_ENCODER, **NO_DROPOUT
     )
     model = transformers.ViTForImageClassification(cfg).double().train()
     dpfit.make_bias_trainable(model, train_head=("classifier",))
@@ -175,15 +161,7 @@ def test_bias_tied_across_two_modules():
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_is_exact(reentrant):
     """Recomputed forwards (activation checkpointing) neither lose nor double-count examples."""
-    cfg = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    cfg = transformers.BertConfig(vocab_size=100, **SMALL_ENCODER, **NO_DROPOUT)
     model = transformers.BertForSequenceClassification(cfg).double().train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     dpfit.make_bias_trainable(model, train_head=("classifier",))
