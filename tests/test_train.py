@@ -170,7 +170,38 @@ def test_unavailable_task_and_phase_hooks_say_so(tiny):
         with pytest.raises(dpfit.DPFitError, match="causal-lm"):
             train(cfg(tiny, task="causal-lm"))
     with pytest.raises(dpfit.DPFitError, match="--full-epochs"):
-        train(cfg(tiny, full_epochs=1))
+        train(cfg(tiny, full_epochs=2))  # must leave at least one bias-only epoch
+    with pytest.raises(dpfit.DPFitError, match="--non-private"):
+        train(cfg(tiny, full_epochs=1, non_private=True))
+
+
+def test_two_phase_full_then_bias_under_one_budget(tiny):
+    from transformers import AutoModelForSequenceClassification
+
+    res = train(cfg(tiny, epochs=3, full_epochs=1, epsilon=3.0))
+    m = res.metrics
+    assert 2.9 < m["epsilon"] <= 3.0 + 1e-6  # both phases composed into one figure
+    assert m["steps"] == 3 * round(180 / 30)
+    # the second phase trains biases and the head only...
+    names = res.privacy["trained_parameters"]
+    assert names and all(n.endswith("bias") or n.startswith("classifier") for n in names)
+    # ...but the first phase moved the weights too
+    start = AutoModelForSequenceClassification.from_pretrained(tiny[0])
+    before = dict(start.named_parameters())
+    moved = [
+        n
+        for n, p in res.model.named_parameters()
+        if n.endswith("weight")
+        and not n.startswith("classifier")
+        and not torch.equal(p.detach().cpu(), before[n].detach())
+    ]
+    assert moved
+
+
+def test_full_mode_runs_on_bert_with_per_example_positions(tiny):
+    res = train(cfg(tiny, mode="full", epochs=1, epsilon=3.0))
+    assert res.metrics["steps"] == round(180 / 30)
+    assert 0 < res.metrics["epsilon"] <= 3.0 + 1e-6
 
 
 def test_add_biases_makes_a_bias_free_model_trainable(tmp_path):

@@ -99,8 +99,14 @@ def load_checkpoint(path: str | Path) -> dict:
 # -- pieces of state -------------------------------------------------------------------------
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+def trainable_state(model: torch.nn.Module, everything: bool = False) -> dict[str, torch.Tensor]:
+    """Parameters to checkpoint: those that train, or all (a two-phase run's first phase
+    changed weights that are frozen later)."""
+    return {
+        n: p.detach().cpu().clone()
+        for n, p in model.named_parameters()
+        if everything or p.requires_grad
+    }
 
 
 def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ over shuffled fixed-size batches), which is what makes their comparison meaningf
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import random
@@ -199,7 +200,10 @@ def encode(data: LabeledTexts, tokenizer, max_length: int) -> list[dict]:
     ]
 
 
-def make_collate(pad_token_id: int) -> Callable[[list[dict]], dict]:
+def make_collate(pad_token_id: int, position_ids: bool = False) -> Callable[[list[dict]], dict]:
+    """Pad a list of encoded examples. With `position_ids`, also pass them per example: full
+    mode needs every input with its batch axis (a broadcast (1, L) one mixes examples)."""
+
     def collate(items: list[dict]) -> dict:
         width = max((len(it["input_ids"]) for it in items), default=0)
         out: dict[str, torch.Tensor] = {}
@@ -211,6 +215,8 @@ def make_collate(pad_token_id: int) -> Callable[[list[dict]], dict]:
             out[key] = torch.tensor(
                 [it[key] + [pad] * (width - len(it[key])) for it in items], dtype=torch.long
             )
+        if position_ids and items:
+            out["position_ids"] = torch.arange(width).expand(len(items), width).clone()
         return out
 
     return collate
@@ -392,10 +398,15 @@ def _task_hook(config: TrainConfig):
             )
         return run(config)
     if config.full_epochs:
-        raise DPFitError(
-            "--full-epochs (two-phase X+BiTFiT) is not wired into `dpfit train` yet; see "
-            "dpfit.schedule (issue #5)"
-        )
+        if config.non_private:
+            raise DPFitError("--full-epochs schedules a private run; drop --non-private")
+        if config.mode != "bias":
+            raise DPFitError("--full-epochs X already runs X epochs in full mode; drop --mode")
+        if not 0 < config.full_epochs < config.epochs:
+            raise DPFitError(
+                f"--full-epochs must be between 1 and --epochs - 1 ({config.epochs - 1}), "
+                f"got {config.full_epochs}"
+            )
     return None
 
 
@@ -423,6 +434,17 @@ def _prepare_trainables(model, heads: tuple[str, ...], config: TrainConfig):
     return dpfit.make_bias_trainable(model, train_head=heads)
 
 
+def _enter_bias_phase(engine, optimizer, note: Callable[[str], None]):
+    """Second phase of X+BiTFiT: bias-only from here on, same ledger, rebuilt optimizer."""
+    if engine.mode == "bias":
+        return optimizer
+    optimizer = engine.switch_phase("bias", optimizer)
+    note(
+        f"phase switch: full -> bias after {engine.steps_taken} steps (eps {engine.epsilon():.3f})"
+    )
+    return optimizer
+
+
 def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
     import dpfit
 
@@ -433,11 +455,17 @@ def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
         target_delta=delta,
         max_grad_norm=config.max_grad_norm,
         clipping=config.clipping,
-        mode=config.mode,
         loss_reduction="mean",
         accountant=config.accountant,
         seed=config.seed,
     )
+    if config.full_epochs:  # two-phase X+BiTFiT: one accountant across both phases
+        kwargs["schedule"] = [
+            ("full", config.full_epochs),
+            ("bias", config.epochs - config.full_epochs),
+        ]
+    else:
+        kwargs["mode"] = config.mode
     if config.noise_multiplier is not None:
         kwargs["noise_multiplier"] = config.noise_multiplier
     else:
@@ -481,7 +509,11 @@ def train(
     model.train()
 
     items = encode(data.train, tokenizer, config.max_length)
-    collate = make_collate(tokenizer.pad_token_id)
+    full_phase = not config.non_private and (config.mode == "full" or config.full_epochs > 0)
+    collate = make_collate(
+        tokenizer.pad_token_id,
+        position_ids=full_phase and "position_ids" in inspect.signature(model.forward).parameters,
+    )
     n = len(items)
     steps_per_epoch = (
         math.ceil(n / config.batch_size)
@@ -521,6 +553,12 @@ def train(
                 state["config"], config.fingerprint(), tuple(config.fingerprint())
             )
             ckpt.load_trainable_state(model, state["trainable"])
+            if (
+                engine is not None
+                and config.full_epochs
+                and int(state["epoch"]) >= config.full_epochs
+            ):
+                optimizer = _enter_bias_phase(engine, optimizer, note)
             optimizer.load_state_dict(state["optimizer"])
             stepper.load_state_dict(state["stepper"])
             loader.load_state_dict(state["loader"])
@@ -538,7 +576,7 @@ def train(
             stepper.steps_taken,
             {
                 "config": config.fingerprint(),
-                "trainable": ckpt.trainable_state(model),
+                "trainable": ckpt.trainable_state(model, everything=config.full_epochs > 0),
                 "optimizer": optimizer.state_dict(),
                 "stepper": stepper.state_dict(),
                 "loader": loader.state_dict(),
@@ -574,6 +612,8 @@ def train(
     stopped = len(rows) >= total_steps
     try:
         while epoch < config.epochs and not stopped:
+            if engine is not None and config.full_epochs and epoch >= config.full_epochs:
+                optimizer = _enter_bias_phase(engine, optimizer, note)
             for batch in loader:
                 weight = batch.pop("_weight", 1.0)
                 bsz = int(batch["labels"].shape[0])
