@@ -100,20 +100,30 @@ def test_resume_with_other_settings_is_refused(tiny, tmp_path, capsys):
     assert "lr: 0.05 -> 0.1" in capsys.readouterr().err
 
 
-def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path):
+@pytest.mark.parametrize(
+    "extra,first_kill",
+    [
+        ((), 1),
+        # two-phase X+BiTFiT, killed in the bias phase: the full phase's weights, the rebuilt
+        # optimizer and the composed ledger must all come back
+        (("--epochs", "3", "--full-epochs", "1"), 15),
+    ],
+    ids=["bias", "two-phase"],
+)
+def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path, extra, first_kill):
     """Kill a run with SIGKILL at a random moment, resume it, compare with a clean run."""
-    assert main(_args(tiny, tmp_path / "ref")) == 0
+    assert main([*_args(tiny, tmp_path / "ref"), *extra]) == 0
     ref_params, ref_metrics = _final(tmp_path / "ref")
     total = ref_metrics["steps"]
     assert total >= 20
 
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    kill_at = rng.randint(1, total - 4)
+    kill_at = rng.randint(first_kill, total - 4)
     delay = rng.uniform(0, 0.05)
     ck = tmp_path / "ck"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpfit.cli", *_args(tiny, tmp_path / "killed", "--checkpoint-dir", str(ck))],
+        [sys.executable, "-m", "dpfit.cli", *_args(tiny, tmp_path / "killed", "--checkpoint-dir", str(ck)), *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
     deadline = time.monotonic() + 120
@@ -134,7 +144,10 @@ def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path):
     killed_at = ckpt.list_checkpoints(ck)[-1][0]
     assert killed_at < total, "killed after the last step: nothing left to resume"
 
-    assert main(_args(tiny, tmp_path / "resumed", "--checkpoint-dir", str(ck), "--resume")) == 0
+    assert (
+        main([*_args(tiny, tmp_path / "resumed", "--checkpoint-dir", str(ck), "--resume"), *extra])
+        == 0
+    )
     params, metrics = _final(tmp_path / "resumed")
     msg = f"kill_at={kill_at}, delay={delay:.3f}, last checkpoint before kill={killed_at}"
     assert metrics["steps"] == total, msg
