@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 # The defaults must finish in < 10 minutes on 2 CPU cores: a random subset of the bundled
 # training split and a short max length (95% of snippets are under 48 tokens).
-DEFAULT_TRAIN_SUBSAMPLE = 4000
 DEFAULT_DELTA = 1e-5
 CLIPPING = ("flat", "automatic")
 MODES = ("bias", "full")
