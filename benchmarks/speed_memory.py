@@ -164,6 +164,21 @@ class SavedTensorMeter:
 
 
 # ---------------------------------------------------------------------------- worker
+def _metered_loss(model, crit, x, y, meter):
+    """Forward and loss; with a meter, count the tensors autograd saves on the way."""
+    import contextlib
+
+    import torch
+
+    ctx = (
+        torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)
+        if meter is not None
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        return crit(model(**x).logits, y)
+
+
 def _setup(method: str, model_name: str, model_path: str, device: str):
     """Return (model, step_fn) for a method; step_fn(x, y, meter=None) runs one full step."""
     import torch
@@ -193,11 +208,7 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
         def step(x, y, meter=None):
-            if meter is not None:
-                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                    loss = ce(model(**x).logits, y)
-            else:
-                loss = ce(model(**x).logits, y)
+            loss = _metered_loss(model, ce, x, y, meter)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -219,11 +230,7 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
 
         def step(x, y, meter=None):
-            if meter is not None:
-                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                    loss = ce(model(**x).logits, y)
-            else:
-                loss = ce(model(**x).logits, y)
+            loss = _metered_loss(model, ce, x, y, meter)
             loss.backward()
             engine.step(opt)
 
@@ -267,12 +274,9 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
                     meter.add(t)
 
     def step(x, y, meter=None):
+        loss = _metered_loss(gmodel, crit, x, y, meter)
         if meter is not None:
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                loss = crit(gmodel(**x).logits, y)
             hook_cached(meter)
-        else:
-            loss = crit(gmodel(**x).logits, y)
         loss.backward()
         gopt.step()
         gopt.zero_grad(set_to_none=True)
@@ -322,7 +326,9 @@ def worker(spec: dict) -> dict:
         xi = x if timed else xw
         inputs = {"input_ids": xi}
         if pos:
-            inputs["position_ids"] = torch.arange(xi.shape[1], device=device).expand_as(xi).contiguous()
+            inputs["position_ids"] = (
+                torch.arange(xi.shape[1], device=device).expand_as(xi).contiguous()
+            )
         step(inputs, y, meter if i == spec["warmup"] else None)
         if cuda:
             torch.cuda.synchronize()
@@ -350,7 +356,14 @@ def worker(spec: dict) -> dict:
 def run_one(spec: dict, timeout: float) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", json.dumps(spec), "--_out", out]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_worker",
+        json.dumps(spec),
+        "--_out",
+        out,
+    ]
     base = {k: spec[k] for k in ("model", "length", "method", "rep")}
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -423,7 +436,9 @@ def ratios(table: dict, models, lengths) -> dict:
         r["ref_length"] = L0
         for opx in ("opacus-hooks", "opacus-ghost", "opacus-bias"):
             r[f"vs_{opx}"] = {
-                "speedup_wall": div(get(m, L0, opx, "wall_s"), get(m, L0, "dpfit-bitfit", "wall_s")),
+                "speedup_wall": div(
+                    get(m, L0, opx, "wall_s"), get(m, L0, "dpfit-bitfit", "wall_s")
+                ),
                 "speedup_cpu": div(get(m, L0, opx, "cpu_s"), get(m, L0, "dpfit-bitfit", "cpu_s")),
                 "peak_mem_ratio": div(
                     get(m, L0, opx, "peak_mem_bytes"), get(m, L0, "dpfit-bitfit", "peak_mem_bytes")
@@ -459,7 +474,9 @@ def markdown(table, rat, models, lengths, methods, meta) -> str:
             for meth in methods:
                 e = table[f"{m}|{L}|{meth}"]
                 if not e["ok"]:
-                    lines.append(f"| {m} | {L} | {LABELS[meth]} | failed: {e['error'][:120]} | | | | |")
+                    lines.append(
+                        f"| {m} | {L} | {LABELS[meth]} | failed: {e['error'][:120]} | | | | |"
+                    )
                     continue
                 lines.append(
                     f"| {m} | {L} | {LABELS[meth]} | {e['wall_s']:.3f} | {e['cpu_s']:.3f} | "
@@ -471,8 +488,10 @@ def markdown(table, rat, models, lengths, methods, meta) -> str:
         r = rat[m]
         lines.append(f"**{m}**")
         lines.append("")
-        lines.append("| len | dpfit / non-private bias-only (target <= 1.05) | activations ratio | "
-                     "speedup vs non-private full (target >= 1.4) |")
+        lines.append(
+            "| len | dpfit / non-private bias-only (target <= 1.05) | activations ratio | "
+            "speedup vs non-private full (target >= 1.4) |"
+        )
         lines.append("|---:|---|---:|---|")
         for L in lengths:
             a = r["dpfit_over_nonpriv_bias"][L]
@@ -483,8 +502,10 @@ def markdown(table, rat, models, lengths, methods, meta) -> str:
             )
         lines.append("")
         L0 = r["ref_length"]
-        lines.append(f"| at len {L0}: dpfit vs | speedup wall / CPU (target >= 3x) | "
-                     "peak-mem ratio (target >= 2x) | activations ratio |")
+        lines.append(
+            f"| at len {L0}: dpfit vs | speedup wall / CPU (target >= 3x) | "
+            "peak-mem ratio (target >= 2x) | activations ratio |"
+        )
         lines.append("|---|---|---:|---:|")
         for opx in ("opacus-hooks", "opacus-ghost", "opacus-bias"):
             v = r[f"vs_{opx}"]
@@ -536,20 +557,41 @@ def plot(table, models, lengths, methods, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    ap.add_argument("--lengths", nargs="+", type=int, default=None,
-                    help="sequence lengths (default 64 256 on CPU, 64 128 256 512 on CUDA)")
+    ap.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        default=None,
+        help="sequence lengths (default 64 256 on CPU, 64 128 256 512 on CUDA)",
+    )
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per worker (default 1 CPU / 10 CUDA)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 1 CPU / 3 CUDA)")
-    ap.add_argument("--warmup-length", type=int, default=None,
-                    help="sequence length of the warm-up steps (default 16 on CPU to save time, "
-                    "the timed length on CUDA); they allocate optimizer state and hooks")
-    ap.add_argument("--reps", type=int, default=1, help="repetitions (fresh workers, rotated order)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads per worker (1 keeps CPU time meaningful on a shared machine)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps per worker (default 1 CPU / 10 CUDA)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="warm-up steps (default 1 CPU / 3 CUDA)"
+    )
+    ap.add_argument(
+        "--warmup-length",
+        type=int,
+        default=None,
+        help="sequence length of the warm-up steps (default 16 on CPU to save time, "
+        "the timed length on CUDA); they allocate optimizer state and hooks",
+    )
+    ap.add_argument(
+        "--reps", type=int, default=1, help="repetitions (fresh workers, rotated order)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker (1 keeps CPU time meaningful on a shared machine)",
+    )
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
-    ap.add_argument("--quick", action="store_true", help="smoke run: roberta-base, length 32, 1+1 steps")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: roberta-base, length 32, 1+1 steps"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "speed_memory")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
@@ -574,10 +616,19 @@ def main(argv=None) -> int:
     warmup_length = a.warmup_length if a.warmup_length is not None else (0 if cuda else 16)
     warmup = a.warmup if a.warmup is not None else (3 if cuda else 1)
     meta = dict(
-        device=device, threads=a.threads, steps=steps, warmup=warmup, reps=a.reps,
+        device=device,
+        threads=a.threads,
+        steps=steps,
+        warmup=warmup,
+        reps=a.reps,
         warmup_length=warmup_length or "same as timed",
-        batch=BATCH, lengths=lengths, models=a.models, methods=a.methods,
-        torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
+        batch=BATCH,
+        lengths=lengths,
+        models=a.models,
+        methods=a.methods,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        cpu_count=os.cpu_count(),
         command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         started=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
@@ -597,23 +648,38 @@ def main(argv=None) -> int:
             torch.save(build_model(m), path)
             for L in lengths:
                 for rep in range(a.reps):
-                    order = a.methods[rep % len(a.methods):] + a.methods[: rep % len(a.methods)]
+                    order = a.methods[rep % len(a.methods) :] + a.methods[: rep % len(a.methods)]
                     for meth in order:
-                        spec = dict(model=m, model_path=path, length=L, method=meth, rep=rep,
-                                    steps=steps, warmup=warmup, threads=a.threads, device=device,
-                                    warmup_length=warmup_length)
+                        spec = dict(
+                            model=m,
+                            model_path=path,
+                            length=L,
+                            method=meth,
+                            rep=rep,
+                            steps=steps,
+                            warmup=warmup,
+                            threads=a.threads,
+                            device=device,
+                            warmup_length=warmup_length,
+                        )
                         r = run_one(spec, a.timeout)
                         rows.append(r)
                         el = time.perf_counter() - t_start
                         if r.get("ok"):
-                            print(f"[{el:6.0f}s] {m:12s} L={L:<4d} {meth:13s} rep {rep}: "
-                                  f"wall {statistics.median(r['wall_s']):7.3f}s "
-                                  f"cpu {statistics.median(r['cpu_s']):7.3f}s "
-                                  f"peak {r['peak_mem_bytes'] / 2**20:8.0f} MB "
-                                  f"act {r['activation_bytes'] / 2**20:7.1f} MB", flush=True)
+                            print(
+                                f"[{el:6.0f}s] {m:12s} L={L:<4d} {meth:13s} rep {rep}: "
+                                f"wall {statistics.median(r['wall_s']):7.3f}s "
+                                f"cpu {statistics.median(r['cpu_s']):7.3f}s "
+                                f"peak {r['peak_mem_bytes'] / 2**20:8.0f} MB "
+                                f"act {r['activation_bytes'] / 2**20:7.1f} MB",
+                                flush=True,
+                            )
                         else:
-                            print(f"[{el:6.0f}s] {m:12s} L={L:<4d} {meth:13s} rep {rep}: "
-                                  f"FAILED {r['error']}", flush=True)
+                            print(
+                                f"[{el:6.0f}s] {m:12s} L={L:<4d} {meth:13s} rep {rep}: "
+                                f"FAILED {r['error']}",
+                                flush=True,
+                            )
     meta["elapsed_s"] = time.perf_counter() - t_start
     meta["mem_probe"] = next((r["mem_probe"] for r in rows if r.get("ok")), "n/a")
     table = summarize(rows, a.models, lengths, a.methods)

@@ -63,3 +63,17 @@ def make_engine(model: nn.Module, **kw) -> dpfit.PrivacyEngine:
     )
     args.update(kw)
     return dpfit.PrivacyEngine(model, **args)
+
+
+class Capture(torch.optim.Optimizer):
+    """An optimizer that only records the gradients it is asked to apply (the noised ones)."""
+
+    def __init__(self, params):
+        super().__init__(list(params), {})
+        self.grads = {}
+
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    self.grads[p] = p.grad.detach().clone()

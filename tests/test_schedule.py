@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from oracle import Capture
 from torch import nn
 
 import dpfit
@@ -111,18 +112,6 @@ def test_switch_mid_batch_is_refused():
             with pytest.raises(SamplingError):
                 engine.switch_phase("bias")
             break
-
-
-class Capture(torch.optim.Optimizer):
-    def __init__(self, params):
-        super().__init__(list(params), {})
-        self.grads = {}
-
-    def step(self, closure=None):
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    self.grads[p] = p.grad.detach().clone()
 
 
 @pytest.mark.parametrize("order", [("full", "bias"), ("bias", "full")])
