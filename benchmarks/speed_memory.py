@@ -4,7 +4,8 @@ Per (model, sequence length, method) a fresh worker process loads the model, set
 up, runs warm-up steps and timed steps (forward + backward + optimizer step, batch 8) and
 reports:
 
-* wall time per step (time.perf_counter; median over all timed steps of all repetitions),
+* wall time per step (time.perf_counter; median over all timed steps of all repetitions, with
+  the spread as the min-max range of those steps),
 * CPU time per step (time.process_time; far less sensitive to other jobs on a shared machine),
 * peak memory: on CPU the peak RSS of the worker during the steps minus its RSS just before them
   (Linux: the peak is reset through /proc/self/clear_refs, read from VmHWM; elsewhere
@@ -402,6 +403,8 @@ def summarize(rows: list[dict], models, lengths, methods) -> dict:
                     "ok": True,
                     "wall_s": statistics.median(walls),
                     "cpu_s": statistics.median(cpus),
+                    "wall_range": [min(walls), max(walls)],
+                    "cpu_range": [min(cpus), max(cpus)],
                     "wall_samples": walls,
                     "cpu_samples": cpus,
                     "peak_mem_bytes": int(statistics.median(r["peak_mem_bytes"] for r in good)),
@@ -460,11 +463,17 @@ def fmt(x, d=2):
     return "—" if x is None else f"{x:.{d}f}"
 
 
+def _spread(e: dict, kind: str) -> str:
+    lo, hi = e.get(f"{kind}_range") or (e[f"{kind}_s"], e[f"{kind}_s"])
+    return f"[{lo:.3f}-{hi:.3f}]"
+
+
 def markdown(table, rat, models, lengths, methods, meta) -> str:
     lines = [
         f"Batch {BATCH}; {meta['steps']} timed step(s) after {meta['warmup']} warm-up, "
         f"x {meta['reps']} repetition(s); device {meta['device']}, "
-        f"{meta['threads']} torch thread(s); medians. Memory: {meta['mem_probe']}.",
+        f"{meta['threads']} torch thread(s); medians [min-max over the timed steps]. "
+        f"Memory: {meta['mem_probe']}.",
         "",
         "| model | len | method | wall s/step | CPU s/step | peak mem MB | activations MB | trainable |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
@@ -479,7 +488,8 @@ def markdown(table, rat, models, lengths, methods, meta) -> str:
                     )
                     continue
                 lines.append(
-                    f"| {m} | {L} | {LABELS[meth]} | {e['wall_s']:.3f} | {e['cpu_s']:.3f} | "
+                    f"| {m} | {L} | {LABELS[meth]} | {e['wall_s']:.3f} {_spread(e, 'wall')} | "
+                    f"{e['cpu_s']:.3f} {_spread(e, 'cpu')} | "
                     f"{fmt_mb(e['peak_mem_bytes'])} | {fmt_mb(e['activation_bytes'])} | "
                     f"{e['trainable_params']:,} |"
                 )
@@ -566,10 +576,14 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     ap.add_argument(
-        "--steps", type=int, default=None, help="timed steps per worker (default 1 CPU / 10 CUDA)"
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per worker (default 5 CPU / 10 CUDA); the table reports their median "
+        "and min-max range",
     )
     ap.add_argument(
-        "--warmup", type=int, default=None, help="warm-up steps (default 1 CPU / 3 CUDA)"
+        "--warmup", type=int, default=None, help="warm-up steps (default 2 CPU / 3 CUDA)"
     )
     ap.add_argument(
         "--warmup-length",
@@ -612,9 +626,9 @@ def main(argv=None) -> int:
         a.models, a.lengths = ["roberta-base"], a.lengths or [32]
         a.steps, a.warmup = a.steps or 1, a.warmup if a.warmup is not None else 1
     lengths = a.lengths or ([64, 128, 256, 512] if cuda else [64, 256])
-    steps = a.steps or (10 if cuda else 1)
+    steps = a.steps or (10 if cuda else 5)
     warmup_length = a.warmup_length if a.warmup_length is not None else (0 if cuda else 16)
-    warmup = a.warmup if a.warmup is not None else (3 if cuda else 1)
+    warmup = a.warmup if a.warmup is not None else (3 if cuda else 2)
     meta = dict(
         device=device,
         threads=a.threads,
