@@ -46,7 +46,7 @@ def test_two_phase_run_composes_one_ledger():
     data = Data()
     engine = PrivacyEngine(
         model, expected_batch_size=10, sample_size=len(data), target_epsilon=3.0,
-        target_delta=1e-5, schedule=[("full", 1), ("bias", 2)], seed=0,
+        target_delta=1e-5, schedule=[("full", 1), ("bias", 2)],
     )  # fmt: skip
     assert engine.mode == "full"
     assert all(p.requires_grad for p in model.parameters())

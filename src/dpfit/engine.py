@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,7 +33,8 @@ from dpfit.errors import (
 from dpfit.grad_sample.full import is_factored, norm_sampler_for
 from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
 from dpfit.params import is_bias
-from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader, secure_seed
+from dpfit.rng import make_generator, os_uniform
+from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader
 from dpfit.schedule import (
     Phase,
     PhaseSpec,
@@ -76,18 +76,24 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
 
 
 def gaussian_noise(
-    shape: torch.Size, std: float, generator: torch.Generator, secure: bool, like: torch.Tensor
+    shape: torch.Size,
+    std: float,
+    generator: torch.Generator | None,
+    secure: bool,
+    like: torch.Tensor,
 ) -> torch.Tensor:
-    """N(0, std^2) noise; with `secure`, from os.urandom through Box-Muller in float64."""
+    """N(0, std^2) noise; with `secure`, from os.urandom through Box-Muller in float64
+    (`generator` is then unused and may be None)."""
     if std == 0:
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
     if not secure:
+        if generator is None:
+            raise ValueError("gaussian_noise needs a generator unless secure=True")
         z = torch.randn(shape, generator=generator, dtype=torch.float32)
         return (z * std).to(device=like.device, dtype=like.dtype)
     n = math.prod(shape)
     m = n + (n % 2)
-    raw = torch.frombuffer(bytearray(os.urandom(8 * m)), dtype=torch.int64)
-    u = (((raw >> 11) & ((1 << 53) - 1)).to(torch.float64) + 0.5) * 2.0**-53  # uniform (0, 1)
+    u = os_uniform(m)
     u1, u2 = u[: m // 2], u[m // 2 :]
     r = torch.sqrt(-2.0 * torch.log(u1))
     z = torch.cat([r * torch.cos(2 * math.pi * u2), r * torch.sin(2 * math.pi * u2)])[:n]
@@ -120,7 +126,7 @@ class PrivacyEngine:
         accountant: str = "rdp",
         sampling: str = "poisson",
         secure_rng: bool = False,
-        seed: int | None = None,
+        insecure_seed: int | None = None,
         batch_first: bool = True,
         batch_dims: dict[str, int] | None = None,
         check_gradients: bool = True,
@@ -147,7 +153,7 @@ class PrivacyEngine:
             accountant=accountant,
             sampling=sampling,
             secure_rng=secure_rng,
-            seed=seed,
+            insecure_seed=insecure_seed,
             batch_first=batch_first,
             batch_dims=tuple(sorted((batch_dims or {}).items())),
             check_gradients=check_gradients,
@@ -163,9 +169,8 @@ class PrivacyEngine:
         self._names = {p: n for n, p in model.named_parameters()}
         self.noise_multiplier = self._resolve_noise_multiplier()
         self._max_steps = self._compute_max_steps()
-        self._noise_rng = torch.Generator().manual_seed(
-            secure_seed() if seed is None or secure_rng else seed
-        )
+        self._insecure_seed = insecure_seed is not None
+        self._noise_rng, self._sample_rng = self._make_generators()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending_loader_state: dict | None = None
         self._register_hooks()
@@ -189,6 +194,20 @@ class PrivacyEngine:
         )
 
     # ------------------------------------------------------------------ set-up
+    def _make_generators(self) -> tuple[torch.Generator | None, torch.Generator | None]:
+        """Noise and sampling generators: none with secure_rng (every draw from os.urandom),
+        else seeded from os.urandom, or from insecure_seed (two distinct streams)."""
+        if self.config.secure_rng:
+            return None, None
+        seed = self.config.insecure_seed
+        if seed is not None:
+            log.warning(
+                "insecure_seed=%d: noise and Poisson sampling are reproducible from this seed, "
+                "so the run is NOT differentially private against anyone who knows it",
+                seed,
+            )
+        return make_generator(seed, "noise"), make_generator(seed, "sampling")
+
     @property
     def sample_rate(self) -> float:
         return self.config.sample_rate
@@ -420,15 +439,11 @@ class PrivacyEngine:
                 f"dataset has {len(dataset)} examples but the engine was built with "
                 f"sample_size={self.config.sample_size}; the sampling rate would be wrong"
             )
-        seed = self.config.seed
-        gen = torch.Generator().manual_seed(
-            secure_seed() if seed is None or self.config.secure_rng else seed + 1
-        )
         sampler = PoissonBatchSampler(
             len(dataset),
             self.sample_rate,
             self.config.steps_per_epoch,
-            generator=gen,
+            generator=self._sample_rng,
             secure=self.config.secure_rng,
         )
         self._loader = PoissonDataLoader(self, dataset, sampler, collate_fn, physical_batch_size)
@@ -619,6 +634,8 @@ class PrivacyEngine:
             "mode": self.config.mode,
             "accountant": self.config.accountant,
             "sampling": self.config.sampling,
+            "secure_rng": self.config.secure_rng,
+            "insecure_seed": self._insecure_seed,
             "trained_parameters": names,
             "trained_biases_only": all(is_bias(n) for n in names),
             "history": self.ledger.state_dict()["records"],
@@ -630,7 +647,9 @@ class PrivacyEngine:
             "ledger": self.ledger.state_dict(),
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
-            "noise_rng": self._noise_rng.get_state(),
+            "noise_rng": None if self._noise_rng is None else self._noise_rng.get_state(),
+            "sample_rng": None if self._sample_rng is None else self._sample_rng.get_state(),
+            "insecure_seed": self._insecure_seed,
             "pending_empty": self._pending_empty,
         }
         if self._loader is not None:
@@ -645,7 +664,11 @@ class PrivacyEngine:
             )
         self.ledger = PrivacyLedger.from_state_dict(sd["ledger"])
         self.noise_multiplier = float(sd["noise_multiplier"])
-        self._noise_rng.set_state(sd["noise_rng"])
+        for gen, key in ((self._noise_rng, "noise_rng"), (self._sample_rng, "sample_rng")):
+            if gen is not None and sd.get(key) is not None:
+                gen.set_state(sd[key])
+        # a run that was once reproducible from a seed stays marked so
+        self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))
         self._pending_empty = int(sd.get("pending_empty", 0))
         self._eps_cache.clear()
         self._max_steps = self._compute_max_steps()

@@ -7,25 +7,26 @@ it releases pure noise and is accounted for.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dpfit.rng import os_uniform, secure_seed
+
 if TYPE_CHECKING:
     from dpfit.engine import PrivacyEngine
 
-
-def secure_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+__all__ = ["LogicalBatch", "PoissonBatchSampler", "PoissonDataLoader", "secure_seed"]
 
 
 class PoissonBatchSampler:
     """Yields index lists (possibly empty), `steps_per_epoch` of them per pass.
 
     Holds its generator state, so a pass can stop after any step and resume exactly there.
+    Without a generator it seeds one from os.urandom; with `secure` it uses none and draws
+    every inclusion decision from os.urandom.
     """
 
     def __init__(
@@ -44,9 +45,9 @@ class PoissonBatchSampler:
         self.sample_rate = sample_rate
         self.steps_per_epoch = steps_per_epoch or max(1, round(1 / sample_rate))
         self.secure = secure
-        if generator is None:
+        if generator is None and not secure:
             generator = torch.Generator().manual_seed(secure_seed())
-        self.generator = generator
+        self.generator = None if secure else generator
         self.position = 0  # logical steps completed in the current pass
 
     def __len__(self) -> int:
@@ -54,8 +55,9 @@ class PoissonBatchSampler:
 
     def draw(self) -> list[int]:
         if self.secure:
-            self.generator.manual_seed(secure_seed())
-        mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            mask = os_uniform(self.num_samples) < self.sample_rate
+        else:
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
         return mask.nonzero().flatten().tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -66,11 +68,13 @@ class PoissonBatchSampler:
         self.position = 0
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "rng": self.generator.get_state()}
+        rng = None if self.generator is None else self.generator.get_state()
+        return {"position": self.position, "rng": rng}
 
     def load_state_dict(self, sd: dict) -> None:
         self.position = int(sd["position"])
-        self.generator.set_state(sd["rng"])
+        if self.generator is not None and sd.get("rng") is not None:
+            self.generator.set_state(sd["rng"])
 
 
 @dataclass(frozen=True)
