@@ -542,3 +542,66 @@ def test_default_rng_is_seeded_from_os_urandom(monkeypatch):
     monkeypatch.setattr(os, "urandom", UrandomMeter(os.urandom, fixed=True))
     b2, n2 = draws()
     assert b1 == b2 and torch.equal(n1[0], n2[0])
+
+
+# ---------------------------------------------------------------- batch axis
+
+
+class SeqFirst(nn.Module):
+    """Takes (B, T, D) batches from the loader, runs its layers sequence-first (T, B, D)."""
+
+    def __init__(self, layer: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        if layer == "transformer":
+            self.body = nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=False)
+        else:
+            self.body = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.body(x.transpose(0, 1))  # (T, B, D): every layer agrees on axis 1
+        return self.head(h).mean(0)
+
+
+@pytest.mark.parametrize(
+    "layer,error",
+    [
+        # every layer sees the batch on axis 1: gradients add up and agree, yet rows are
+        # positions; only the loader's batch size tells
+        ("linear", dpfit.errors.BatchAxisError),
+        # nn.MultiheadAttention knows its own batch axis, so the rows disagree
+        ("transformer", dpfit.GradientMismatchError),
+    ],
+)
+def test_sequence_first_model_with_batch_first_default_is_caught(layer, error):
+    model = SeqFirst(layer)
+    dpfit.make_bias_trainable(model)
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=8, sample_size=40, noise_multiplier=1)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    with pytest.raises(error, match="batch_first"):
+        for x, y in engine.data_loader(TensorDataset(40), physical_batch_size=4):
+            nn.functional.cross_entropy(model(x), y).backward()
+            engine.step(opt)  # T = 5 positions, at most 4 examples per physical batch
+    # declared correctly, the same model trains
+    model = SeqFirst(layer)
+    dpfit.make_bias_trainable(model)
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1,
+        batch_first=False,
+    )  # fmt: skip
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    for x, y in engine.data_loader(TensorDataset(40), physical_batch_size=4):
+        nn.functional.cross_entropy(model(x), y).backward()
+        engine.step(opt)
+    assert engine.steps_taken == 5
+
+
+def test_user_poisson_step_checks_a_given_batch_size():
+    model = SeqFirst("linear")
+    dpfit.make_bias_trainable(model)
+    engine = make_engine(model)
+    x, y = TensorDataset(3).x, TensorDataset(3).y
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    with pytest.raises(dpfit.errors.BatchAxisError, match="batch_dims"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1), batch_size=3)

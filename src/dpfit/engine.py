@@ -23,6 +23,7 @@ from dpfit.accounting import PrivacyLedger, StepRecord, noise_multiplier_for
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
 from dpfit.errors import (
+    BatchAxisError,
     BatchNormError,
     BudgetExhaustedError,
     GradientMismatchError,
@@ -515,9 +516,39 @@ class PrivacyEngine:
                     "where declared (batch_first / batch_dims)."
                 )
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _expected_rows(self, batch_size: int | None) -> int | None:
+        """How many examples this physical batch holds, as the loader drew it (or as the
+        caller of a user-poisson step says)."""
+        if self.config.sampling == "poisson" and self._logical is not None:
+            index = self._logical.physical_batches - self._physical_left
+            drawn = self._logical.chunk_size(index)
+            if drawn is not None and batch_size is not None and drawn != batch_size:
+                raise SamplingError(
+                    f"step(batch_size={batch_size}) but the engine's loader drew {drawn} "
+                    "examples for this physical batch"
+                )
+            return drawn
+        return batch_size
+
+    def _check_batch_axis(self, rows: int, expected: int | None) -> None:
+        if expected is None or rows == expected:
+            return
+        raise BatchAxisError(
+            f"the per-example gradients have {rows} rows but this physical batch holds "
+            f"{expected} examples: the model sees the batch on another axis than the engine "
+            f"assumes (batch_first={self.config.batch_first}), so clipping would bound "
+            "positions, not examples. For sequence-first models (e.g. "
+            "nn.TransformerEncoderLayer(batch_first=False), RNNs) build the engine with "
+            "batch_first=False, or give batch_dims={layer_name: axis} for single layers."
+        )
+
+    def step(self, optimizer: torch.optim.Optimizer, batch_size: int | None = None) -> bool:
         """Clip this physical batch into the running sum; at the end of a logical batch, add
         noise, divide by the expected batch size, step the optimizer and account.
+
+        batch_size: the number of examples in this physical batch. Batches from
+        `engine.data_loader` are known to the engine; with sampling="user-poisson", pass it so
+        that a wrong batch axis (per-example rows that are not examples) is caught.
 
         Returns True when a logical (noised) step was taken.
         """
@@ -549,6 +580,7 @@ class PrivacyEngine:
                 "sees the batch on another axis; set batch_first=False or batch_dims={name: axis}"
             )
         (n,) = sizes
+        self._check_batch_axis(n, self._expected_rows(batch_size))
         if self.config.check_gradients:
             self._check_against_autograd(per_ex)
         while self._pending_empty:

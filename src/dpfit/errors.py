@@ -33,5 +33,14 @@ class GradientMismatchError(DPFitError):
     """Per-example gradients do not add up to autograd's gradient: a use was missed."""
 
 
+class BatchAxisError(GradientMismatchError):
+    """The per-example gradients have another row count than the batch drawn: the model sees
+    the batch on another axis than the engine assumes (batch_first / batch_dims)."""
+
+
+class AccountingError(DPFitError):
+    """The accountant could not compute a guarantee for the requested settings."""
+
+
 class LossReductionError(DPFitError):
     """The loss reduction is not one dpfit can turn into per-example gradients."""

@@ -83,6 +83,10 @@ class LogicalBatch:
 
     size: int
     physical_batches: int
+    chunk_sizes: tuple[int, ...] = ()  # examples in each physical batch, in order
+
+    def chunk_size(self, index: int) -> int | None:
+        return self.chunk_sizes[index] if index < len(self.chunk_sizes) else None
 
 
 def default_collate(items: list[Any]) -> Any:
@@ -126,7 +130,9 @@ class PoissonDataLoader:
                 self.engine._empty_logical_step()
                 continue
             chunks = self._chunks(idx)
-            self.engine._begin_logical_batch(LogicalBatch(len(idx), len(chunks)))
+            self.engine._begin_logical_batch(
+                LogicalBatch(len(idx), len(chunks), tuple(len(c) for c in chunks))
+            )
             for chunk in chunks:
                 yield self.collate_fn([self.dataset[i] for i in chunk])
             self.engine._end_logical_batch_iteration()
