@@ -172,7 +172,7 @@ def oracle_clipped_mean(model, batch, loss_fn, n, max_grad_norm):
         loss_fn(model, _slice(batch, i)).backward()
         grads.append([p.grad.detach().clone() for p in params])
     norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in gs)) for gs in grads])
-    c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    c = (max_grad_norm / norms).clamp(max=1.0)  # min(1, R / ||g||)
     total = [sum(c[i] * grads[i][j] for i in range(n)) / n for j in range(len(params))]
     model.zero_grad()
     return dict(zip(params, total, strict=True)), norms
