@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from dpfit import grad_sample  # noqa: F401  (registers the samplers)
-from dpfit.accounting import PrivacyLedger, StepRecord, noise_multiplier_for
+from dpfit.accounting import (
+    PLD_DISCRETIZATION,
+    PLD_SEARCH_DISCRETIZATION,
+    PrivacyLedger,
+    StepRecord,
+    noise_multiplier_for,
+)
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
 from dpfit.errors import (
@@ -337,20 +343,28 @@ class PrivacyEngine:
         if self.noise_multiplier == 0:
             return self.ledger.steps
 
-        def fits(k: int) -> bool:
+        def fits(k: int, grid: float = PLD_DISCRETIZATION) -> bool:
             extra = (StepRecord(self.noise_multiplier, self.sample_rate, k),) if k else ()
-            return self.ledger.epsilon(extra=extra) <= target
+            return self.ledger.epsilon(extra=extra, pld_discretization=grid) <= target
 
+        # PLD: search on a coarser (pessimistic, so never larger) grid, then settle on the
+        # grid epsilon is reported with; RDP ignores the grid
+        search = PLD_SEARCH_DISCRETIZATION
         if not fits(0):
             return self.ledger.steps
         lo, hi = 0, max(1, self.config.planned_steps or 1)
-        while fits(hi):
+        while fits(hi, search):
             lo, hi = hi, hi * 2
             if hi > 10**9:
                 return None
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            lo, hi = (mid, hi) if fits(mid, search) else (lo, mid)
+        if self.config.accountant == "pld":
+            while lo > 0 and not fits(lo):
+                lo -= 1
+            while fits(lo + 1):
+                lo += 1
         return self.ledger.steps + lo
 
     def _register_hooks(self) -> None:
