@@ -1,8 +1,8 @@
 """Mutation testing of the engine's privacy mechanism: does the suite catch each small bug?
 
-Each mutation is a textual patch on a copy of src/dpfit in a temporary folder (the checkout is
-never touched). The tests that guard that part of the mechanism run against the copy
-(PYTHONPATH first); a mutation is *killed* when they fail, and *survives* when they pass. A
+Each mutation is a textual patch on a copy of src/dpfit in a temporary folder that also holds a
+snapshot of tests/ (the checkout is never touched, and may change while this runs). The tests
+that guard that part of the mechanism run against the copy (PYTHONPATH first); a mutation is *killed* when they fail, and *survives* when they pass. A
 surviving mutation is a privacy bug the suite would let through. The unmutated copy runs the
 same tests first and must pass, and every patch must apply exactly once (else the script stops:
 the source moved and the mutation list needs updating).
@@ -82,7 +82,7 @@ MUTATIONS = (
             (
                 ENGINE,
                 "denom = float(self.config.expected_batch_size)",
-                "denom = float(self._logical.size if self._logical is not None else self.config.expected_batch_size)",
+                "denom = float(self._steps.current.size if self._steps.current is not None else self.config.expected_batch_size)",
             ),
         ),
         ("tests/test_sampling.py", "-k", "noiseless"),
@@ -238,8 +238,8 @@ MUTATIONS = (
         (
             (
                 ENGINE,
-                "            self._finish_logical_step(self._optimizer)\n\n",
-                "            pass\n\n",
+                "        self._finish_logical_step(self._optimizer)\n        return True\n",
+                "        return True\n",
             ),
         ),
         ("tests/test_engine.py", "tests/test_sampling.py", "-k", "empty"),
@@ -271,9 +271,9 @@ MUTATIONS = (
 )
 
 
-def apply(src: Path, m: Mutation) -> None:
+def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
-        path = src / rel
+        path = root / "src" / rel
         text = path.read_text()
         n = text.count(old)
         if n != 1:
@@ -281,13 +281,18 @@ def apply(src: Path, m: Mutation) -> None:
         path.write_text(text.replace(old, new))
 
 
-def run_tests(src: Path, args: tuple[str, ...], timeout: int) -> tuple[int, list[str], float]:
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+def run_tests(root: Path, args: tuple[str, ...], timeout: int) -> tuple[int, list[str], float]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root / "src"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+    }
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *args]
     t0 = time.monotonic()
     try:
         out = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         return -1, ["timeout"], time.monotonic() - t0
@@ -305,18 +310,24 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="dpfit-mut-") as tmp:
         clean = Path(tmp) / "clean"
-        shutil.copytree(ROOT / "src", clean, ignore=shutil.ignore_patterns("__pycache__"))
+        skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+        for part in ("src", "tests"):
+            shutil.copytree(ROOT / part, clean / part, ignore=skip)
+        shutil.copy(ROOT / "pyproject.toml", clean / "pyproject.toml")
         # the mutants must import the copy, not the checkout: check once
         probe = subprocess.run(
             [sys.executable, "-c", "import dpfit; print(dpfit.__file__)"],
-            env={**os.environ, "PYTHONPATH": str(clean)}, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(clean / "src")}, capture_output=True, text=True,
         )  # fmt: skip
         if not probe.stdout.strip().startswith(str(clean)):
             raise SystemExit(f"PYTHONPATH copy not picked up: {probe.stdout} {probe.stderr}")
+        passed: set[tuple[str, ...]] = set()  # test selections that pass unmutated
         for m in chosen:
-            rc, failed, secs = run_tests(clean, m.tests, args.timeout)
-            if rc != 0:
-                raise SystemExit(f"baseline for {m.name} fails (rc={rc}): {failed}")
+            if m.tests not in passed:
+                rc, failed, secs = run_tests(clean, m.tests, args.timeout)
+                if rc != 0:
+                    raise SystemExit(f"baseline for {m.name} fails (rc={rc}): {failed}")
+                passed.add(m.tests)
             work = Path(tmp) / m.name
             shutil.copytree(clean, work)
             apply(work, m)

@@ -12,7 +12,7 @@ from oracle import Capture
 from torch import nn
 
 import dpfit
-from dpfit.sampling import LogicalBatch, PoissonBatchSampler
+from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader
 
 
 class Points(torch.utils.data.Dataset):
@@ -88,20 +88,50 @@ def test_sampler_without_generator_is_os_seeded():
     assert a != b
 
 
-def test_logical_batch_knows_its_chunks():
-    model = make_model()
-    engine = dpfit.PrivacyEngine(model, expected_batch_size=10, sample_size=30, noise_multiplier=1)
-    seen = []
-    real = engine._begin_logical_batch
-    engine._begin_logical_batch = lambda b: (seen.append(b), real(b))
-    opt = torch.optim.SGD(engine.parameters(), lr=0.0)
-    for x, y, _ in engine.data_loader(Points(30), physical_batch_size=4):
-        assert len(x) == seen[-1].chunk_sizes[seen[-1].physical_batches - engine._physical_left]
-        loss_of(model, x, y).backward()
-        engine.step(opt)
-    for b in seen:
-        assert isinstance(b, LogicalBatch) and sum(b.chunk_sizes) == b.size
-        assert all(c <= 4 for c in b.chunk_sizes) and len(b.chunk_sizes) == b.physical_batches
+class Recorder:
+    """A LogicalBatchEvents that only records: the loader needs no engine."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def begin(self, batch: LogicalBatch) -> None:
+        self.log.append(("begin", batch))
+
+    def end(self) -> None:
+        self.log.append(("end", None))
+
+    def empty(self) -> None:
+        self.log.append(("empty", None))
+
+
+def test_loader_reports_logical_batches_and_their_chunks():
+    events = Recorder()
+    sampler = PoissonBatchSampler(30, 0.3, steps_per_epoch=40)
+    loader = PoissonDataLoader(events, Points(30), sampler, physical_batch_size=4)
+    batches = []
+    for x, _, idx in loader:
+        batches.append(len(x))
+        assert len(idx) == len(x)
+    begun = [b for kind, b in events.log if kind == "begin"]
+    assert [k for k, _ in events.log].count("end") == len(begun)
+    assert len(begun) + [k for k, _ in events.log].count("empty") == 40
+    assert [c for b in begun for c in b.chunk_sizes] == batches
+    for b in begun:
+        assert sum(b.chunk_sizes) == b.size and len(b.chunk_sizes) == b.physical_batches
+        assert all(c <= 4 for c in b.chunk_sizes)
+
+
+def test_sampling_does_not_import_the_engine():
+    import ast
+    import inspect
+
+    import dpfit.sampling
+
+    tree = ast.parse(inspect.getsource(dpfit.sampling))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    assert "dpfit.engine" not in imported
 
 
 # ------------------------------------------------------------------ noiseless loader step

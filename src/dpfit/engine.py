@@ -41,7 +41,7 @@ from dpfit.grad_sample.full import is_factored, norm_sampler_for
 from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
 from dpfit.params import is_bias
 from dpfit.rng import make_generator, os_uniform
-from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader
+from dpfit.sampling import LogicalStepTracker, PoissonBatchSampler, PoissonDataLoader
 from dpfit.schedule import (
     Phase,
     PhaseSpec,
@@ -185,9 +185,7 @@ class PrivacyEngine:
         self._forward_id = 0
         self._per_example: dict[nn.Parameter, dict[int, torch.Tensor]] = {}
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
-        self._logical: LogicalBatch | None = None
-        self._physical_left = 0
-        self._pending_empty = 0
+        self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
         self._eps_cache: dict[tuple[int, float], float] = {}
         self._loader: PoissonDataLoader | None = None
@@ -461,33 +459,20 @@ class PrivacyEngine:
             generator=self._sample_rng,
             secure=self.config.secure_rng,
         )
-        self._loader = PoissonDataLoader(self, dataset, sampler, collate_fn, physical_batch_size)
+        self._loader = PoissonDataLoader(
+            self._steps, dataset, sampler, collate_fn, physical_batch_size
+        )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None
         return self._loader
 
-    def _begin_logical_batch(self, batch: LogicalBatch) -> None:
-        if self._physical_left:
-            raise SamplingError(
-                "a new logical batch started before engine.step(optimizer) was called for every "
-                "physical batch of the previous one; call it after each backward"
-            )
-        self._logical = batch
-        self._physical_left = batch.physical_batches
-
-    def _end_logical_batch_iteration(self) -> None:
-        if self._physical_left:
-            raise SamplingError(
-                "call engine.step(optimizer) after each backward: "
-                f"{self._physical_left} physical batch(es) of the last logical batch were not stepped"
-            )
-
-    def _empty_logical_step(self) -> None:
+    def _empty_logical_step(self) -> bool:
+        """An empty logical batch: a noise-only step, once an optimizer is known."""
         if self._optimizer is None:
-            self._pending_empty += 1
-        else:
-            self._finish_logical_step(self._optimizer)
+            return False
+        self._finish_logical_step(self._optimizer)
+        return True
 
     # ------------------------------------------------------------------ step
     def _collect(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -535,9 +520,8 @@ class PrivacyEngine:
     def _expected_rows(self, batch_size: int | None) -> int | None:
         """How many examples this physical batch holds, as the loader drew it (or as the
         caller of a user-poisson step says)."""
-        if self.config.sampling == "poisson" and self._logical is not None:
-            index = self._logical.physical_batches - self._physical_left
-            drawn = self._logical.chunk_size(index)
+        if self.config.sampling == "poisson":
+            drawn = self._steps.drawn_rows()
             if drawn is not None and batch_size is not None and drawn != batch_size:
                 raise SamplingError(
                     f"step(batch_size={batch_size}) but the engine's loader drew {drawn} "
@@ -568,7 +552,7 @@ class PrivacyEngine:
 
         Returns True when a logical (noised) step was taken.
         """
-        if self.config.sampling == "poisson" and self._logical is None:
+        if self.config.sampling == "poisson" and self._steps.current is None:
             raise SamplingError(
                 "engine.step() was called on a batch not drawn by engine.data_loader(...). "
                 "Use that loader (Poisson sampling, which the accounting assumes), or, if you "
@@ -599,11 +583,9 @@ class PrivacyEngine:
         self._check_batch_axis(n, self._expected_rows(batch_size))
         if self.config.check_gradients:
             self._check_against_autograd(per_ex)
-        while self._pending_empty:
-            self._pending_empty -= 1
-            saved = self._logical, self._physical_left
-            self._finish_logical_step(optimizer)
-            self._logical, self._physical_left = saved
+        while self._steps.pending_empty:  # empty batches drawn before the first step
+            self._steps.pending_empty -= 1
+            self._release(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
         sq = torch.zeros(n, dtype=torch.float32, device=next(iter(per_ex.values())).device)
         flat = {}
@@ -628,12 +610,17 @@ class PrivacyEngine:
             p.grad = None
         if self.config.sampling == "user-poisson":
             return self._finish_logical_step(optimizer)
-        self._physical_left -= 1
-        if self._physical_left > 0:
+        if not self._steps.physical_done():
             return False
         return self._finish_logical_step(optimizer)
 
     def _finish_logical_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self._release(optimizer)
+        self._steps.close()
+        return True
+
+    def _release(self, optimizer: torch.optim.Optimizer) -> None:
+        """Noise the clipped sum, divide by the expected batch size, step, account."""
         if self._max_steps is not None and self.ledger.steps + 1 > self._max_steps:
             self._summed.clear()
             raise BudgetExhaustedError(
@@ -653,10 +640,7 @@ class PrivacyEngine:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self._summed.clear()
-        self._logical = None
-        self._physical_left = 0
         self.ledger.record(self.noise_multiplier, self.sample_rate)
-        return True
 
     # ------------------------------------------------------------------ reporting
     def epsilon(self, delta: float | None = None) -> float:
@@ -698,7 +682,7 @@ class PrivacyEngine:
             "noise_rng": None if self._noise_rng is None else self._noise_rng.get_state(),
             "sample_rng": None if self._sample_rng is None else self._sample_rng.get_state(),
             "insecure_seed": self._insecure_seed,
-            "pending_empty": self._pending_empty,
+            "pending_empty": self._steps.pending_empty,
         }
         if self._loader is not None:
             sd["loader"] = self._loader.state_dict()
@@ -717,7 +701,7 @@ class PrivacyEngine:
                 gen.set_state(sd[key])
         # a run that was once reproducible from a seed stays marked so
         self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))
-        self._pending_empty = int(sd.get("pending_empty", 0))
+        self._steps.pending_empty = int(sd.get("pending_empty", 0))
         self._eps_cache.clear()
         self._max_steps = self._compute_max_steps()
         if "loader" in sd:
@@ -757,7 +741,7 @@ class PrivacyEngine:
         parameters. With `remaining_steps` (and a target epsilon) the noise is re-calibrated so
         that the steps already taken plus these meet the target.
         """
-        if self._physical_left or self._summed or self._per_example:
+        if self._steps.physical_left or self._summed or self._per_example:
             raise SamplingError(
                 "switch_phase() in the middle of a logical batch; call it between epochs, "
                 "after engine.step(optimizer) returned True"
