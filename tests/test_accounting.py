@@ -147,3 +147,21 @@ def test_accountant_failure_is_a_dpfit_error(monkeypatch):
         acc.epsilon_for(0.5, 0.3, 9, 1e-5, "pld")
     with pytest.raises(AccountingError):
         acc.noise_multiplier_for(8.0, 1e-5, 0.3, 9, "pld")
+
+
+def test_pld_budget_step_limit_is_exact_on_the_reporting_grid():
+    """The engine searches the step limit on PLD's coarse grid, then settles on the fine one:
+    the limit k has epsilon(k) <= target < epsilon(k + 1) under dp-accounting directly."""
+    from torch import nn
+
+    import dpfit
+
+    q, sigma, target = 0.1, 2.0, 1.5
+    engine = dpfit.PrivacyEngine(
+        nn.Linear(2, 2), expected_batch_size=10, sample_size=100, noise_multiplier=sigma,
+        target_epsilon=target, steps=20, accountant="pld",
+    )  # fmt: skip
+    k = engine._max_steps
+    assert k is not None and k > 0
+    assert independent_epsilon(sigma, q, k, 1e-5, "pld") <= target
+    assert independent_epsilon(sigma, q, k + 1, 1e-5, "pld") > target

@@ -350,19 +350,28 @@ class PrivacyEngine:
         search = PLD_SEARCH_DISCRETIZATION
         if not fits(0):
             return self.ledger.steps
+
+        def last_fitting(lo: int, hi: int, grid: float) -> int:
+            """Given fits(lo) and not fits(hi): the largest k in [lo, hi) that fits."""
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid, grid) else (lo, mid)
+            return lo
+
         lo, hi = 0, max(1, self.config.planned_steps or 1)
         while fits(hi, search):
             lo, hi = hi, hi * 2
             if hi > 10**9:
                 return None
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid, search) else (lo, mid)
-        if self.config.accountant == "pld":
-            while lo > 0 and not fits(lo):
-                lo -= 1
-            while fits(lo + 1):
-                lo += 1
+        lo = last_fitting(lo, hi, search)
+        if self.config.accountant == "pld":  # settle on the reporting grid, O(log) evaluations
+            if not fits(lo):
+                lo = last_fitting(0, lo, PLD_DISCRETIZATION)
+            else:
+                step = 1
+                while fits(lo + step):
+                    lo, step = lo + step, step * 2
+                lo = last_fitting(lo, lo + step, PLD_DISCRETIZATION)
         return self.ledger.steps + lo
 
     def _register_hooks(self) -> None:
