@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
-from oracle import make_engine, oracle_per_example
+from noise_check import assert_std
+from oracle import Capture, make_engine, oracle_per_example
 from torch import nn
 
 import dpfit
-from dpfit.clipping import get_clipping
 
 
 def small_model() -> nn.Module:
@@ -49,7 +50,9 @@ def test_noiseless_update_is_sum_of_clipped_oracle_grads(reduction, clipping):
     R = 1e-3
     norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in want.values()))
     assert (norms > R).all()  # the clip bites on every example
-    factors = get_clipping(clipping)(norms, R)
+    # written out, not taken from dpfit.clipping: flat min(1, R/||g||), automatic R/(||g||+0.01)
+    factors = (R / norms).clamp(max=1.0) if clipping == "flat" else R / (norms + 0.01)
+    assert (factors * norms <= R * (1 + 1e-12)).all()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     engine = make_engine(
         model, expected_batch_size=4, max_grad_norm=R, loss_reduction=reduction, clipping=clipping
@@ -107,9 +110,7 @@ def test_autograd_saves_no_more_than_nonprivate_bias_only():
 def test_noise_std_matches_sigma_R_over_B():
     model = small_model()
     sigma, R, B = 1.7, 0.5, 8
-    engine = make_engine(
-        model, expected_batch_size=B, noise_multiplier=sigma, max_grad_norm=R, seed=3
-    )
+    engine = make_engine(model, expected_batch_size=B, noise_multiplier=sigma, max_grad_norm=R)
     opt = torch.optim.SGD(engine.parameters(), lr=0.0)
     x = torch.randn(2, 5, 6)
     draws = []
@@ -119,12 +120,7 @@ def test_noise_std_matches_sigma_R_over_B():
     for _ in range(300):
         (model(x) * 0).sum().backward()  # zero gradients: only noise remains
         engine.step(opt)
-    z = torch.stack(draws).flatten().double()
-    n = z.numel()
-    expected = sigma * R / B
-    # the sample std of n Gaussians has relative sd ~ 1/sqrt(2n): allow 5 of those
-    assert abs(z.std().item() / expected - 1) < 5 / math.sqrt(2 * n)
-    assert abs(z.mean().item()) < 5 * expected / math.sqrt(n)
+    assert_std(torch.stack(draws), sigma * R / B)  # chi-square bound on the sample variance
 
 
 def test_secure_rng_noise_is_gaussian_with_right_scale():
@@ -139,7 +135,14 @@ def test_secure_rng_noise_is_gaussian_with_right_scale():
     assert abs((z**4).mean().item() / (3 * 16) - 1) < 0.05
 
 
-def train(seed: int, steps_data_seed: int = 0, physical=None, n_epochs=1, secure=False):
+def train(
+    seed: int | None,
+    steps_data_seed: int = 0,
+    physical=None,
+    n_epochs=1,
+    secure=False,
+    with_optimizer=False,
+):
     model = small_model()
     data = TensorDataset(40, steps_data_seed)
     engine = dpfit.PrivacyEngine(
@@ -148,7 +151,7 @@ def train(seed: int, steps_data_seed: int = 0, physical=None, n_epochs=1, secure
         sample_size=40,
         noise_multiplier=1.0,
         max_grad_norm=1.0,
-        seed=seed,
+        insecure_seed=seed,
         secure_rng=secure,
     )
     opt = torch.optim.Adam(engine.parameters(), lr=0.01)
@@ -157,7 +160,7 @@ def train(seed: int, steps_data_seed: int = 0, physical=None, n_epochs=1, secure
         for x, y in loader:
             seq_loss(model, x, y).backward()
             engine.step(opt)
-    return model, engine
+    return (model, engine, opt) if with_optimizer else (model, engine)
 
 
 def params_of(model):
@@ -183,9 +186,7 @@ def test_virtual_steps_equal_one_big_batch():
 def test_empty_logical_batches_are_noise_steps():
     model = small_model()
     data = TensorDataset(40)
-    engine = dpfit.PrivacyEngine(
-        model, expected_batch_size=1, sample_size=40, noise_multiplier=1.0, seed=0
-    )
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=1, sample_size=40, noise_multiplier=1.0)
     opt = torch.optim.SGD(engine.parameters(), lr=0.1)
     calls = 0
     for x, y in engine.data_loader(data):
@@ -198,10 +199,11 @@ def test_empty_logical_batches_are_noise_steps():
 
 def test_resume_from_state_dict_matches_uninterrupted():
     full_model, full_engine = train(seed=11, n_epochs=2)
-    # interrupted: one epoch, save, then a fresh model/engine resumes
-    model, engine = train(seed=11, n_epochs=1)
+    # interrupted: one epoch, save, then a fresh model/engine/optimizer resumes
+    model, engine, opt = train(seed=11, n_epochs=1, with_optimizer=True)
     state = engine.state_dict()
     params = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
     model2 = small_model()
     model2.load_state_dict(params)
     engine2 = dpfit.PrivacyEngine(
@@ -210,23 +212,50 @@ def test_resume_from_state_dict_matches_uninterrupted():
         sample_size=40,
         noise_multiplier=1.0,
         max_grad_norm=1.0,
-        seed=999,  # the RNG state comes from the checkpoint, not the seed
+        insecure_seed=999,  # the RNG state comes from the checkpoint, not the seed
     )
     engine2.load_state_dict(state)
     opt2 = torch.optim.Adam(engine2.parameters(), lr=0.01)
-    # (optimizer state is the checkpoint module's job; here: accounting and data position)
+    opt2.load_state_dict(opt_state)
     loader = engine2.data_loader(TensorDataset(40))
     for x, y in loader:
         seq_loss(model2, x, y).backward()
         engine2.step(opt2)
     assert engine2.steps_taken == full_engine.steps_taken
     assert engine2.epsilon() == pytest.approx(full_engine.epsilon(), rel=1e-12)
+    # same noise, same batches, same optimizer state: the very same parameters
+    assert torch.equal(params_of(model2), params_of(full_model))
+
+
+def test_resume_without_a_seed_continues_the_secret_streams():
+    """Default (OS-seeded) generators: the checkpoint carries their state, so a resumed run
+    still equals the uninterrupted one, whatever seeds the new engine drew."""
+    model, engine, opt = train(seed=None, n_epochs=1, with_optimizer=True)
+    state = engine.state_dict()
+    assert state["noise_rng"] is not None and state["sample_rng"] is not None
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def resume() -> torch.Tensor:
+        m = small_model()
+        m.load_state_dict(snapshot)
+        e = dpfit.PrivacyEngine(m, expected_batch_size=8, sample_size=40, noise_multiplier=1.0)
+        e.load_state_dict(state)
+        o = torch.optim.Adam(e.parameters(), lr=0.01)
+        o.load_state_dict(copy.deepcopy(opt.state_dict()))  # Adam updates its state in place
+        for x, y in e.data_loader(TensorDataset(40)):
+            seq_loss(m, x, y).backward()
+            e.step(o)
+        return params_of(m)
+
+    # two resumptions from one checkpoint are identical: everything random came from it
+    assert torch.equal(resume(), resume())
+    assert engine.privacy_record()["insecure_seed"] is False
 
 
 def test_loader_state_resumes_mid_epoch():
     model = small_model()
     engine = dpfit.PrivacyEngine(
-        model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0, seed=2
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0, insecure_seed=2
     )
     loader = engine.data_loader(TensorDataset(40))
     it = iter(loader.sampler)
@@ -282,7 +311,6 @@ def test_budget_exhausted_before_exceeding_target():
         target_epsilon=3.0,
         target_delta=1e-5,
         epochs=1,
-        seed=0,
     )
     opt = torch.optim.SGD(engine.parameters(), lr=0.1)
     data = TensorDataset(40)
@@ -373,3 +401,204 @@ def test_broadcast_input_gets_a_specific_error():
     model(torch.randn(3, 5, 4)).sum().backward()
     with pytest.raises(dpfit.GradientMismatchError, match="broadcast"):
         engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+
+
+# ---------------------------------------------------------------- randomness
+
+
+class Indexed(torch.utils.data.Dataset):
+    """TensorDataset that also returns each example's index, to see which batches were drawn."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.inner = TensorDataset(n)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return (*self.inner[i], i)
+
+
+def draws(**engine_kw) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Build an engine as a user with a fixed public seed would, run one epoch; return the
+    logical batches drawn and the noised gradients released."""
+    torch.manual_seed(0)  # the public seed: model init, data, everything non-private
+    model = small_model()
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0, **engine_kw
+    )
+    opt = Capture(engine.parameters())
+    batches, released = [], []
+    for x, y, idx in engine.data_loader(Indexed(40)):
+        (seq_loss(model, x, y) * 0).sum().backward()
+        if engine.step(opt):
+            batches.append(idx.tolist())
+            released.append(torch.cat([opt.grads[p].flatten() for p in engine.parameters()]))
+    return batches, released
+
+
+def test_seed_keyword_is_gone():
+    with pytest.raises(TypeError, match="seed"):
+        dpfit.PrivacyEngine(
+            small_model(), expected_batch_size=8, sample_size=40, noise_multiplier=1.0, seed=0
+        )
+
+
+def test_noise_and_batches_are_not_reproducible_by_default():
+    """Same public seed, config and data: a second run must not regenerate the first one's
+    noise or batches (else anyone who knows the seed subtracts the noise)."""
+    b1, n1 = draws()
+    b2, n2 = draws()
+    assert b1 != b2
+    assert all(not torch.equal(a, b) for a, b in zip(n1, n2, strict=False))
+
+
+def test_insecure_seed_reproduces_and_is_recorded(caplog):
+    with caplog.at_level("WARNING", logger="dpfit.engine"):
+        b1, n1 = draws(insecure_seed=7)
+    assert "NOT differentially private" in caplog.text
+    b2, n2 = draws(insecure_seed=7)
+    b3, n3 = draws(insecure_seed=8)
+    assert b1 == b2 and all(torch.equal(a, b) for a, b in zip(n1, n2, strict=True))
+    assert b1 != b3 and not torch.equal(n1[0], n3[0])
+    model = small_model()
+    rec = dpfit.PrivacyEngine(
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0, insecure_seed=7
+    ).privacy_record()
+    assert rec["insecure_seed"] is True
+    rec = dpfit.PrivacyEngine(
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0
+    ).privacy_record()
+    assert rec["insecure_seed"] is False
+
+
+def test_insecure_seed_gives_distinct_noise_and_sampling_streams():
+    from dpfit.rng import make_generator
+
+    a = torch.rand(100, generator=make_generator(3, "noise"))
+    b = torch.rand(100, generator=make_generator(3, "sampling"))
+    assert not torch.equal(a, b)
+
+
+def test_insecure_seed_with_secure_rng_is_refused():
+    with pytest.raises(ValueError, match="secure_rng"):
+        dpfit.PrivacyEngine(
+            small_model(), expected_batch_size=8, sample_size=40, noise_multiplier=1.0,
+            secure_rng=True, insecure_seed=1,
+        )  # fmt: skip
+
+
+class UrandomMeter:
+    """Stands in for os.urandom: counts bytes, and replays a fixed stream when told to."""
+
+    def __init__(self, real, fixed: bool = False) -> None:
+        self.real, self.fixed, self.bytes = real, fixed, 0
+        self.stream = __import__("random").Random(1234)
+
+    def __call__(self, n: int) -> bytes:
+        self.bytes += n
+        return self.stream.randbytes(n) if self.fixed else self.real(n)
+
+
+def test_secure_rng_engine_draws_every_step_from_os_urandom(monkeypatch):
+    """The engine's loader and noise (not only gaussian_noise) take their randomness from
+    os.urandom at each step: 8 bytes per inclusion decision and per noise coordinate."""
+    import os
+
+    meter = UrandomMeter(os.urandom)
+    monkeypatch.setattr(os, "urandom", meter)
+    model = small_model()
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0, secure_rng=True
+    )
+    d = sum(p.numel() for p in engine.parameters())
+    opt = Capture(engine.parameters())
+    start = meter.bytes
+    for x, y in engine.data_loader(TensorDataset(40)):
+        seq_loss(model, x, y).backward()
+        engine.step(opt)
+    steps = engine.steps_taken
+    assert steps == 5
+    per_step = (meter.bytes - start) / steps
+    assert per_step >= 8 * 40 + 8 * d, per_step
+
+    # and nothing else is random: with os.urandom replaced by a fixed stream, two secure runs
+    # coincide (no torch generator was consulted)
+    monkeypatch.setattr(os, "urandom", UrandomMeter(os.urandom, fixed=True))
+    b1, n1 = draws(secure_rng=True)
+    monkeypatch.setattr(os, "urandom", UrandomMeter(os.urandom, fixed=True))
+    b2, n2 = draws(secure_rng=True)
+    assert b1 == b2 and all(torch.equal(a, b) for a, b in zip(n1, n2, strict=True))
+
+
+def test_default_rng_is_seeded_from_os_urandom(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "urandom", UrandomMeter(os.urandom, fixed=True))
+    b1, n1 = draws()
+    monkeypatch.setattr(os, "urandom", UrandomMeter(os.urandom, fixed=True))
+    b2, n2 = draws()
+    assert b1 == b2 and torch.equal(n1[0], n2[0])
+
+
+# ---------------------------------------------------------------- batch axis
+
+
+class SeqFirst(nn.Module):
+    """Takes (B, T, D) batches from the loader, runs its layers sequence-first (T, B, D)."""
+
+    def __init__(self, layer: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        if layer == "transformer":
+            self.body = nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=False)
+        else:
+            self.body = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.body(x.transpose(0, 1))  # (T, B, D): every layer agrees on axis 1
+        return self.head(h).mean(0)
+
+
+@pytest.mark.parametrize(
+    "layer,error",
+    [
+        # every layer sees the batch on axis 1: gradients add up and agree, yet rows are
+        # positions; only the loader's batch size tells
+        ("linear", dpfit.errors.BatchAxisError),
+        # nn.MultiheadAttention knows its own batch axis, so the rows disagree
+        ("transformer", dpfit.GradientMismatchError),
+    ],
+)
+def test_sequence_first_model_with_batch_first_default_is_caught(layer, error):
+    model = SeqFirst(layer)
+    dpfit.make_bias_trainable(model)
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=8, sample_size=40, noise_multiplier=1)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    with pytest.raises(error, match="batch_first"):
+        for x, y in engine.data_loader(TensorDataset(40), physical_batch_size=4):
+            nn.functional.cross_entropy(model(x), y).backward()
+            engine.step(opt)  # T = 5 positions, at most 4 examples per physical batch
+    # declared correctly, the same model trains
+    model = SeqFirst(layer)
+    dpfit.make_bias_trainable(model)
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=8, sample_size=40, noise_multiplier=1,
+        batch_first=False,
+    )  # fmt: skip
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    for x, y in engine.data_loader(TensorDataset(40), physical_batch_size=4):
+        nn.functional.cross_entropy(model(x), y).backward()
+        engine.step(opt)
+    assert engine.steps_taken == 5
+
+
+def test_user_poisson_step_checks_a_given_batch_size():
+    model = SeqFirst("linear")
+    dpfit.make_bias_trainable(model)
+    engine = make_engine(model)
+    x, y = TensorDataset(3).x, TensorDataset(3).y
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    with pytest.raises(dpfit.errors.BatchAxisError, match="batch_dims"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1), batch_size=3)

@@ -210,7 +210,6 @@ def train_causal_lm(
         target_delta=delta,
         epochs=config.epochs,
         max_grad_norm=config.max_grad_norm,
-        seed=config.seed,
         check_gradients=config.check_gradients,
     )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr, weight_decay=0.0)

@@ -26,8 +26,8 @@ def register_clipping(name: str) -> Callable[[ClipFn], ClipFn]:
 
 @register_clipping("flat")
 def flat(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """Abadi et al.: min(1, R / ||g||)."""
-    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    """Abadi et al.: min(1, R / ||g||) (1 for a zero gradient)."""
+    return (max_grad_norm / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp(max=1.0)
 
 
 @register_clipping("automatic")

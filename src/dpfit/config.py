@@ -16,6 +16,9 @@ SAMPLINGS = ("poisson", "user-poisson")
 class PrivacyConfig:
     """Everything that determines the guarantee and the per-example computation.
 
+    insecure_seed: None (the default) seeds the noise and sampling generators from os.urandom.
+    An integer makes them reproducible, and the run is then not private against anyone who
+    knows it. secure_rng: draw every noise value and sampling decision from os.urandom itself.
     sampling: "poisson" means batches come from `engine.data_loader` (checked at every step);
     "user-poisson" means the caller draws Poisson batches at rate q itself and vouches for it.
     """
@@ -34,7 +37,7 @@ class PrivacyConfig:
     accountant: str = "rdp"
     sampling: str = "poisson"
     secure_rng: bool = False
-    seed: int | None = None
+    insecure_seed: int | None = None
     batch_first: bool = True
     batch_dims: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     check_gradients: bool = True
@@ -76,6 +79,11 @@ class PrivacyConfig:
             bad("noise_multiplier must be >= 0")
         if self.epochs is not None and self.steps is not None:
             bad("give epochs= or steps=, not both")
+        if self.secure_rng and self.insecure_seed is not None:
+            bad(
+                "secure_rng=True draws every noise value and sampling decision from os.urandom, "
+                "which no seed can reproduce; drop insecure_seed or secure_rng"
+            )
 
     @property
     def sample_rate(self) -> float:

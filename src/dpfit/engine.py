@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,10 +19,17 @@ import torch
 from torch import nn
 
 from dpfit import grad_sample  # noqa: F401  (registers the samplers)
-from dpfit.accounting import PrivacyLedger, StepRecord, noise_multiplier_for
+from dpfit.accounting import (
+    PLD_DISCRETIZATION,
+    PLD_SEARCH_DISCRETIZATION,
+    PrivacyLedger,
+    StepRecord,
+    noise_multiplier_for,
+)
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
 from dpfit.errors import (
+    BatchAxisError,
     BatchNormError,
     BudgetExhaustedError,
     GradientMismatchError,
@@ -34,7 +40,8 @@ from dpfit.errors import (
 from dpfit.grad_sample.full import is_factored, norm_sampler_for
 from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
 from dpfit.params import is_bias
-from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader, secure_seed
+from dpfit.rng import make_generator, os_uniform
+from dpfit.sampling import LogicalStepTracker, PoissonBatchSampler, PoissonDataLoader
 from dpfit.schedule import (
     Phase,
     PhaseSpec,
@@ -76,18 +83,24 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
 
 
 def gaussian_noise(
-    shape: torch.Size, std: float, generator: torch.Generator, secure: bool, like: torch.Tensor
+    shape: torch.Size,
+    std: float,
+    generator: torch.Generator | None,
+    secure: bool,
+    like: torch.Tensor,
 ) -> torch.Tensor:
-    """N(0, std^2) noise; with `secure`, from os.urandom through Box-Muller in float64."""
+    """N(0, std^2) noise; with `secure`, from os.urandom through Box-Muller in float64
+    (`generator` is then unused and may be None)."""
     if std == 0:
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
     if not secure:
+        if generator is None:
+            raise ValueError("gaussian_noise needs a generator unless secure=True")
         z = torch.randn(shape, generator=generator, dtype=torch.float32)
         return (z * std).to(device=like.device, dtype=like.dtype)
     n = math.prod(shape)
     m = n + (n % 2)
-    raw = torch.frombuffer(bytearray(os.urandom(8 * m)), dtype=torch.int64)
-    u = (((raw >> 11) & ((1 << 53) - 1)).to(torch.float64) + 0.5) * 2.0**-53  # uniform (0, 1)
+    u = os_uniform(m)
     u1, u2 = u[: m // 2], u[m // 2 :]
     r = torch.sqrt(-2.0 * torch.log(u1))
     z = torch.cat([r * torch.cos(2 * math.pi * u2), r * torch.sin(2 * math.pi * u2)])[:n]
@@ -120,7 +133,7 @@ class PrivacyEngine:
         accountant: str = "rdp",
         sampling: str = "poisson",
         secure_rng: bool = False,
-        seed: int | None = None,
+        insecure_seed: int | None = None,
         batch_first: bool = True,
         batch_dims: dict[str, int] | None = None,
         check_gradients: bool = True,
@@ -147,7 +160,7 @@ class PrivacyEngine:
             accountant=accountant,
             sampling=sampling,
             secure_rng=secure_rng,
-            seed=seed,
+            insecure_seed=insecure_seed,
             batch_first=batch_first,
             batch_dims=tuple(sorted((batch_dims or {}).items())),
             check_gradients=check_gradients,
@@ -163,9 +176,8 @@ class PrivacyEngine:
         self._names = {p: n for n, p in model.named_parameters()}
         self.noise_multiplier = self._resolve_noise_multiplier()
         self._max_steps = self._compute_max_steps()
-        self._noise_rng = torch.Generator().manual_seed(
-            secure_seed() if seed is None or secure_rng else seed
-        )
+        self._insecure_seed = insecure_seed is not None
+        self._noise_rng, self._sample_rng = self._make_generators()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending_loader_state: dict | None = None
         self._register_hooks()
@@ -173,9 +185,7 @@ class PrivacyEngine:
         self._forward_id = 0
         self._per_example: dict[nn.Parameter, dict[int, torch.Tensor]] = {}
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
-        self._logical: LogicalBatch | None = None
-        self._physical_left = 0
-        self._pending_empty = 0
+        self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
         self._eps_cache: dict[tuple[int, float], float] = {}
         self._loader: PoissonDataLoader | None = None
@@ -189,6 +199,20 @@ class PrivacyEngine:
         )
 
     # ------------------------------------------------------------------ set-up
+    def _make_generators(self) -> tuple[torch.Generator | None, torch.Generator | None]:
+        """Noise and sampling generators: none with secure_rng (every draw from os.urandom),
+        else seeded from os.urandom, or from insecure_seed (two distinct streams)."""
+        if self.config.secure_rng:
+            return None, None
+        seed = self.config.insecure_seed
+        if seed is not None:
+            log.warning(
+                "insecure_seed=%d: noise and Poisson sampling are reproducible from this seed, "
+                "so the run is NOT differentially private against anyone who knows it",
+                seed,
+            )
+        return make_generator(seed, "noise"), make_generator(seed, "sampling")
+
     @property
     def sample_rate(self) -> float:
         return self.config.sample_rate
@@ -317,20 +341,37 @@ class PrivacyEngine:
         if self.noise_multiplier == 0:
             return self.ledger.steps
 
-        def fits(k: int) -> bool:
+        def fits(k: int, grid: float = PLD_DISCRETIZATION) -> bool:
             extra = (StepRecord(self.noise_multiplier, self.sample_rate, k),) if k else ()
-            return self.ledger.epsilon(extra=extra) <= target
+            return self.ledger.epsilon(extra=extra, pld_discretization=grid) <= target
 
+        # PLD: search on a coarser (pessimistic, so never larger) grid, then settle on the
+        # grid epsilon is reported with; RDP ignores the grid
+        search = PLD_SEARCH_DISCRETIZATION
         if not fits(0):
             return self.ledger.steps
+
+        def last_fitting(lo: int, hi: int, grid: float) -> int:
+            """Given fits(lo) and not fits(hi): the largest k in [lo, hi) that fits."""
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid, grid) else (lo, mid)
+            return lo
+
         lo, hi = 0, max(1, self.config.planned_steps or 1)
-        while fits(hi):
+        while fits(hi, search):
             lo, hi = hi, hi * 2
             if hi > 10**9:
                 return None
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo = last_fitting(lo, hi, search)
+        if self.config.accountant == "pld":  # settle on the reporting grid, O(log) evaluations
+            if not fits(lo):
+                lo = last_fitting(0, lo, PLD_DISCRETIZATION)
+            else:
+                step = 1
+                while fits(lo + step):
+                    lo, step = lo + step, step * 2
+                lo = last_fitting(lo, lo + step, PLD_DISCRETIZATION)
         return self.ledger.steps + lo
 
     def _register_hooks(self) -> None:
@@ -420,44 +461,27 @@ class PrivacyEngine:
                 f"dataset has {len(dataset)} examples but the engine was built with "
                 f"sample_size={self.config.sample_size}; the sampling rate would be wrong"
             )
-        seed = self.config.seed
-        gen = torch.Generator().manual_seed(
-            secure_seed() if seed is None or self.config.secure_rng else seed + 1
-        )
         sampler = PoissonBatchSampler(
             len(dataset),
             self.sample_rate,
             self.config.steps_per_epoch,
-            generator=gen,
+            generator=self._sample_rng,
             secure=self.config.secure_rng,
         )
-        self._loader = PoissonDataLoader(self, dataset, sampler, collate_fn, physical_batch_size)
+        self._loader = PoissonDataLoader(
+            self._steps, dataset, sampler, collate_fn, physical_batch_size
+        )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None
         return self._loader
 
-    def _begin_logical_batch(self, batch: LogicalBatch) -> None:
-        if self._physical_left:
-            raise SamplingError(
-                "a new logical batch started before engine.step(optimizer) was called for every "
-                "physical batch of the previous one; call it after each backward"
-            )
-        self._logical = batch
-        self._physical_left = batch.physical_batches
-
-    def _end_logical_batch_iteration(self) -> None:
-        if self._physical_left:
-            raise SamplingError(
-                "call engine.step(optimizer) after each backward: "
-                f"{self._physical_left} physical batch(es) of the last logical batch were not stepped"
-            )
-
-    def _empty_logical_step(self) -> None:
+    def _empty_logical_step(self) -> bool:
+        """An empty logical batch: a noise-only step, once an optimizer is known."""
         if self._optimizer is None:
-            self._pending_empty += 1
-        else:
-            self._finish_logical_step(self._optimizer)
+            return False
+        self._finish_logical_step(self._optimizer)
+        return True
 
     # ------------------------------------------------------------------ step
     def _collect(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -490,23 +514,54 @@ class PrivacyEngine:
                     else f"parameter '{names.get(p)}' has per-example gradients but no .grad; "
                     "do not zero gradients between backward and engine.step"
                 )
-            total = g.sum(0).to(p.grad.dtype)
-            err = (total - p.grad).norm()
-            if err > 1e-3 * p.grad.norm() + 1e-6:
+            # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
+            total, ref = g.sum(0).float(), p.grad.float()
+            rel_tol = max(1e-3, 8 * torch.finfo(p.grad.dtype).eps)
+            err = (total - ref).norm()
+            if err > rel_tol * ref.norm() + 1e-6:
                 raise GradientMismatchError(
                     f"per-example gradients of '{names.get(p)}' do not add up to autograd's "
-                    f"(relative error {err / (p.grad.norm() + 1e-12):.2e}). The parameter is "
+                    f"(relative error {err / (ref.norm() + 1e-12):.2e}). The parameter is "
                     "used in a way its sampler does not capture, or the batch axis is not "
                     "where declared (batch_first / batch_dims)."
                 )
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _expected_rows(self, batch_size: int | None) -> int | None:
+        """How many examples this physical batch holds, as the loader drew it (or as the
+        caller of a user-poisson step says)."""
+        if self.config.sampling == "poisson":
+            drawn = self._steps.drawn_rows()
+            if drawn is not None and batch_size is not None and drawn != batch_size:
+                raise SamplingError(
+                    f"step(batch_size={batch_size}) but the engine's loader drew {drawn} "
+                    "examples for this physical batch"
+                )
+            return drawn
+        return batch_size
+
+    def _check_batch_axis(self, rows: int, expected: int | None) -> None:
+        if expected is None or rows == expected:
+            return
+        raise BatchAxisError(
+            f"the per-example gradients have {rows} rows but this physical batch holds "
+            f"{expected} examples: the model sees the batch on another axis than the engine "
+            f"assumes (batch_first={self.config.batch_first}), so clipping would bound "
+            "positions, not examples. For sequence-first models (e.g. "
+            "nn.TransformerEncoderLayer(batch_first=False), RNNs) build the engine with "
+            "batch_first=False, or give batch_dims={layer_name: axis} for single layers."
+        )
+
+    def step(self, optimizer: torch.optim.Optimizer, batch_size: int | None = None) -> bool:
         """Clip this physical batch into the running sum; at the end of a logical batch, add
         noise, divide by the expected batch size, step the optimizer and account.
 
+        batch_size: the number of examples in this physical batch. Batches from
+        `engine.data_loader` are known to the engine; with sampling="user-poisson", pass it so
+        that a wrong batch axis (per-example rows that are not examples) is caught.
+
         Returns True when a logical (noised) step was taken.
         """
-        if self.config.sampling == "poisson" and self._logical is None:
+        if self.config.sampling == "poisson" and self._steps.current is None:
             raise SamplingError(
                 "engine.step() was called on a batch not drawn by engine.data_loader(...). "
                 "Use that loader (Poisson sampling, which the accounting assumes), or, if you "
@@ -534,13 +589,12 @@ class PrivacyEngine:
                 "sees the batch on another axis; set batch_first=False or batch_dims={name: axis}"
             )
         (n,) = sizes
+        self._check_batch_axis(n, self._expected_rows(batch_size))
         if self.config.check_gradients:
             self._check_against_autograd(per_ex)
-        while self._pending_empty:
-            self._pending_empty -= 1
-            saved = self._logical, self._physical_left
-            self._finish_logical_step(optimizer)
-            self._logical, self._physical_left = saved
+        while self._steps.pending_empty:  # empty batches drawn before the first step
+            self._steps.pending_empty -= 1
+            self._release(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
         sq = torch.zeros(n, dtype=torch.float32, device=next(iter(per_ex.values())).device)
         flat = {}
@@ -565,12 +619,17 @@ class PrivacyEngine:
             p.grad = None
         if self.config.sampling == "user-poisson":
             return self._finish_logical_step(optimizer)
-        self._physical_left -= 1
-        if self._physical_left > 0:
+        if not self._steps.physical_done():
             return False
         return self._finish_logical_step(optimizer)
 
     def _finish_logical_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self._release(optimizer)
+        self._steps.close()
+        return True
+
+    def _release(self, optimizer: torch.optim.Optimizer) -> None:
+        """Noise the clipped sum, divide by the expected batch size, step, account."""
         if self._max_steps is not None and self.ledger.steps + 1 > self._max_steps:
             self._summed.clear()
             raise BudgetExhaustedError(
@@ -590,10 +649,7 @@ class PrivacyEngine:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self._summed.clear()
-        self._logical = None
-        self._physical_left = 0
         self.ledger.record(self.noise_multiplier, self.sample_rate)
-        return True
 
     # ------------------------------------------------------------------ reporting
     def epsilon(self, delta: float | None = None) -> float:
@@ -619,6 +675,8 @@ class PrivacyEngine:
             "mode": self.config.mode,
             "accountant": self.config.accountant,
             "sampling": self.config.sampling,
+            "secure_rng": self.config.secure_rng,
+            "insecure_seed": self._insecure_seed,
             "trained_parameters": names,
             "trained_biases_only": all(is_bias(n) for n in names),
             "history": self.ledger.state_dict()["records"],
@@ -630,8 +688,10 @@ class PrivacyEngine:
             "ledger": self.ledger.state_dict(),
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
-            "noise_rng": self._noise_rng.get_state(),
-            "pending_empty": self._pending_empty,
+            "noise_rng": None if self._noise_rng is None else self._noise_rng.get_state(),
+            "sample_rng": None if self._sample_rng is None else self._sample_rng.get_state(),
+            "insecure_seed": self._insecure_seed,
+            "pending_empty": self._steps.pending_empty,
         }
         if self._loader is not None:
             sd["loader"] = self._loader.state_dict()
@@ -645,8 +705,12 @@ class PrivacyEngine:
             )
         self.ledger = PrivacyLedger.from_state_dict(sd["ledger"])
         self.noise_multiplier = float(sd["noise_multiplier"])
-        self._noise_rng.set_state(sd["noise_rng"])
-        self._pending_empty = int(sd.get("pending_empty", 0))
+        for gen, key in ((self._noise_rng, "noise_rng"), (self._sample_rng, "sample_rng")):
+            if gen is not None and sd.get(key) is not None:
+                gen.set_state(sd[key])
+        # a run that was once reproducible from a seed stays marked so
+        self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))
+        self._steps.pending_empty = int(sd.get("pending_empty", 0))
         self._eps_cache.clear()
         self._max_steps = self._compute_max_steps()
         if "loader" in sd:
@@ -686,7 +750,7 @@ class PrivacyEngine:
         parameters. With `remaining_steps` (and a target epsilon) the noise is re-calibrated so
         that the steps already taken plus these meet the target.
         """
-        if self._physical_left or self._summed or self._per_example:
+        if self._steps.physical_left or self._summed or self._per_example:
             raise SamplingError(
                 "switch_phase() in the middle of a logical batch; call it between epochs, "
                 "after engine.step(optimizer) returned True"

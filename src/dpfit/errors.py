@@ -21,7 +21,11 @@ class BudgetExhaustedError(DPFitError):
     """The next step would spend more privacy than the configured target allows."""
 
 
-class InfeasibleTargetError(DPFitError):
+class AccountingError(DPFitError):
+    """The accountant could not compute a guarantee for the requested settings."""
+
+
+class InfeasibleTargetError(AccountingError):
     """No noise multiplier meets the requested (epsilon, delta) for the given steps."""
 
 
@@ -31,6 +35,11 @@ class SamplingError(DPFitError):
 
 class GradientMismatchError(DPFitError):
     """Per-example gradients do not add up to autograd's gradient: a use was missed."""
+
+
+class BatchAxisError(GradientMismatchError):
+    """The per-example gradients have another row count than the batch drawn: the model sees
+    the batch on another axis than the engine assumes (batch_first / batch_dims)."""
 
 
 class LossReductionError(DPFitError):

@@ -3,29 +3,38 @@
 This is the sampling the accountant's amplification assumes. A logical batch is split into
 physical batches of bounded size (virtual steps), and an empty logical batch is still a step:
 it releases pure noise and is accounted for.
+
+The loader knows nothing of the engine: it reports where logical batches begin and end to any
+`LogicalBatchEvents` (the engine passes a `LogicalStepTracker`, which it then consults).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from dpfit.engine import PrivacyEngine
+from dpfit.errors import SamplingError
+from dpfit.rng import os_uniform, secure_seed
 
-
-def secure_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+__all__ = [
+    "LogicalBatch",
+    "LogicalBatchEvents",
+    "LogicalStepTracker",
+    "PoissonBatchSampler",
+    "PoissonDataLoader",
+    "secure_seed",
+]
 
 
 class PoissonBatchSampler:
     """Yields index lists (possibly empty), `steps_per_epoch` of them per pass.
 
     Holds its generator state, so a pass can stop after any step and resume exactly there.
+    Without a generator it seeds one from os.urandom; with `secure` it uses none and draws
+    every inclusion decision from os.urandom.
     """
 
     def __init__(
@@ -44,9 +53,9 @@ class PoissonBatchSampler:
         self.sample_rate = sample_rate
         self.steps_per_epoch = steps_per_epoch or max(1, round(1 / sample_rate))
         self.secure = secure
-        if generator is None:
+        if generator is None and not secure:
             generator = torch.Generator().manual_seed(secure_seed())
-        self.generator = generator
+        self.generator = None if secure else generator
         self.position = 0  # logical steps completed in the current pass
 
     def __len__(self) -> int:
@@ -54,8 +63,9 @@ class PoissonBatchSampler:
 
     def draw(self) -> list[int]:
         if self.secure:
-            self.generator.manual_seed(secure_seed())
-        mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            mask = os_uniform(self.num_samples) < self.sample_rate
+        else:
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
         return mask.nonzero().flatten().tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -66,11 +76,13 @@ class PoissonBatchSampler:
         self.position = 0
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "rng": self.generator.get_state()}
+        rng = None if self.generator is None else self.generator.get_state()
+        return {"position": self.position, "rng": rng}
 
     def load_state_dict(self, sd: dict) -> None:
         self.position = int(sd["position"])
-        self.generator.set_state(sd["rng"])
+        if self.generator is not None and sd.get("rng") is not None:
+            self.generator.set_state(sd["rng"])
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,76 @@ class LogicalBatch:
 
     size: int
     physical_batches: int
+    chunk_sizes: tuple[int, ...] = ()  # examples in each physical batch, in order
+
+    def chunk_size(self, index: int) -> int | None:
+        return self.chunk_sizes[index] if index < len(self.chunk_sizes) else None
+
+
+class LogicalBatchEvents(Protocol):
+    """What a loader of logical batches reports, in order, for each logical batch."""
+
+    def begin(self, batch: LogicalBatch) -> None:
+        """A non-empty logical batch starts; its physical batches follow."""
+
+    def end(self) -> None:
+        """The loader has yielded every physical batch of the current logical batch."""
+
+    def empty(self) -> None:
+        """An empty logical batch was drawn: still a step (noise only), with no batch."""
+
+
+class LogicalStepTracker:
+    """Where training stands within the current logical batch (a `LogicalBatchEvents`).
+
+    `empty_step` is called for an empty logical batch and returns False when it cannot take
+    the step yet (no optimizer seen); such steps wait in `pending_empty` until it can.
+    """
+
+    def __init__(self, empty_step: Callable[[], bool]) -> None:
+        self._empty_step = empty_step
+        self.current: LogicalBatch | None = None
+        self.physical_left = 0
+        self.pending_empty = 0
+
+    # -- LogicalBatchEvents
+    def begin(self, batch: LogicalBatch) -> None:
+        if self.physical_left:
+            raise SamplingError(
+                "a new logical batch started before engine.step(optimizer) was called for every "
+                "physical batch of the previous one; call it after each backward"
+            )
+        self.current = batch
+        self.physical_left = batch.physical_batches
+
+    def end(self) -> None:
+        if self.physical_left:
+            raise SamplingError(
+                "call engine.step(optimizer) after each backward: "
+                f"{self.physical_left} physical batch(es) of the last logical batch were not "
+                "stepped"
+            )
+
+    def empty(self) -> None:
+        if not self._empty_step():
+            self.pending_empty += 1
+
+    # -- the engine's queries
+    def drawn_rows(self) -> int | None:
+        """Examples in the physical batch now being stepped, when a loader drew it."""
+        if self.current is None:
+            return None
+        return self.current.chunk_size(self.current.physical_batches - self.physical_left)
+
+    def physical_done(self) -> bool:
+        """Count one physical batch as stepped; True when its logical batch is complete."""
+        self.physical_left -= 1
+        return self.physical_left <= 0
+
+    def close(self) -> None:
+        """The logical step was taken."""
+        self.current = None
+        self.physical_left = 0
 
 
 def default_collate(items: list[Any]) -> Any:
@@ -86,15 +168,15 @@ def default_collate(items: list[Any]) -> Any:
 
 
 class PoissonDataLoader:
-    """Physical batches of Poisson-sampled logical batches, wired to one PrivacyEngine.
+    """Physical batches of Poisson-sampled logical batches, reporting logical boundaries.
 
-    The engine learns from it where each logical step ends, so `engine.step` knows when to add
-    noise; an empty logical batch triggers a noise-only step without calling the model.
+    `events` learns where each logical batch begins and ends (so the engine knows when to add
+    noise) and when one is empty (a noise-only step without calling the model).
     """
 
     def __init__(
         self,
-        engine: PrivacyEngine,
+        events: LogicalBatchEvents,
         dataset: Sequence,
         sampler: PoissonBatchSampler,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -102,7 +184,7 @@ class PoissonDataLoader:
     ) -> None:
         if physical_batch_size is not None and physical_batch_size < 1:
             raise ValueError("physical_batch_size must be >= 1")
-        self.engine = engine
+        self.events = events
         self.dataset = dataset
         self.sampler = sampler
         self.collate_fn = collate_fn or default_collate
@@ -119,13 +201,13 @@ class PoissonDataLoader:
     def __iter__(self) -> Iterator[Any]:
         for idx in self.sampler:
             if not idx:
-                self.engine._empty_logical_step()
+                self.events.empty()
                 continue
             chunks = self._chunks(idx)
-            self.engine._begin_logical_batch(LogicalBatch(len(idx), len(chunks)))
+            self.events.begin(LogicalBatch(len(idx), len(chunks), tuple(len(c) for c in chunks)))
             for chunk in chunks:
                 yield self.collate_fn([self.dataset[i] for i in chunk])
-            self.engine._end_logical_batch_iteration()
+            self.events.end()
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

@@ -456,7 +456,7 @@ def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
         clipping=config.clipping,
         loss_reduction="mean",
         accountant=config.accountant,
-        seed=config.seed,
+        insecure_seed=config.seed,  # TODO(train): only with --insecure-reproducible-noise
     )
     if config.full_epochs:  # two-phase X+BiTFiT: one accountant across both phases
         kwargs["schedule"] = [

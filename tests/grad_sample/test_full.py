@@ -172,7 +172,7 @@ def oracle_clipped_mean(model, batch, loss_fn, n, max_grad_norm):
         loss_fn(model, _slice(batch, i)).backward()
         grads.append([p.grad.detach().clone() for p in params])
     norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in gs)) for gs in grads])
-    c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    c = (max_grad_norm / norms).clamp(max=1.0)  # min(1, R / ||g||)
     total = [sum(c[i] * grads[i][j] for i in range(n)) / n for j in range(len(params))]
     model.zero_grad()
     return dict(zip(params, total, strict=True)), norms
@@ -368,3 +368,61 @@ def test_full_mode_uses_factored_samplers():
     finally:
         engine.detach()
     assert fns["0"] is norm_sampler_for(model[0]) and fns["1"] is norm_sampler_for(model[1])
+
+
+# --------------------------------------------------------------------------- bf16
+class Bf16Net(nn.Module):
+    """Embedding + a Linear on the ghost branch (few positions) and one on the explicit
+    branch (many positions), a LayerNorm and a conv: every full-mode norm path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.ghost = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.conv = nn.Conv1d(32, 8, 3, padding=1)
+        self.wide = nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.ghost(self.emb(ids)))  # [B, T, 32]
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)  # [B, T, 8]
+        return self.wide(h).mean(1)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "automatic"])
+@pytest.mark.parametrize("positions", [3, 40])  # ghost norms / materialised norms
+def test_bf16_full_mode_clipped_contributions_stay_within_R(monkeypatch, clipping, positions):
+    """Per-example norms and clipping run in float32 even for a bf16 model: each example's
+    clipped contribution, measured in float64, is at most R."""
+    import dpfit.engine as engine_mod
+
+    torch.manual_seed(0)
+    model = Bf16Net().to(torch.bfloat16)
+    R = 1e-2
+    engine = PrivacyEngine(
+        model, expected_batch_size=1, sample_size=100, noise_multiplier=0.0, mode="full",
+        max_grad_norm=R, clipping=clipping, sampling="user-poisson", loss_reduction="sum",
+    )  # fmt: skip
+    sums = []
+    real = engine_mod.gaussian_noise
+
+    def spy(shape, std, generator, secure, like):
+        sums.append(like.detach().clone())
+        return real(shape, std, generator, secure, like)
+
+    monkeypatch.setattr(engine_mod, "gaussian_noise", spy)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.0)
+    worst = 0.0
+    for i in range(24):  # one example per step: the noiseless sum is its clipped contribution
+        ids = torch.randint(0, 50, (1, positions))
+        y = torch.randint(0, 4, (1,))
+        sums.clear()
+        F.cross_entropy(model(ids).float(), y, reduction="sum").mul(10.0 + i).backward()
+        assert engine.step(opt)
+        assert len(sums) == len(engine.parameters())
+        assert all(s.dtype == torch.float32 for s in sums)  # the sum is not rounded to bf16
+        norm = torch.sqrt(sum(s.double().pow(2).sum() for s in sums)).item()
+        worst = max(worst, norm / R)
+    assert worst <= 1 + 1e-6, worst
+    if clipping == "flat":
+        assert worst > 0.99  # the clip did bite

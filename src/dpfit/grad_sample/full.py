@@ -67,6 +67,16 @@ class OneHot:
 Factor = torch.Tensor | OneHot
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything narrower (bf16, fp16) is accumulated in float32, so
+    a clip factor is computed from, and applied to, the same float32 gradient."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _up(x: Factor, dtype: torch.dtype) -> Factor:
+    return x if isinstance(x, OneHot) else x.to(dtype)
+
+
 def _gram(x: Factor, y: Factor, dtype: torch.dtype) -> torch.Tensor:
     """[B, Tx, Ty] inner products between the rows of x and of y, per example."""
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
@@ -87,7 +97,9 @@ class OuterGrad:
     Each term holds X_k [B, T_k, rows] (dense, or a :class:`OneHot`) and Y_k [B, T_k, cols];
     the parameter is the [rows, cols] matrix viewed as ``param_shape``. The engine asks for
     ``sq_norms()`` (float32 [B]) and ``weighted_sum(c)``; ``materialize()`` exists for tests
-    and for the explicit branch.
+    and for the explicit branch. All three compute in float32 at least (float64 for float64
+    factors), whatever the model's dtype: a bf16 norm is off by ~0.4%, enough to let a
+    clipped contribution exceed R.
     """
 
     __slots__ = ("terms", "param_shape", "rows", "cols")
@@ -120,7 +132,8 @@ class OuterGrad:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.terms[0][1].dtype
+        """The dtype the engine sees: the accumulation dtype, not the model's."""
+        return accumulation_dtype(self.terms[0][1].dtype)
 
     @property
     def device(self) -> torch.device:
@@ -143,8 +156,9 @@ class OuterGrad:
             return self.materialize().flatten(1).pow(2).sum(1).float()
         total = None
         for k, (xk, yk) in enumerate(self.terms):
+            xk, yk = _up(xk, self.dtype), _up(yk, self.dtype)
             for j in range(k, len(self.terms)):
-                xj, yj = self.terms[j]
+                xj, yj = (_up(t, self.dtype) for t in self.terms[j])
                 s = (_gram(xk, xj, self.dtype) * _gram(yk, yj, self.dtype)).sum((1, 2))
                 s = s if j == k else 2 * s
                 total = s if total is None else total + s
@@ -156,6 +170,7 @@ class OuterGrad:
         w = weights.to(self.dtype)
         out = None
         for x, y in self.terms:
+            x, y = _up(x, self.dtype), y.to(self.dtype)
             wy = y * w[:, None, None]
             if isinstance(x, OneHot):
                 part = y.new_zeros(self.rows, self.cols)
@@ -175,6 +190,7 @@ class OuterGrad:
         b = self.batch_size
         out = None
         for x, y in self.terms:
+            x, y = _up(x, self.dtype), y.to(self.dtype)
             if isinstance(x, OneHot):
                 flat = y.new_zeros(b * self.rows, self.cols)
                 offset = torch.arange(b, device=y.device)[:, None] * self.rows

@@ -1,0 +1,371 @@
+"""Mutation testing of the engine's privacy mechanism: does the suite catch each small bug?
+
+Each mutation is a textual patch on a copy of src/dpfit in a temporary folder that also holds a
+snapshot of tests/ (the checkout is never touched, and may change while this runs). The tests
+that guard that part of the mechanism run against the copy (PYTHONPATH first); a mutation is *killed* when they fail, and *survives* when they pass. A
+surviving mutation is a privacy bug the suite would let through. The unmutated copy runs the
+same tests first and must pass, and every patch must apply exactly once (else the script stops:
+the source moved and the mutation list needs updating).
+
+    python benchmarks/mutation.py [--only NAME ...] [--out benchmarks/results/mutation]
+
+Writes <out>.json and <out>.md; exits non-zero when a mutation survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = "dpfit/engine.py"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str  # the bug, in words
+    patches: tuple[tuple[str, str, str], ...]  # (file under src/, old text, new text)
+    tests: tuple[str, ...]  # pytest arguments: files or node ids, optionally "-k expr"
+
+
+MUTATIONS = (
+    Mutation(
+        "noise-halved",
+        "noise std sigma*R/2 instead of sigma*R",
+        (
+            (
+                ENGINE,
+                "std = self.noise_multiplier * self.max_grad_norm",
+                "std = 0.5 * self.noise_multiplier * self.max_grad_norm",
+            ),
+        ),
+        ("tests/test_engine.py::test_noise_std_matches_sigma_R_over_B",),
+    ),
+    Mutation(
+        "no-noise-on-empty-batch",
+        "an empty logical batch releases no noise",
+        (
+            (
+                ENGINE,
+                "noise = gaussian_noise(p.shape, std,",
+                "noise = gaussian_noise(p.shape, std if self._summed else 0.0,",
+            ),
+        ),
+        ("tests/test_sampling.py::test_empty_logical_batches_release_full_noise",),
+    ),
+    Mutation(
+        "no-noise-on-idle-parameter",
+        "a parameter without a gradient this step gets no noise",
+        (
+            (
+                ENGINE,
+                "noise = gaussian_noise(p.shape, std,",
+                "noise = gaussian_noise(p.shape, std if (p in self._summed or not self._summed) else 0.0,",
+            ),
+        ),
+        ("tests/test_sampling.py::test_parameter_without_gradient_still_gets_noise",),
+    ),
+    Mutation(
+        "divide-by-actual-batch",
+        "noisy sum divided by the actual Poisson batch size instead of the expected one",
+        (
+            (
+                ENGINE,
+                "denom = float(self.config.expected_batch_size)",
+                "denom = float(self._steps.current.size if self._steps.current is not None else self.config.expected_batch_size)",
+            ),
+        ),
+        ("tests/test_sampling.py", "-k", "noiseless"),
+    ),
+    Mutation(
+        "clip-skipped",
+        "per-example gradients summed without clipping",
+        (
+            (
+                ENGINE,
+                "factors = self._clip_fn(sq.sqrt(), self.max_grad_norm)",
+                "factors = torch.ones_like(sq)",
+            ),
+        ),
+        ("tests/test_clipping.py", "tests/test_sampling.py", "-k", "clip or noiseless"),
+    ),
+    Mutation(
+        "automatic-clip-at-2R",
+        "automatic clipping scaled to 2R",
+        (
+            (
+                "dpfit/clipping.py",
+                "return max_grad_norm / (norms + AUTOMATIC_GAMMA)",
+                "return 2 * max_grad_norm / (norms + AUTOMATIC_GAMMA)",
+            ),
+        ),
+        ("tests/test_clipping.py",),
+    ),
+    Mutation(
+        "flat-clip-at-2R",
+        "flat clipping scaled to 2R",
+        (
+            (
+                "dpfit/clipping.py",
+                "return (max_grad_norm / norms",
+                "return (2 * max_grad_norm / norms",
+            ),
+        ),
+        ("tests/test_clipping.py",),
+    ),
+    Mutation(
+        "loader-rate-doubled",
+        "the engine's loader samples at 2q while the ledger records q",
+        (
+            (
+                ENGINE,
+                "            self.sample_rate,\n            self.config.steps_per_epoch,",
+                "            2 * self.sample_rate,\n            self.config.steps_per_epoch,",
+            ),
+        ),
+        ("tests/test_sampling.py", "-k", "rate"),
+    ),
+    Mutation(
+        "loader-rate-halved",
+        "the engine's loader samples at q/2 while the ledger records q",
+        (
+            (
+                ENGINE,
+                "            self.sample_rate,\n            self.config.steps_per_epoch,",
+                "            self.sample_rate / 2,\n            self.config.steps_per_epoch,",
+            ),
+        ),
+        ("tests/test_sampling.py", "-k", "rate"),
+    ),
+    Mutation(
+        "rate-doubled-everywhere",
+        "q = 2B/N in the config (loader and ledger agree, both wrong)",
+        (
+            (
+                "dpfit/config.py",
+                "return self.expected_batch_size / self.sample_size",
+                "return 2 * self.expected_batch_size / self.sample_size",
+            ),
+        ),
+        ("tests/test_sampling.py", "-k", "rate"),
+    ),
+    Mutation(
+        "ledger-rate-halved",
+        "the accountant is told q/2",
+        (
+            (
+                "dpfit/accounting.py",
+                "PoissonSampledDpEvent(\n                self.sample_rate, gauss",
+                "PoissonSampledDpEvent(\n                self.sample_rate / 2, gauss",
+            ),
+        ),
+        ("tests/test_accounting.py",),
+    ),
+    Mutation(
+        "default-rng-fixed-seed",
+        "noise and sampling generators seeded from a fixed public value by default",
+        (
+            (
+                "dpfit/rng.py",
+                "value = secure_seed() if seed is None else",
+                "value = 0 if seed is None else",
+            ),
+        ),
+        ("tests/test_engine.py", "-k", "reproducible or insecure_seed or os_urandom"),
+    ),
+    Mutation(
+        "secure-rng-ignored-by-noise",
+        "secure_rng=True, but the engine draws noise from a seeded torch generator",
+        (
+            (ENGINE, "        if self.config.secure_rng:\n            return None, None\n", ""),
+            (
+                ENGINE,
+                "self._noise_rng, self.config.secure_rng, summed",
+                "self._noise_rng, False, summed",
+            ),
+        ),
+        ("tests/test_engine.py", "-k", "secure_rng"),
+    ),
+    Mutation(
+        "secure-rng-ignored-by-loader",
+        "secure_rng=True, but the engine's loader samples from a seeded torch generator",
+        ((ENGINE, "            secure=self.config.secure_rng,\n", "            secure=False,\n"),),
+        ("tests/test_engine.py", "-k", "secure_rng"),
+    ),
+    Mutation(
+        "batch-axis-unchecked",
+        "per-example row count not compared with the batch the loader drew",
+        ((ENGINE, "if expected is None or rows == expected:", "if True:"),),
+        ("tests/test_engine.py", "-k", "sequence_first or batch_size"),
+    ),
+    Mutation(
+        "bf16-norms",
+        "full-mode norms and sums accumulated in the model's dtype (bf16)",
+        (
+            (
+                "dpfit/grad_sample/full.py",
+                "return torch.float64 if dtype == torch.float64 else torch.float32",
+                "return dtype",
+            ),
+        ),
+        ("tests/grad_sample/test_full.py", "-k", "bf16"),
+    ),
+    Mutation(
+        "resume-drops-noise-state",
+        "the engine's state_dict leaves out the noise generator",
+        (
+            (
+                ENGINE,
+                '"noise_rng": None if self._noise_rng is None else self._noise_rng.get_state(),',
+                '"noise_rng": None,',
+            ),
+        ),
+        ("tests/test_engine.py", "-k", "resume"),
+    ),
+    Mutation(
+        "empty-batch-not-a-step",
+        "an empty logical batch is skipped (neither noised nor accounted)",
+        (
+            (
+                ENGINE,
+                "        self._finish_logical_step(self._optimizer)\n        return True\n",
+                "        return True\n",
+            ),
+        ),
+        ("tests/test_engine.py", "tests/test_sampling.py", "-k", "empty"),
+    ),
+    Mutation(
+        "rdp-calibration-undershoots",
+        "the RDP-calibrated noise multiplier is 5% too small",
+        (
+            (
+                "dpfit/accounting.py",
+                "return _calibrate_rdp(make_event, target_epsilon, delta, upper, tolerance)\n    return",
+                "return 0.95 * _calibrate_rdp(make_event, target_epsilon, delta, upper, tolerance)\n    return",
+            ),
+        ),
+        ("tests/test_accounting.py", "-k", "tightly and rdp"),
+    ),
+    Mutation(
+        "pld-calibration-undershoots",
+        "the PLD-calibrated noise multiplier is 5% too small",
+        (
+            (
+                "dpfit/accounting.py",
+                "return _calibrate_pld(make_event",
+                "return 0.95 * _calibrate_pld(make_event",
+            ),
+        ),
+        ("tests/test_accounting.py", "-k", "tightly and pld"),
+    ),
+)
+
+
+def apply(root: Path, m: Mutation) -> None:
+    for rel, old, new in m.patches:
+        path = root / "src" / rel
+        text = path.read_text()
+        n = text.count(old)
+        if n != 1:
+            raise SystemExit(f"mutation {m.name}: patch text found {n} times in {rel}: {old!r}")
+        path.write_text(text.replace(old, new))
+
+
+def run_tests(root: Path, args: tuple[str, ...], timeout: int) -> tuple[int, list[str], float]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root / "src"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+    }
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *args]
+    t0 = time.monotonic()
+    try:
+        out = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return -1, ["timeout"], time.monotonic() - t0
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out.stdout, flags=re.M)
+    return out.returncode, failed, time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="names of mutations to run (default: all)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutation"))
+    ap.add_argument("--timeout", type=int, default=600)
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dpfit-mut-") as tmp:
+        clean = Path(tmp) / "clean"
+        skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+        for part in ("src", "tests"):
+            shutil.copytree(ROOT / part, clean / part, ignore=skip)
+        shutil.copy(ROOT / "pyproject.toml", clean / "pyproject.toml")
+        # the mutants must import the copy, not the checkout: check once
+        probe = subprocess.run(
+            [sys.executable, "-c", "import dpfit; print(dpfit.__file__)"],
+            env={**os.environ, "PYTHONPATH": str(clean / "src")}, capture_output=True, text=True,
+        )  # fmt: skip
+        if not probe.stdout.strip().startswith(str(clean)):
+            raise SystemExit(f"PYTHONPATH copy not picked up: {probe.stdout} {probe.stderr}")
+        passed: set[tuple[str, ...]] = set()  # test selections that pass unmutated
+        for m in chosen:
+            if m.tests not in passed:
+                rc, failed, secs = run_tests(clean, m.tests, args.timeout)
+                if rc != 0:
+                    raise SystemExit(f"baseline for {m.name} fails (rc={rc}): {failed}")
+                passed.add(m.tests)
+            work = Path(tmp) / m.name
+            shutil.copytree(clean, work)
+            apply(work, m)
+            rc, failed, secs = run_tests(work, m.tests, args.timeout)
+            status = "killed" if rc not in (0, 5) else "SURVIVED"
+            results.append(
+                {
+                    "mutation": m.name,
+                    "bug": m.what,
+                    "status": status,
+                    "killed_by": failed[:3],
+                    "tests": " ".join(m.tests),
+                    "seconds": round(secs, 1),
+                }
+            )
+            print(f"{status:9s} {m.name:30s} {', '.join(failed[:2])}", flush=True)
+            shutil.rmtree(work)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    survived = [r for r in results if r["status"] != "killed"]
+    lines = [
+        "# Mutation testing of the privacy mechanism",
+        "",
+        "Generated by `python benchmarks/mutation.py`: each row is one small bug patched into a",
+        "copy of `src/dpfit`, and the tests run against it. Killed = the tests failed.",
+        "",
+        f"{len(results) - len(survived)} of {len(results)} mutations killed.",
+        "",
+        "| mutation | bug | status | first failing test |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        first = r["killed_by"][0] if r["killed_by"] else ""
+        lines.append(f"| {r['mutation']} | {r['bug']} | {r['status']} | `{first}` |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
