@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
     HubStrategy,
@@ -162,6 +162,17 @@ class _PassLoader:
         yield from self.loader
 
 
+class _EpochFromSteps(TrainerCallback):
+    """Trainer counts the epoch from batches seen in this call, which is short after a resume
+    (its own batch skipping is off); one update is one logical step, so count from those."""
+
+    def __init__(self, steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
+
+    def on_step_end(self, args, state, control, **kwargs):
+        state.epoch = state.global_step / self.steps_per_epoch
+
+
 def _check_training_arguments(targs) -> None:
     if targs.gradient_accumulation_steps != 1:
         raise DPFitError(
@@ -224,6 +235,7 @@ class DPTrainer(Trainer):
         self._eval_prefixes = {"eval"}
         self._resumed_loader_state: dict | None = None
         self.privacy_engine = self._make_engine()
+        self.add_callback(_EpochFromSteps(self.privacy_engine.config.steps_per_epoch))
 
     def _make_engine(self) -> PrivacyEngine:
         p, a = self.privacy, self.args
