@@ -176,6 +176,10 @@ def test_resume_counts_every_step_and_continues_the_same_run(make, tmp_path):
     )
     assert same(trained_biases(model), whole_params, atol=1e-6)
     assert resumed.state.epoch == pytest.approx(whole.state.epoch) == pytest.approx(4 / 12)
+    # the same trainer object, whose engine already drew batches, resumes the same way
+    first.train(resume_from_checkpoint=str(checkpoint))
+    assert first.privacy_engine.steps_taken == 4
+    assert same(trained_biases(first.model), whole_params, atol=1e-6)
 
 
 def test_resume_without_engine_state_is_refused(make, tmp_path):

@@ -282,7 +282,11 @@ class DPTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        if not isinstance(opt, DPOptimizer):
+        # a second train() finds the DPOptimizer already wrapped by accelerate: wrap only once
+        inner = opt
+        while inner is not None and not isinstance(inner, DPOptimizer):
+            inner = getattr(inner, "optimizer", None)
+        if inner is None:
             self.optimizer = DPOptimizer(opt, self.privacy_engine)
         return self.optimizer
 
