@@ -127,11 +127,11 @@ def test_training_seed_does_not_fix_noise_or_batches_unless_insecure_seed(make, 
     _, a = _run(make, tmp_path, secure, max_steps=2, seed=42)
     t, b = _run(make, tmp_path, secure, max_steps=2, seed=42)
     assert not same(a, b, atol=1e-6)
-    sizes = []
+    batches = []
     for _ in range(2):  # the batches, not only the noise, differ between runs
-        loader = t.privacy_engine.data_loader(t.train_dataset.remove_columns(["text"]))
-        sizes.append([len(idx) for idx in (loader.sampler.draw() for _ in range(5))])
-    assert sizes[0] != sizes[1]
+        loader = t.privacy_engine.data_loader(t.train_dataset)
+        batches.append([loader.sampler.draw() for _ in range(3)])
+    assert batches[0] != batches[1]
     insecure = PrivacyArguments(noise_multiplier=1.0, insecure_seed=7)
     t, c = _run(make, tmp_path, insecure, max_steps=2, seed=42)
     _, d = _run(make, tmp_path, insecure, max_steps=2, seed=42)

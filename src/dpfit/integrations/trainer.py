@@ -218,22 +218,23 @@ class DPTrainer(Trainer):
         if model is None:
             raise DPFitError("DPTrainer needs a model (no model_init)")
         self._task, self._per_example_loss = per_example_loss_for(model)
+        loss_func = kwargs.get("compute_loss_func", args[7] if len(args) > 7 else None)
+        if loss_func is not None:
+            raise LossReductionError(
+                "DPTrainer computes a per-example loss itself and cannot use compute_loss_func "
+                "(its batch loss need not split per example). Register the per-example loss "
+                "with dpfit.integrations.register_per_example_loss(model_class, fn) instead."
+            )
+        self._eval_prefixes = {"eval"}
+        self._resumed_loader_state: dict | None = None
         if self.privacy.bias_only:
             heads = self.privacy.train_head
             make_bias_trainable(
                 model, train_head=head_module_names(model) if heads is None else heads
             )
         super().__init__(*args, **kwargs)
-        if self.compute_loss_func is not None:
-            raise LossReductionError(
-                "DPTrainer computes a per-example loss itself and cannot use compute_loss_func "
-                "(its batch loss need not split per example). Register the per-example loss "
-                "with dpfit.integrations.register_per_example_loss(model_class, fn) instead."
-            )
         if self.train_dataset is None:
             raise DPFitError("DPTrainer needs a train_dataset (its size sets the sampling rate)")
-        self._eval_prefixes = {"eval"}
-        self._resumed_loader_state: dict | None = None
         self.privacy_engine = self._make_engine()
         self.add_callback(_EpochFromSteps(self.privacy_engine.config.steps_per_epoch))
 
@@ -389,8 +390,8 @@ class DPTrainer(Trainer):
             self.privacy_engine.epsilon(),
         )
 
-    def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
+    def _save_checkpoint(self, model, trial, *args: Any, **kwargs: Any) -> None:
+        super()._save_checkpoint(model, trial, *args, **kwargs)
         if not self.args.should_save:
             return
         folder = os.path.join(
