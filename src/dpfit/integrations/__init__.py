@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["DPOptimizer", "DPTrainer", "PrivacyArguments"]
+_EXPORTS = {
+    "DPOptimizer": "trainer",
+    "DPTrainer": "trainer",
+    "MissingPrivacyStateError": "trainer",
+    "PrivacyArguments": "trainer",
+    "LossInputs": "losses",
+    "register_per_example_loss": "losses",
+}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from dpfit.integrations import trainer
+    if name in _EXPORTS:
+        from importlib import import_module
 
-        return getattr(trainer, name)
+        return getattr(import_module(f"dpfit.integrations.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'dpfit.integrations' has no attribute {name!r}")

@@ -6,18 +6,24 @@
     trainer.train()
     trainer.privacy_engine.epsilon()
 
-What changes, and why:
+What changes, and why (docs/trainer.md has the user's view):
 * Batches come from the engine's Poisson loader (what the accountant assumes), not from
   Trainer's shuffled fixed-size loader. ``per_device_train_batch_size`` is the *expected*
   logical batch; each logical batch is one forward/backward (Trainer's loop fetches exactly
   one batch per update, so the engine's virtual steps cannot be used here).
+* Noise and sampling randomness come from the OS (``TrainingArguments.seed`` only seeds
+  public things such as dropout); ``PrivacyArguments.insecure_seed`` makes them reproducible
+  and the run not private against anyone who knows that seed.
 * ``optimizer.step()`` becomes ``engine.step(optimizer)`` through a thin optimizer wrapper
   (clip per example, add noise, step, account); Trainer's own gradient clipping is turned off
   on a copy of the arguments, since clipping the summed gradient is not DP and would corrupt
   the engine's consistency check. Gradient accumulation > 1 is refused for the same reason.
-* The loss is the model's own mean over the batch (Trainer's token-count rescaling is not a
-  per-example-decomposable mean the engine can invert).
-* Logs gain ``epsilon``; ``save_model`` also writes ``dpfit.json`` with the privacy record.
+* The training loss is a mean over examples of each example's own loss (dpfit.integrations
+  .losses): a model's own token-level loss weights an example by its neighbours' lengths.
+* Only released or public figures are logged: the raw gradient norm, the training loss (unless
+  ``log_train_loss=True``), FLOP and token counts are not. Logs gain ``epsilon``.
+* Each Trainer checkpoint also holds ``dpfit_engine.pt`` (ledger, noise and sampler state;
+  secret); resuming needs it, so epsilon after a resume counts every step.
 The user's model gets bias-only training (plus its new head) unless ``bias_only=False``; the
 user's ``TrainingArguments`` object is not modified.
 """
@@ -27,19 +33,52 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    HubStrategy,
+    TrainOutput,
+    get_last_checkpoint,
+)
 
+from dpfit.checkpoint import load_checkpoint
 from dpfit.engine import PrivacyEngine
-from dpfit.errors import DPFitError
+from dpfit.errors import DPFitError, LossReductionError
+from dpfit.integrations.losses import LossInputs, per_example_loss_for
 from dpfit.models import head_module_names
 from dpfit.params import make_bias_trainable
 
 logger = logging.getLogger(__name__)
+
+ENGINE_STATE_NAME = "dpfit_engine.pt"
+
+# Log keys that are public: schedule and progress counters, the accounted epsilon, and wall
+# time (a side channel anyone watching the process has). Everything else a training step logs
+# is a function of the private batch (loss, raw gradient norm, FLOP and token counts) and is
+# dropped; evaluation metrics pass under their prefix (the evaluation data is not protected).
+PUBLIC_LOG_KEYS = frozenset(
+    {
+        "epoch",
+        "step",
+        "learning_rate",
+        "epsilon",
+        "dp_steps",
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+    }
+)
+TRAIN_LOSS_KEYS = frozenset({"loss", "train_loss"})
+
+
+class MissingPrivacyStateError(DPFitError):
+    """A checkpoint to resume from lacks the privacy engine's state (ledger, generators)."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +93,12 @@ class PrivacyArguments:
     accountant: str = "rdp"
     bias_only: bool = True
     train_head: tuple[str, ...] | None = None  # None: the model's classification head, if any
-    seed: int | None = None
+    # Seeds noise and Poisson sampling: the run is then NOT private against anyone who knows
+    # it. None (default): both come from the OS. TrainingArguments.seed is never used for them.
+    insecure_seed: int | None = None
     secure_rng: bool = False
+    # Log the exact training loss (a non-private statistic of the sampled batches).
+    log_train_loss: bool = False
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -99,7 +142,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
 class _PassLoader:
     """Trainer stops pulling after len() batches, leaving the Poisson pass undrained; finish
-    it (it draws nothing more) before the next pass so each epoch gets its full round(1/q)."""
+    it (it draws nothing more) before the next pass so each epoch gets its full round(1/q).
+
+    After a resume the sampler continues mid-pass from its saved position, so this yields only
+    the pass's remaining batches (Trainer's own batch skipping is turned off).
+    """
 
     def __init__(self, loader):
         self.loader = loader
@@ -115,6 +162,41 @@ class _PassLoader:
         yield from self.loader
 
 
+class _EpochFromSteps(TrainerCallback):
+    """Trainer counts the epoch from batches seen in this call, which is short after a resume
+    (its own batch skipping is off); one update is one logical step, so count from those."""
+
+    def __init__(self, steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
+
+    def on_step_end(self, args, state, control, **kwargs):
+        state.epoch = state.global_step / self.steps_per_epoch
+
+
+def _check_training_arguments(targs) -> None:
+    if targs.gradient_accumulation_steps != 1:
+        raise DPFitError(
+            "DPTrainer needs gradient_accumulation_steps=1: the Poisson logical batch is "
+            "per_device_train_batch_size; accumulation would change what one noised step is"
+        )
+    if targs.include_num_input_tokens_seen not in ("no", False, None):
+        raise DPFitError(
+            "DPTrainer does not count input tokens (include_num_input_tokens_seen): the count "
+            "of tokens in Poisson-sampled batches is an un-noised statistic of the private "
+            "data. Leave include_num_input_tokens_seen='no'."
+        )
+    if targs.push_to_hub and targs.hub_strategy in (
+        HubStrategy.CHECKPOINT,
+        HubStrategy.ALL_CHECKPOINTS,
+    ):
+        raise DPFitError(
+            f"hub_strategy={targs.hub_strategy.value!r} uploads whole checkpoints, and a "
+            f"DPTrainer checkpoint holds {ENGINE_STATE_NAME} (noise and sampler generator "
+            "state), which must stay secret. Use hub_strategy='every_save' or 'end' (model "
+            "files only)."
+        )
+
+
 class DPTrainer(Trainer):
     """A ``Trainer`` whose training steps are DP-SGD steps of a dpfit ``PrivacyEngine``."""
 
@@ -123,13 +205,11 @@ class DPTrainer(Trainer):
         targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
         if targs is None:
             raise DPFitError("DPTrainer needs TrainingArguments (args=...)")
-        if targs.gradient_accumulation_steps != 1:
-            raise DPFitError(
-                "DPTrainer needs gradient_accumulation_steps=1: the Poisson logical batch is "
-                "per_device_train_batch_size; accumulation would change what one noised step is"
-            )
+        _check_training_arguments(targs)
         targs = copy.copy(targs)
         targs.max_grad_norm = 0.0  # per-example clipping replaces Trainer's global clipping
+        # the restored Poisson sampler resumes mid-pass itself; Trainer must not skip batches
+        targs.ignore_data_skip = True
         if "args" in kwargs:
             kwargs["args"] = targs
         else:
@@ -137,6 +217,16 @@ class DPTrainer(Trainer):
         model = kwargs.get("model") if "model" in kwargs else (args[0] if args else None)
         if model is None:
             raise DPFitError("DPTrainer needs a model (no model_init)")
+        self._task, self._per_example_loss = per_example_loss_for(model)
+        loss_func = kwargs.get("compute_loss_func", args[7] if len(args) > 7 else None)
+        if loss_func is not None:
+            raise LossReductionError(
+                "DPTrainer computes a per-example loss itself and cannot use compute_loss_func "
+                "(its batch loss need not split per example). Register the per-example loss "
+                "with dpfit.integrations.register_per_example_loss(model_class, fn) instead."
+            )
+        self._eval_prefixes = {"eval"}
+        self._resumed_loader_state: dict | None = None
         if self.privacy.bias_only:
             heads = self.privacy.train_head
             make_bias_trainable(
@@ -146,6 +236,7 @@ class DPTrainer(Trainer):
         if self.train_dataset is None:
             raise DPFitError("DPTrainer needs a train_dataset (its size sets the sampling rate)")
         self.privacy_engine = self._make_engine()
+        self.add_callback(_EpochFromSteps(self.privacy_engine.config.steps_per_epoch))
 
     def _make_engine(self) -> PrivacyEngine:
         p, a = self.privacy, self.args
@@ -167,12 +258,13 @@ class DPTrainer(Trainer):
             max_grad_norm=p.max_grad_norm,
             clipping=p.clipping,
             accountant=p.accountant,
-            seed=p.seed if p.seed is not None else a.seed,
+            insecure_seed=p.insecure_seed,  # never TrainingArguments.seed
             secure_rng=p.secure_rng,
             loss_reduction="mean",
             **kwargs,
         )
 
+    # ------------------------------------------------------------------ data and steps
     def get_train_dataloader(self):
         dataset = self.train_dataset
         try:
@@ -183,29 +275,146 @@ class DPTrainer(Trainer):
         except ImportError:  # pragma: no cover
             pass
         # one physical batch per logical batch: Trainer fetches one batch per update
-        return _PassLoader(self.privacy_engine.data_loader(dataset, collate_fn=self.data_collator))
+        loader = self.privacy_engine.data_loader(dataset, collate_fn=self.data_collator)
+        if self._resumed_loader_state is not None:
+            loader.load_state_dict(self._resumed_loader_state)
+            self._resumed_loader_state = None
+        return _PassLoader(loader)
 
     def create_optimizer(self, model=None):
         opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        if not isinstance(opt, DPOptimizer):
+        # a second train() finds the DPOptimizer already wrapped by accelerate: wrap only once
+        inner = opt
+        while inner is not None and not isinstance(inner, DPOptimizer):
+            inner = getattr(inner, "optimizer", None)
+        if inner is None:
             self.optimizer = DPOptimizer(opt, self.privacy_engine)
         return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**inputs)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        """Training: mean over examples of each example's own loss. Evaluation: the model's."""
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if "labels" not in inputs:
+            raise LossReductionError(
+                "DPTrainer needs a 'labels' entry in each training batch to compute per-example "
+                "losses; check the data collator and remove_unused_columns"
+            )
+        features = {k: v for k, v in inputs.items() if k != "labels"}
+        outputs = model(**features)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        per_example = self._per_example_loss(
+            LossInputs(
+                logits=logits,
+                labels=inputs["labels"],
+                config=getattr(self.model, "config", None),
+                label_smoothing=self.args.label_smoothing_factor,
+            )
+        )
+        loss = per_example.mean()
         return (loss, outputs) if return_outputs else loss
 
+    def floating_point_ops(self, inputs) -> int:
+        """Not counted: a FLOP count reveals the token count of each Poisson-sampled batch."""
+        return 0
+
+    # ------------------------------------------------------------------ logs
+    def _is_released(self, key: str) -> bool:
+        if key in PUBLIC_LOG_KEYS:
+            return True
+        if key in TRAIN_LOSS_KEYS:
+            return self.privacy.log_train_loss
+        return any(key.startswith(f"{prefix}_") for prefix in self._eval_prefixes)
+
+    def _released(self, logs: dict[str, float]) -> dict[str, float]:
+        kept = {k: v for k, v in logs.items() if self._is_released(k)}
+        dropped = sorted(set(logs) - set(kept))
+        if dropped:
+            logger.debug("not logged (un-noised statistics of private data): %s", dropped)
+        return kept
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        logs = self._released(logs)
         engine = getattr(self, "privacy_engine", None)
-        if engine is not None and engine.steps_taken and "loss" in logs:
+        if engine is not None:
             logs = {**logs, "epsilon": engine.epsilon(), "dp_steps": engine.steps_taken}
         super().log(logs, *args, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        self._eval_prefixes.add(metric_key_prefix)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    # ------------------------------------------------------------------ train, resume, save
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kw):
+        """Trainer.train, restoring the privacy engine's state when resuming.
+
+        The returned TrainOutput carries no training loss (NaN) unless ``log_train_loss``.
+        """
+        checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
+        if checkpoint is not None:
+            self._restore_engine(checkpoint)
+        out = super().train(
+            resume_from_checkpoint=checkpoint if checkpoint is not None else resume_from_checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kw,
+        )
+        if self.privacy.log_train_loss:
+            return out
+        return TrainOutput(out.global_step, math.nan, self._released(out.metrics))
+
+    def _checkpoint_to_resume(self, resume_from_checkpoint) -> str | None:
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return None
+        if resume_from_checkpoint is True:
+            return get_last_checkpoint(self.args.output_dir)  # None: Trainer raises
+        return str(resume_from_checkpoint)
+
+    def _restore_engine(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, ENGINE_STATE_NAME)
+        if not os.path.isfile(path):
+            raise MissingPrivacyStateError(
+                f"{checkpoint} has no {ENGINE_STATE_NAME}: the privacy ledger, noise and "
+                "sampler state were not saved with it (it was not written by this DPTrainer "
+                "version, or the file was removed). Resuming without them would report the "
+                "epsilon of the resumed steps only. Resume from a checkpoint DPTrainer wrote, "
+                "or start a new run."
+            )
+        state = load_checkpoint(path)
+        self.privacy_engine.load_state_dict(state)
+        self._resumed_loader_state = state.get("loader")
+        logger.info(
+            "resumed privacy state from %s: %d steps, epsilon %.4f",
+            path,
+            self.privacy_engine.steps_taken,
+            self.privacy_engine.epsilon(),
+        )
+
+    def _save_checkpoint(self, model, trial, *args: Any, **kwargs: Any) -> None:
+        super()._save_checkpoint(model, trial, *args, **kwargs)
+        if not self.args.should_save:
+            return
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        final = os.path.join(folder, ENGINE_STATE_NAME)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            torch.save(self.privacy_engine.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
         out = output_dir or self.args.output_dir
         os.makedirs(out, exist_ok=True)
-        record = {"private": True, **self.privacy_engine.privacy_record()}
+        record = {
+            "private": True,
+            "insecure_seed": self.privacy.insecure_seed is not None,
+            "train_loss_logged": self.privacy.log_train_loss,
+            "loss": f"per-example mean ({self._task})",
+            **self.privacy_engine.privacy_record(),
+        }
         with open(os.path.join(out, "dpfit.json"), "w") as f:
             json.dump(record, f, indent=2)
