@@ -39,7 +39,7 @@ def draw_inclusion(m: int, seed: int | None = None) -> torch.Tensor:
 
 
 class GradientCanaries:
-    """m gradient canaries spread round-robin over the audited modules' biases.
+    """m gradient canaries spread over the audited modules' biases, in proportion to their size.
 
     Each direction is a random unit vector in its module's bias space (public randomness);
     the directions in one module are orthonormal when there are no more of them than the bias
@@ -73,7 +73,11 @@ class GradientCanaries:
             self.modules.append(mod)
         self.m = m
         self.scale = float(scale)
-        self.target_of = torch.arange(m) % len(self.targets)
+        # canaries per module in proportion to its bias size (orthonormal as long as possible)
+        sizes = torch.tensor([float(mod.bias.numel()) for mod in self.modules])
+        counts = torch.floor(m * sizes / sizes.sum()).long()
+        counts[: m - int(counts.sum())] += 1
+        self.target_of = torch.repeat_interleave(torch.arange(len(self.modules)), counts)
         gen = torch.Generator().manual_seed(seed)
         self.directions = torch.zeros(m, max(mod.bias.numel() for mod in self.modules))
         for k, mod in enumerate(self.modules):
