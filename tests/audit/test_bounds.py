@@ -45,7 +45,11 @@ def test_bound_properties():
     assert epsilon_lower_bound(1000, 100, 100, 1e-3) < epsilon_lower_bound(1000, 100, 100, 0.0)
     # the bound is where the p-value crosses 1 - confidence
     eps = epsilon_lower_bound(1000, 200, 190, 1e-5)
-    assert p_value(1000, 200, 190, eps - 1e-3, 1e-5) < 0.05 <= p_value(1000, 200, 190, eps + 1e-3, 1e-5)
+    assert (
+        p_value(1000, 200, 190, eps - 1e-3, 1e-5)
+        < 0.05
+        <= p_value(1000, 200, 190, eps + 1e-3, 1e-5)
+    )
     # a higher confidence gives a lower bound
     assert epsilon_lower_bound(1000, 200, 190, 1e-5, 0.99) < eps
 

@@ -33,6 +33,7 @@ class AuditConfig:
 
     epsilon: float = 8.0
     delta: float = 1e-5
+    noise_multiplier: float | None = None  # given: no calibration; the claim is its epsilon
     canaries: int = 1000
     steps: int = 1
     sample_rate: float = 1.0  # q; the expected batch is round(q * N), N = real + canary slots
@@ -98,7 +99,10 @@ class AuditResult:
 
     def to_dict(self, with_scores: bool = False) -> dict[str, Any]:
         d = asdict(self)
-        d["tried"] = [dict(zip(("k_plus", "k_minus", "guesses", "correct", "bound"), t, strict=True)) for t in self.tried]
+        d["tried"] = [
+            dict(zip(("k_plus", "k_minus", "guesses", "correct", "bound"), t, strict=True))
+            for t in self.tried
+        ]
         d["ratio"] = self.ratio
         d["violated"] = self.violated
         if not with_scores:
@@ -129,9 +133,7 @@ class _Released:
 
 def _with_slots(items: Sequence[dict], canary_items: Sequence[dict], live: torch.Tensor):
     real = [{**it, "_canary": -1, "_live": 1.0} for it in items]
-    slots = [
-        {**c, "_canary": j, "_live": float(live[j])} for j, c in enumerate(canary_items)
-    ]
+    slots = [{**c, "_canary": j, "_live": float(live[j])} for j, c in enumerate(canary_items)]
     return real + slots
 
 
@@ -139,7 +141,9 @@ def _collate_with_slots(collate: Callable[[list], dict]) -> Callable[[list], dic
     def inner(rows: list[dict]) -> dict:
         ids = torch.tensor([r["_canary"] for r in rows], dtype=torch.long)
         live = torch.tensor([r["_live"] for r in rows], dtype=torch.float32)
-        batch = collate([{k: v for k, v in r.items() if k not in ("_canary", "_live")} for r in rows])
+        batch = collate(
+            [{k: v for k, v in r.items() if k not in ("_canary", "_live")} for r in rows]
+        )
         batch["_canary"], batch["_live"] = ids, live
         return batch
 
@@ -149,13 +153,17 @@ def _collate_with_slots(collate: Callable[[list], dict]) -> Callable[[list], dic
 def make_engine(model: nn.Module, n: int, cfg: AuditConfig):
     import dpfit
 
+    privacy: dict[str, Any] = (
+        {"noise_multiplier": cfg.noise_multiplier}
+        if cfg.noise_multiplier is not None
+        else {"target_epsilon": cfg.epsilon, "steps": cfg.steps}
+    )
     return dpfit.PrivacyEngine(
         model,
         expected_batch_size=max(1, round(cfg.sample_rate * n)),
         sample_size=n,
-        target_epsilon=cfg.epsilon,
         target_delta=cfg.delta,
-        steps=cfg.steps,
+        **privacy,
         max_grad_norm=cfg.max_grad_norm,
         clipping=cfg.clipping,
         loss_reduction="mean",
@@ -206,7 +214,9 @@ def _splits(cfg: AuditConfig) -> list[tuple[int, int]]:
 
 
 def _inclusion(cfg: AuditConfig) -> torch.Tensor:
-    return draw_inclusion(cfg.canaries, None if cfg.insecure_seed is None else cfg.insecure_seed + 7)
+    return draw_inclusion(
+        cfg.canaries, None if cfg.insecure_seed is None else cfg.insecure_seed + 7
+    )
 
 
 def _result(kind, cfg, engine, scores, included, t0, notes=()) -> AuditResult:
@@ -217,7 +227,7 @@ def _result(kind, cfg, engine, scores, included, t0, notes=()) -> AuditResult:
     return AuditResult(
         kind=kind,
         epsilon_claimed=claimed,
-        epsilon_target=cfg.epsilon,
+        epsilon_target=cfg.epsilon if cfg.noise_multiplier is None else claimed,
         delta=engine.target_delta,
         epsilon_lower_bound=b.epsilon_lower_bound,
         confidence=cfg.confidence,

@@ -38,12 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--canaries-count", type=_pos_int, help="m (white-box/federated 1000, black-box 300)"
     )
-    p.add_argument("--steps", type=_pos_int, help="logical steps / rounds (white-box 1, black-box 4)")
+    p.add_argument(
+        "--steps", type=_pos_int, help="logical steps / rounds (white-box 1, black-box 4)"
+    )
     p.add_argument(
         "--sample-rate", type=float, default=1.0, help="Poisson rate q = B / N (1: every slot)"
     )
     g = p.add_argument_group("model and data (as `dpfit train`)")
-    g.add_argument("--model", help="folder / hub id; `toy` for the synthetic model (default MiniLM)")
+    g.add_argument(
+        "--model", help="folder / hub id; `toy` for the synthetic model (default MiniLM)"
+    )
     g.add_argument("--data", help="CSV/JSONL file (default: bundled Rotten Tomatoes)")
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
@@ -61,7 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("audit")
     g.add_argument("--score", choices=("llr", "sum", "max"), default="llr")
     g.add_argument("--confidence", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=0, help="public randomness (canary directions, data)")
+    g.add_argument(
+        "--seed", type=int, default=0, help="public randomness (canary directions, data)"
+    )
     g.add_argument(
         "--insecure-seed",
         type=int,
@@ -180,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
             ("confidence", result.confidence),
             ("guesses (correct)", f"{result.guesses} ({result.correct})"),
             ("bound / claim", result.ratio),
-            ("sigma, q, steps", f"{result.noise_multiplier:.4g}, {result.sample_rate:.4g}, {result.steps}"),
+            (
+                "sigma, q, steps",
+                f"{result.noise_multiplier:.4g}, {result.sample_rate:.4g}, {result.steps}",
+            ),
             ("time (s)", result.seconds),
             ("verdict", "CLAIM VIOLATED" if result.violated else "consistent with the claim"),
         ]

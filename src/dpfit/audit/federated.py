@@ -102,14 +102,20 @@ def federated_audit(cfg: FederatedAuditConfig) -> AuditResult:
             replies.append(ClientReply(c, [vec.astype(np.float32)]))
         before = server.params[0].astype(np.float64).copy()
         server.aggregate(sampled, replies)
-        step = (server.params[0] - before) * server.config.clients_per_round / server.config.server_lr
+        step = (
+            (server.params[0] - before) * server.config.clients_per_round / server.config.server_lr
+        )
         observed.append(torch.from_numpy(u @ step / clip))
     x = torch.stack(observed).float()
     q = server.config.sample_rate
     z = server.rule.update_multiplier
     scores = scores_from_observations(x, cfg.score, q, z)
     b = best_bound(
-        scores.tolist(), included.tolist(), list(cfg.splits) or default_splits(m), cfg.delta, cfg.confidence
+        scores.tolist(),
+        included.tolist(),
+        list(cfg.splits) or default_splits(m),
+        cfg.delta,
+        cfg.confidence,
     )
     return AuditResult(
         kind="federated",
