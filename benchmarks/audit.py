@@ -2,6 +2,10 @@
 it catches (and at what canary count), and how long the bundled-model CPU audit takes.
 
 Parts (all by default):
+    ideal      the method's ceiling without a model (Gaussian observations), and the idealised
+               shuffled-batches fault
+    blackbox   black-box input canaries on the synthetic model, correct and with no noise and
+               no clipping
     toy        white-box bound vs claim at eps 1, 4, 8 (3 seeds each) on the synthetic bias-only
                model (dpfit.audit.toy), m = 1000 and, at eps 8, m = 4000
     faults     the faults of tests/audit/faults.py at a claimed eps of 2, m in 100/300/1000;

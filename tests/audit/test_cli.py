@@ -15,7 +15,14 @@ def test_audit_json_and_plot(tmp_path, capsys):
     )  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    for key in ("epsilon_claimed", "epsilon_lower_bound", "confidence", "canaries", "guesses", "correct"):
+    for key in (
+        "epsilon_claimed",
+        "epsilon_lower_bound",
+        "confidence",
+        "canaries",
+        "guesses",
+        "correct",
+    ):
         assert key in out
     assert out["canaries"] == 300 and out["confidence"] == 0.95
     assert 0 <= out["epsilon_lower_bound"] < out["epsilon_claimed"] <= 4.0 + 1e-6

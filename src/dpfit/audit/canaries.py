@@ -101,12 +101,13 @@ class GradientCanaries:
         """
         outputs: dict[int, torch.Tensor] = {}
         handles = []
+        canary_ids = canary_ids.cpu()
         for k, mod in enumerate(self.modules):
             mine = (canary_ids >= 0) & (self.target_of[canary_ids.clamp(min=0)] == k)
 
             def pre(module, args, mine=mine):
                 x = args[0]
-                keep = (~mine).to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+                keep = (~mine).to(device=x.device, dtype=x.dtype).view(-1, *([1] * (x.dim() - 1)))
                 return (x * keep, *args[1:])
 
             def post(module, args, out, k=k):
@@ -129,6 +130,7 @@ class GradientCanaries:
         stay inert).
         """
         n = canary_ids.shape[0]
+        canary_ids = canary_ids.cpu()
         total = None
         for k, mod in enumerate(self.modules):
             out = outputs[k]
@@ -140,9 +142,9 @@ class GradientCanaries:
                 )
             first = out.reshape(n, -1, d)[:, 0, :]
             ids = canary_ids.clamp(min=0)
-            mine = ((canary_ids >= 0) & (self.target_of[ids] == k)).to(first.dtype)
-            u = self.directions[ids, :d].to(first.dtype)
-            term = self.scale * (first * u).sum(1) * mine * live.to(first.dtype)
+            mine = ((canary_ids >= 0) & (self.target_of[ids] == k)).to(first)
+            u = self.directions[ids, :d].to(first)
+            term = self.scale * (first * u).sum(1) * mine * live.to(first)
             total = term if total is None else total + term
         assert total is not None
         return total
