@@ -6,6 +6,10 @@ Parts (all by default):
                shuffled-batches fault
     blackbox   black-box input canaries on the synthetic model, correct and with no noise and
                no clipping
+    ideal      the method's ceiling without a model (Gaussian observations), and the idealised
+               shuffled-batches fault
+    blackbox   black-box input canaries on the synthetic model, correct and with no noise and
+               no clipping
     toy        white-box bound vs claim at eps 1, 4, 8 (3 seeds each) on the synthetic bias-only
                model (dpfit.audit.toy), m = 1000 and, at eps 8, m = 4000
     faults     the faults of tests/audit/faults.py at a claimed eps of 2, m in 100/300/1000;
@@ -151,7 +155,7 @@ def part_bundled():
         ("white-box", []),
         ("black-box", ["--canaries-count", "200", "--steps", "2"]),
     ):
-        plot = ["--plot", str(OUT / "audit_bundled.png")] if kind == "white-box" else []
+        plot = ["--plot", "benchmarks/results/audit_bundled.png"] if kind == "white-box" else []
         cmd = [
             sys.executable,
             "-m",
@@ -164,7 +168,7 @@ def part_bundled():
             *plot,
         ]
         t0 = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
         wall = time.perf_counter() - t0
         if out.returncode not in (0, 3):
             raise RuntimeError(out.stderr[-2000:])
@@ -178,7 +182,79 @@ def part_bundled():
     return rows
 
 
+def part_ideal():
+    """The ceiling of the method, without any model: per canary one Gaussian observation
+    (eps-calibrated sigma, q = 1, one step) or, for shuffling, one epoch of T = 1/q steps with
+    the canary in exactly one of them. Same bound, same splits."""
+    import torch
+
+    from dpfit.accounting import noise_multiplier_for
+    from dpfit.audit.bounds import best_bound, default_splits
+    from dpfit.audit.canaries import scores_from_observations
+
+    def record(case, m, steps, q, sigma, eps, b):
+        d = {
+            "case": case,
+            "canaries": m,
+            "steps": steps,
+            "sample_rate": q,
+            "sigma": round(sigma, 4),
+            "epsilon_claimed": eps,
+            "epsilon_lower_bound": round(b.epsilon_lower_bound, 4),
+            "ratio": round(b.epsilon_lower_bound / eps, 4),
+            "guesses": b.guesses,
+            "correct": b.correct,
+            "detected": b.epsilon_lower_bound > eps,
+        }
+        print(json.dumps(d), flush=True)
+        return d
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for eps, m in ((8.0, 1000), (8.0, 4000), (8.0, 16000), (2.0, 1000)):
+        sigma = noise_multiplier_for(eps, 1e-5, 1.0, 1, "rdp")
+        inc = torch.rand(m, generator=gen) < 0.5
+        x = inc.float() + sigma * torch.randn(m, generator=gen)
+        b = best_bound(x.tolist(), inc.tolist(), default_splits(m), 1e-5)
+        rows.append(record(f"ideal Gaussian eps={eps:g}", m, 1, 1.0, sigma, eps, b))
+    q, steps, eps, m = 0.1, 10, 2.0, 4000
+    sigma = noise_multiplier_for(eps, 1e-5, q, steps, "rdp")
+    inc = torch.rand(m, generator=gen) < 0.5
+    x = sigma * torch.randn(steps, m, generator=gen)
+    x[torch.randint(0, steps, (m,), generator=gen), torch.arange(m)] += inc.float()
+    for score in ("max", "llr"):
+        s = scores_from_observations(x, score, q, sigma)
+        b = best_bound(s.tolist(), inc.tolist(), default_splits(m), 1e-5)
+        rows.append(
+            record(f"ideal shuffled, claimed Poisson ({score})", m, steps, q, sigma, eps, b)
+        )
+    return rows
+
+
+def part_blackbox():
+    """Black-box input canaries on the synthetic model: correct engine, and with no noise and
+    no clipping at all (the strongest fault) at a claimed eps of 1."""
+    from dpfit.audit.central import black_box_audit
+    from dpfit.audit.toy import toy_canary_items
+
+    f = _faults()
+    rows = []
+    for broken in (False, True):
+        cfg = AuditConfig(epsilon=1.0, canaries=200, steps=20, lr=0.5, insecure_seed=0)
+        args = (toy_model(width=64), toy_items(200), toy_canary_items(200), toy_collate, toy_losses)
+        if broken:
+            with f.noise_scaled(0.0), f.clipping_off():
+                r = black_box_audit(*args, cfg)
+        else:
+            r = black_box_audit(*args, cfg)
+        name = "black-box no noise, no clipping" if broken else "black-box correct"
+        rows.append(row(name, r, claim=1.0))
+    return rows
+
+
 PARTS = {
+    "ideal": part_ideal,
+    "blackbox": part_blackbox,
     "toy": part_toy,
     "faults": part_faults,
     "federated": part_federated,
