@@ -66,6 +66,12 @@ def test_guesses_and_bonferroni():
     assert one.correct == one.guesses == 400
     assert many.epsilon_lower_bound < one.epsilon_lower_bound  # the split costs confidence
     assert one.epsilon_lower_bound == pytest.approx(epsilon_lower_bound(400, 400, 400, 0.0))
+    assert one.ceiling == one.epsilon_lower_bound  # every guess right: at the ceiling
+    assert many.ceiling == many.epsilon_lower_bound
+    noisy = perfect[:]
+    noisy[0], noisy[1] = 0.0, 1.0  # one canary in scored as out and one out scored as in
+    worse = best_bound(noisy, inc, default_splits(400), 0.0)
+    assert worse.epsilon_lower_bound < worse.ceiling == many.ceiling
 
 
 def test_bad_counts_are_errors():

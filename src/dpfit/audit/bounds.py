@@ -116,6 +116,7 @@ class BoundResult:
     k_minus: int
     confidence: float  # overall (after the Bonferroni split over the splits tried)
     tried: tuple[tuple[int, int, int, int, float], ...]  # (k+, k-, made, correct, bound)
+    ceiling: float  # the bound had every guess been right: no claim above it can be refuted
 
 
 def default_splits(m: int) -> list[tuple[int, int]]:
@@ -150,4 +151,5 @@ def best_bound(
         eps = epsilon_lower_bound(m, g.made, g.correct, delta, per)
         tried.append((kp, km, g.made, g.correct, eps))
     kp, km, made, correct, eps = max(tried, key=lambda t: (t[4], -t[2]))
-    return BoundResult(eps, made, correct, kp, km, confidence, tuple(tried))
+    top = max(epsilon_lower_bound(m, a + b, a + b, delta, per) for a, b in splits)
+    return BoundResult(eps, made, correct, kp, km, confidence, tuple(tried), top)

@@ -72,6 +72,7 @@ class AuditResult:
     delta: float
     epsilon_lower_bound: float
     confidence: float
+    epsilon_ceiling: float  # the bound with every guess right: claims above it cannot fail
     canaries: int
     included: int
     guesses: int
@@ -231,6 +232,7 @@ def _result(kind, cfg, engine, scores, included, t0, notes=()) -> AuditResult:
         delta=engine.target_delta,
         epsilon_lower_bound=b.epsilon_lower_bound,
         confidence=cfg.confidence,
+        epsilon_ceiling=b.ceiling,
         canaries=cfg.canaries,
         included=int(included.sum()),
         guesses=b.guesses,

@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             ("epsilon claimed", result.epsilon_claimed),
             ("epsilon lower bound", result.epsilon_lower_bound),
             ("confidence", result.confidence),
+            ("largest certifiable", result.epsilon_ceiling),
             ("guesses (correct)", f"{result.guesses} ({result.correct})"),
             ("bound / claim", result.ratio),
             (
@@ -191,10 +192,18 @@ def run(args: argparse.Namespace) -> int:
                 f"{result.noise_multiplier:.4g}, {result.sample_rate:.4g}, {result.steps}",
             ),
             ("time (s)", result.seconds),
-            ("verdict", "CLAIM VIOLATED" if result.violated else "consistent with the claim"),
+            ("verdict", _verdict(result)),
         ]
         print(format_table(rows, title="dpfit audit"))
     return 3 if result.violated else 0
+
+
+def _verdict(result) -> str:
+    if result.violated:
+        return "CLAIM VIOLATED"
+    if result.epsilon_ceiling <= result.epsilon_claimed:
+        return "consistent; more canaries or a lower --epsilon could refute it"
+    return "consistent with the claim"
 
 
 def _check(args: argparse.Namespace) -> None:

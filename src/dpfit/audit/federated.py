@@ -124,6 +124,7 @@ def federated_audit(cfg: FederatedAuditConfig) -> AuditResult:
         delta=cfg.delta,
         epsilon_lower_bound=b.epsilon_lower_bound,
         confidence=cfg.confidence,
+        epsilon_ceiling=b.ceiling,
         canaries=m,
         included=int(included.sum()),
         guesses=b.guesses,
