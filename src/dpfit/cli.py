@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dpfit.audit import cli as audit_cli
 from dpfit.errors import DPFitError
 
 logger = logging.getLogger("dpfit")
@@ -443,6 +444,7 @@ COMMANDS = {
         run_accountant,
     ),
     "federated": ("federated DP fine-tuning (Flower)", add_federated_arguments, run_federated),
+    "audit": (audit_cli.HELP, audit_cli.add_arguments, audit_cli.run),
 }
 
 
