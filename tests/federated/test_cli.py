@@ -78,3 +78,13 @@ def test_impossible_budget_is_a_clear_error(capsys):
     )
     assert rc == 2
     assert "vote noise" in capsys.readouterr().err
+
+
+def test_insecure_reproducible_noise_is_opt_in_and_recorded(capsys):
+    base = [*TINY, "--engine", "local", "--json", "--method", "fixed", "--rounds", "1"]
+    assert _run(base) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["insecure_seed"] is False
+    assert _run([*base, "--insecure-reproducible-noise"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["insecure_seed"] is True
+    assert "NOT private" in captured.err

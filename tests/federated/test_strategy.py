@@ -9,6 +9,7 @@ import pytest
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from dpfit.federated.app import LocalGrid
+from dpfit.federated.clipping import clip_rule_names
 from dpfit.federated.strategy import (
     CheckpointMismatch,
     ClientReply,
@@ -104,9 +105,10 @@ def test_missing_and_crashed_clients_do_not_stall_and_accounting_uses_sampling()
 
 
 def test_checkpoint_resume_continues_identically(tmp_path):
-    cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, checkpoint_dir=str(tmp_path))
+    quantile = dict(method="adaptive-quantile", noise_multiplier=1.0, insecure_seed=3)
+    cfg = _cfg(**quantile, checkpoint_dir=str(tmp_path))
     replies = lambda r: [ClientReply(i, _update(0.1 * (i + r)), {}) for i in range(1, 4)]  # noqa: E731
-    full = DPFedAvgServer(_cfg(method="adaptive-quantile", noise_multiplier=1.0), _init())
+    full = DPFedAvgServer(_cfg(**quantile), _init())
     for r in range(3):
         full.aggregate([1, 2, 3], replies(r))
     part = DPFedAvgServer(cfg, _init())
@@ -123,6 +125,82 @@ def test_checkpoint_resume_continues_identically(tmp_path):
     other = DPFedAvgServer(_cfg(method="fixed", noise_multiplier=1.0), _init())
     with pytest.raises(CheckpointMismatch, match="checkpoint-dir"):
         other.load_checkpoint(tmp_path)
+    # an insecurely seeded run cannot be resumed as if it were private
+    secure = DPFedAvgServer(_cfg(method="adaptive-quantile", noise_multiplier=1.0), _init())
+    with pytest.raises(CheckpointMismatch, match="insecure_seed"):
+        secure.load_checkpoint(tmp_path)
+
+
+def test_secure_generator_state_survives_a_checkpoint(tmp_path):
+    """Without a seed the streams come from the OS; resume must continue them, not reseed."""
+    cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, checkpoint_dir=str(tmp_path))
+    part = DPFedAvgServer(cfg, _init())
+    part.aggregate([1, 2], [ClientReply(1, _update(0.1), {}), ClientReply(2, _update(0.2), {})])
+    resumed = DPFedAvgServer(cfg, _init())
+    assert resumed.noise_rng.bit_generator.state != part.noise_rng.bit_generator.state
+    assert resumed.load_checkpoint(tmp_path)
+    assert resumed.noise_rng.bit_generator.state == part.noise_rng.bit_generator.state
+    assert resumed.sampling_rng.bit_generator.state == part.sampling_rng.bit_generator.state
+    assert not resumed.insecure
+
+
+# ------------------------------------------------------------------ privacy-critical randomness
+
+
+def _run_rule(method: str, insecure_seed: int | None, rounds: int = 3) -> dict:
+    """A short run on fixed replies; returns everything the server's randomness could touch."""
+    cfg = _cfg(
+        method=method,
+        num_clients=50,
+        clients_per_round=25,
+        noise_multiplier=1.0,
+        initial_clip=0.5,
+        vote_noise_std=3.0,
+        insecure_seed=insecure_seed,
+    )
+    val = iter([1.0 / (k + 1) for k in range(rounds + 2)])
+    server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (next(val), 0.5))
+    votes = [[0, 1, 0]] * 30 + [[1, 0, 0]] * 20 if server.rule.needs_votes else None
+    server.initialise(votes)
+    sampled_all, clips = [], []
+    for _ in range(rounds):
+        sampled_all.append(server.sample_clients(list(range(50))))
+        # the same cohort every round, so that only the server's noise separates two runs
+        cohort = list(range(25))
+        replies = [ClientReply(i, _update(0.05 * (i % 7)), {"loss_before": 0.5}) for i in cohort]
+        server.aggregate(cohort, replies)
+        clips.append(server.rule.clip_norm)
+    return {
+        "sampled": sampled_all,
+        "params": np.concatenate([p.ravel() for p in server.params]),
+        "clips": clips,
+        "votes": list(server.vote_counts),
+        "rule": server.rule.state_dict(),
+    }
+
+
+# the auxiliary noise each rule draws besides the update noise, as seen in its outputs
+AUX_RELEASE = {"adaptive-quantile": "clips", "lac": "votes", "clac": "rule"}
+
+
+@pytest.mark.parametrize("method", clip_rule_names())
+def test_public_seed_does_not_determine_sampling_or_any_noise(method):
+    """Two runs with the same public settings differ in sampling, update noise and the rule's
+    own noise (count, vote, loss); with the same insecure_seed they are identical."""
+    a, b = _run_rule(method, None), _run_rule(method, None)
+    assert a["sampled"] != b["sampled"]
+    assert not np.allclose(a["params"], b["params"])
+    if method in AUX_RELEASE:
+        assert a[AUX_RELEASE[method]] != b[AUX_RELEASE[method]]
+    c, d = _run_rule(method, 11), _run_rule(method, 11)
+    assert c["sampled"] == d["sampled"]
+    np.testing.assert_array_equal(c["params"], d["params"])
+    assert (c["clips"], c["votes"], c["rule"]) == (d["clips"], d["votes"], d["rule"])
+
+
+def test_insecure_seed_warns(caplog):
+    DPFedAvgServer(_cfg(insecure_seed=4), _init())
+    assert "NOT private" in caplog.text
 
 
 # ------------------------------------------------------------------ through Flower messages
@@ -175,6 +253,7 @@ def test_lac_vote_round_and_budget_stop_through_messages():
         target_epsilon=8.0,
         initial_clip=2.0,
         vote_noise_std=2.0,
+        insecure_seed=0,  # the vote's noise could otherwise flip the winner now and then
     )
     server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (1.0, 0.5))
     strategy = DPFedAvg(server, {})

@@ -63,7 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     p.add_argument("--examples-per-client", type=int, default=32, help="cap; 0 = all")
     p.add_argument("--eval-examples", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="public randomness only: data split, partitions, model init, local shuffles",
+    )
+    p.add_argument(
+        "--insecure-reproducible-noise",
+        action="store_true",
+        help="also draw client sampling and noise from --seed (reproducible, NOT private "
+        "against anyone who knows the seed; recorded in metrics.json)",
+    )
     p.add_argument("--model", default="", help="model folder (default: bundled MiniLM)")
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--target-quantile", type=float, default=0.5)
@@ -115,7 +126,7 @@ def configs(args: argparse.Namespace):
         initial_clip=args.initial_clip,
         server_lr=args.server_lr,
         accountant=args.accountant,
-        seed=args.seed,
+        insecure_seed=args.seed if args.insecure_reproducible_noise else None,
         checkpoint_dir=args.checkpoint_dir,
         target_quantile=args.target_quantile,
         quantile_lr=args.quantile_lr,
@@ -153,6 +164,7 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "partition": task.partition,
         "local_mode": task.local_mode,
         "stopped": server.stop_reason,
+        "insecure_seed": server.insecure,
     }
 
 
@@ -220,6 +232,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     quiet = args.json
+    if server_cfg.insecure_seed is not None:
+        print(
+            f"WARNING: --insecure-reproducible-noise: client sampling and noise come from "
+            f"--seed {args.seed}; this run is NOT private against anyone who knows the seed.",
+            file=sys.stderr,
+        )
 
     def progress(r: Any) -> None:
         if not quiet:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -68,7 +69,9 @@ class ServerConfig:
     initial_clip: float = 1.0
     server_lr: float = 1.0
     accountant: str = "rdp"
-    seed: int = 0
+    # None: client sampling and noise come from OS entropy. An int makes them reproducible
+    # from that number, and the run is then NOT private against anyone who knows it.
+    insecure_seed: int | None = None
     round_timeout: float = 600.0
     node_wait_timeout: float = 120.0
     checkpoint_dir: str | None = None
@@ -145,6 +148,27 @@ def validate_update(update: Sequence[np.ndarray], shapes: Sequence[tuple[int, ..
             raise InvalidUpdate(f"array {i} has NaN or Inf values")
 
 
+def server_generators(
+    insecure_seed: int | None,
+) -> tuple[np.random.Generator, np.random.Generator]:
+    """(sampling, noise) generators: seeded from the OS's CSPRNG unless ``insecure_seed``.
+
+    Two independent streams so that the sampling decisions and the noise never share draws.
+    Their state is secret: whoever holds it can regenerate every noise vector.
+    """
+    if insecure_seed is None:
+        root = np.random.SeedSequence(secrets.randbits(128))
+    else:
+        logger.warning(
+            "insecure_seed=%d: client sampling and noise are reproducible from this number; "
+            "the run is NOT private against anyone who knows it",
+            insecure_seed,
+        )
+        root = np.random.SeedSequence(int(insecure_seed))
+    sampling, noise = root.spawn(2)
+    return np.random.default_rng(sampling), np.random.default_rng(noise)
+
+
 class DPFedAvgServer:
     """Server state and one-round logic, independent of the transport."""
 
@@ -181,7 +205,8 @@ class DPFedAvgServer:
             kind=config.accountant,
             target_epsilon=target,
         )
-        self.rng = np.random.default_rng(config.seed)
+        self.sampling_rng, self.noise_rng = server_generators(config.insecure_seed)
+        self.insecure = config.insecure_seed is not None
         self.round = 0
         self.initialised = False
         self.initial_clip = self.rule.clip_norm
@@ -205,7 +230,7 @@ class DPFedAvgServer:
     def sample_clients(self, node_ids: Sequence[int]) -> list[int]:
         """Poisson sampling: each client independently with probability q = m / N."""
         q = self.config.sample_rate
-        draws = self.rng.random(len(node_ids))
+        draws = self.sampling_rng.random(len(node_ids))
         return [int(n) for n, u in zip(sorted(node_ids), draws, strict=True) if u < q]
 
     def evaluate(self) -> tuple[float, float]:
@@ -233,7 +258,7 @@ class DPFedAvgServer:
                     good.append(v)
                 else:
                     logger.warning("rejected malformed vote %s", v)
-            counts = self.rule.initialise_from_votes(good, self.rng)
+            counts = self.rule.initialise_from_votes(good, self.noise_rng)
             self.vote_counts = [float(c) for c in counts]
             if self.rule.config.vote_noise_std > 0:
                 self.accountant.record_one_off(self.rule.config.vote_noise_std)
@@ -295,7 +320,7 @@ class DPFedAvgServer:
         std = self.rule.update_noise_std()
         m = self.config.clients_per_round
         for p, acc in zip(self.params, total, strict=True):
-            noise = self.rng.normal(0.0, std, size=p.shape) if std > 0 else 0.0
+            noise = self.noise_rng.normal(0.0, std, size=p.shape) if std > 0 else 0.0
             p += (self.config.server_lr * (acc + noise) / m).astype(np.float32)
         self.accountant.record_round(self.round_multipliers)
         val_loss, acc = self.evaluate()
@@ -303,7 +328,7 @@ class DPFedAvgServer:
             RoundObservation(
                 update_norms=tuple(norms), client_losses=tuple(losses), val_loss=val_loss
             ),
-            self.rng,
+            self.noise_rng,
         )
         record = RoundRecord(
             round=self.round,
@@ -333,6 +358,8 @@ class DPFedAvgServer:
             "clients_per_round": c.clients_per_round,
             "delta": c.delta,
             "noise_multiplier": self.noise_multiplier,
+            # an insecurely seeded run's generator state stays insecure after a resume
+            "insecure_seed": self.insecure,
             "shapes": [list(s) for s in self.shapes],
         }
 
@@ -345,12 +372,19 @@ class DPFedAvgServer:
             "vote_counts": self.vote_counts,
             "rule": self.rule.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "rng": self.rng.bit_generator.state,
+            "rng": {
+                "sampling": self.sampling_rng.bit_generator.state,
+                "noise": self.noise_rng.bit_generator.state,
+            },
             "history": [asdict(r) for r in self.history],
         }
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        """Write params + state atomically: a crash mid-write leaves the previous round."""
+        """Write params + state atomically: a crash mid-write leaves the previous round.
+
+        The state holds the sampling and noise generators: a checkpoint is as secret as the
+        un-noised updates (whoever reads it can regenerate every noise vector).
+        """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         tag = f"round{self.round:05d}"
@@ -385,7 +419,8 @@ class DPFedAvgServer:
         self.vote_counts = list(state["vote_counts"])
         self.rule.load_state_dict(state["rule"])
         self.accountant.load_state_dict(state["accountant"])
-        self.rng.bit_generator.state = state["rng"]
+        self.sampling_rng.bit_generator.state = state["rng"]["sampling"]
+        self.noise_rng.bit_generator.state = state["rng"]["noise"]
         self.history = [RoundRecord(**r) for r in state["history"]]
         logger.info("resumed from %s at round %d (C=%.4g)", d, self.round, self.rule.clip_norm)
         return True
