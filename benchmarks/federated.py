@@ -239,9 +239,6 @@ def run_one(method: str, eps: float, seed: int, args: argparse.Namespace, **over
         "final_clip": server.rule.clip_norm,
         "clips": [r.clip_norm for r in server.history],
         "val_accuracies": [r.accuracy for r in server.history],
-        "mean_clients_sampled": statistics.mean(r.clients_sampled for r in server.history)
-        if server.history
-        else 0.0,
         "seconds": time.perf_counter() - t0,
     }
 

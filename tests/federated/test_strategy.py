@@ -50,9 +50,9 @@ def test_equal_weight_average_divides_by_expected_clients():
         ClientReply(1, _update(1.0), {"num_examples": 1000}),
         ClientReply(2, _update(3.0), {"num_examples": 1}),
     ]
-    rec = server.aggregate([1, 2, 3], replies)
+    server.aggregate([1, 2, 3], replies)
     np.testing.assert_allclose(server.params[1], (1.0 + 3.0) / 4)  # /m, not /answered
-    assert rec.clients_sampled == 3 and rec.clients_answered == 2
+    assert (server.last_counts.sampled, server.last_counts.answered) == (3, 2)
 
 
 def test_clipping_uses_rule_norm_and_noise_std_is_z_times_c():
@@ -89,8 +89,8 @@ def test_bad_updates_are_rejected_and_logged(bad, match, caplog):
     with pytest.raises(InvalidUpdate, match=match):
         validate_update(bad, SHAPES)
     server = DPFedAvgServer(_cfg(initial_clip=100.0), _init())
-    rec = server.aggregate([1, 2], [ClientReply(1, bad, {}), ClientReply(2, _update(2.0), {})])
-    assert rec.clients_rejected == 1
+    server.aggregate([1, 2], [ClientReply(1, bad, {}), ClientReply(2, _update(2.0), {})])
+    assert server.last_counts.rejected == 1
     assert np.all(np.isfinite(server.params[0]))
     np.testing.assert_allclose(server.params[1], 2.0 / 4)
     assert "rejected" in caplog.text
@@ -99,7 +99,8 @@ def test_bad_updates_are_rejected_and_logged(bad, match, caplog):
 def test_missing_and_crashed_clients_do_not_stall_and_accounting_uses_sampling():
     server = DPFedAvgServer(_cfg(noise_multiplier=1.0), _init())
     rec = server.aggregate([1, 2, 3], [ClientReply(2, error="boom")])
-    assert (rec.clients_sampled, rec.clients_answered, rec.clients_rejected) == (3, 1, 1)
+    counts = server.last_counts
+    assert (counts.sampled, counts.answered, counts.rejected) == (3, 1, 1)
     assert len(server.accountant.rounds) == 1  # the round is paid for anyway
     assert math.isfinite(rec.epsilon)
 
@@ -233,12 +234,15 @@ def _grid(num: int, faulty: dict[int, dict]):
 def test_strategy_runs_rounds_with_faulty_clients_through_messages(caplog):
     faulty = {0: {"crash": True}, 1: {"silent": True}, 2: {"value": float("nan")}}
     cfg = _cfg(num_clients=6, clients_per_round=6, rounds=3, initial_clip=10.0)
-    rows = []
-    strategy = DPFedAvg(DPFedAvgServer(cfg, _init()), {}, on_round=rows.append)
-    server = strategy.start(_grid(6, faulty))
+    counts = []
+    strategy = DPFedAvg(
+        DPFedAvgServer(cfg, _init()), {}, on_round=lambda r: counts.append(server.last_counts)
+    )
+    server = strategy.server
+    strategy.start(_grid(6, faulty))
     assert server.round == 3
-    for r in rows:
-        assert r.clients_sampled == 6 and r.clients_answered == 5 and r.clients_rejected == 2
+    for c in counts:
+        assert (c.sampled, c.answered, c.rejected) == (6, 5, 2)
     np.testing.assert_allclose(server.params[1], 3 * 3 * 0.01 / 6, rtol=1e-5)
     assert "NaN" in caplog.text
 
@@ -269,3 +273,25 @@ def test_dirichlet_with_too_many_clients_is_a_clear_error():
 
     with pytest.raises(PartitionError, match="--alpha"):
         partitions(1000, "dirichlet", 0.5, 0)
+
+
+def test_released_files_carry_no_client_counts(tmp_path):
+    """Same noise, same accepted updates, different numbers of sampled, failed and invalid
+    clients: every released file must be byte-identical (exact counts are operator-only)."""
+    from dpfit.federated.cli import summary, write_files
+    from dpfit.federated.client import TaskConfig
+
+    outputs = []
+    for extra in ([], [ClientReply(3, error="boom"), ClientReply(4, _update(math.nan), {})]):
+        cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, insecure_seed=9)
+        server = DPFedAvgServer(cfg, _init())
+        good = [ClientReply(1, _update(0.1), {}), ClientReply(2, _update(0.3), {})]
+        sampled = [1, 2] + [r.node_id for r in extra] + [5] * bool(extra)  # 5: never answers
+        for _ in range(2):
+            server.aggregate(sampled, good + extra)
+        out = tmp_path / f"out{len(extra)}"
+        write_files(server.history, summary(server, TaskConfig(), 0.5, 0.7), out, plots=False)
+        outputs.append({f.name: f.read_bytes() for f in sorted(out.iterdir())})
+        assert server.last_counts.sampled == len(sampled)  # the operator still sees them
+    assert set(outputs[0]) == {"metrics.json", "rounds.csv"}
+    assert outputs[0] == outputs[1]

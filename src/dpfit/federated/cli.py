@@ -25,11 +25,7 @@ ROUND_COLUMNS = (
     "val_loss",
     "accuracy",
     "epsilon",
-    "clients_sampled",
-    "clients_answered",
-    "clients_rejected",
     "noise_std",
-    "seconds",
 )
 
 
@@ -172,19 +168,27 @@ def write_outputs(server: Any, task: Any, out: str | Path, plots: bool = True) -
     """DIR/metrics.json, DIR/rounds.csv and, with matplotlib, DIR/{clip,accuracy,epsilon}.png."""
     from dpfit.federated.app import make_evaluate_fn
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     test_loss, test_acc = make_evaluate_fn(task, "test")(server.params)
     metrics = summary(server, task, test_acc, test_loss)
+    write_files(server.history, metrics, out, plots)
+    return metrics
+
+
+def write_files(
+    history: list[Any], metrics: dict[str, Any], out: str | Path, plots: bool = True
+) -> None:
+    """The released files: every value in them is a function of noised releases and public
+    settings (see docs/federated.md for each file's classification)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2))
     with open(out / "rounds.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, extrasaction="ignore")
         w.writeheader()
-        for r in server.history:
+        for r in history:
             w.writerow(asdict(r))
     if plots:
-        plot_rounds(server.history, out)
-    return metrics
+        plot_rounds(history, out)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -243,8 +247,7 @@ def run(args: argparse.Namespace) -> int:
         if not quiet:
             print(
                 f"round {r.round:3d}/{server_cfg.rounds}  C={r.clip_norm:.4g}  "
-                f"val_loss={_fmt(r.val_loss)}  acc={_fmt(r.accuracy)}  eps={_fmt(r.epsilon)}  "
-                f"clients {r.clients_answered}/{r.clients_sampled}",
+                f"val_loss={_fmt(r.val_loss)}  acc={_fmt(r.accuracy)}  eps={_fmt(r.epsilon)}",
                 flush=True,
             )
 

@@ -124,16 +124,33 @@ class ClientReply:
 
 @dataclass(frozen=True)
 class RoundRecord:
+    """What a round releases: functions of the noised model and of public settings only.
+
+    C_t and the noise std are post-processing of earlier noised releases; the validation
+    loss and accuracy are measured on the server's public validation split.
+    """
+
     round: int
     clip_norm: float
     next_clip: float
     val_loss: float
     accuracy: float
     epsilon: float
-    clients_sampled: int
-    clients_answered: int
-    clients_rejected: int
     noise_std: float
+
+
+@dataclass(frozen=True)
+class RoundCounts:
+    """Exact per-round client counts and timing: for the operator's log, never released.
+
+    How many sampled clients answered is a statistic of who took part, and no noise
+    covers it; it goes to the DEBUG log (``-vv``) and nowhere else.
+    """
+
+    round: int
+    sampled: int
+    answered: int
+    rejected: int
     seconds: float
 
 
@@ -213,6 +230,7 @@ class DPFedAvgServer:
         self.vote_counts: list[float] = []
         self.history: list[RoundRecord] = []
         self.stop_reason: str | None = None
+        self.last_counts: RoundCounts | None = None  # operator's log only
         logger.info(
             "method=%s z=%.4f q=%.4f update multiplier=%.4f",
             config.method,
@@ -264,9 +282,9 @@ class DPFedAvgServer:
                 self.accountant.record_one_off(self.rule.config.vote_noise_std)
             else:
                 self.accountant.record_one_off(0.0)
+            logger.debug("operator only: %d well-formed votes", len(good))
             logger.info(
-                "vote: %d clients, noised counts %s -> C0=%.4g",
-                len(good),
+                "vote: noised counts %s -> C0=%.4g",
                 np.round(counts, 2).tolist(),
                 self.rule.clip_norm,
             )
@@ -337,12 +355,12 @@ class DPFedAvgServer:
             val_loss=val_loss,
             accuracy=acc,
             epsilon=self.accountant.epsilon(),
-            clients_sampled=len(sampled),
-            clients_answered=answered,
-            clients_rejected=rejected,
             noise_std=std,
-            seconds=time.perf_counter() - t0,
         )
+        self.last_counts = RoundCounts(
+            self.round, len(sampled), answered, rejected, time.perf_counter() - t0
+        )
+        logger.debug("operator only: %s", self.last_counts)
         self.history.append(record)
         if self.config.checkpoint_dir:
             self.save_checkpoint(self.config.checkpoint_dir)
