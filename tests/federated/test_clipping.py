@@ -185,3 +185,54 @@ def test_clac_rule_never_increases_and_reacts_to_losses():
     assert clips[0] == 1.0  # first loss: nothing to compare with
     assert clips[1] == pytest.approx(0.5 * 2 / 5 / (1.0 * 2 / 5))  # ratio of means
     assert clips[2] == pytest.approx(clips[1])
+
+
+def _chi2_ok(samples: np.ndarray, var: float) -> bool:
+    """Sample variance within the 99.9% chi-square band around ``var`` (n large)."""
+    n = len(samples)
+    return abs(samples.var(ddof=1) / var - 1.0) < 3.3 * math.sqrt(2.0 / n)
+
+
+def test_quantile_count_noise_has_its_variance():
+    """The noised unclipped count, read back from C's move, has variance sigma_b^2.
+
+    C_new = C exp(-lr (b - gamma)), b = (sum(1[n <= C] - 1/2) + N(0, sigma_b^2)) / m + 1/2.
+    """
+    m, lr, target, c0 = 40, 0.2, 0.5, 1.0
+    cfg = ClipConfig(initial_clip=c0, noise_multiplier=1.0, expected_clients=m, quantile_lr=lr)
+    sigma_b = 0.5 / math.sqrt(0.1)  # z / sqrt(count share 0.1) is 2 sigma_b
+    norms = tuple([0.5] * 30 + [2.0] * 10)  # 30 unclipped at C = 1: centred sum 10
+    rule = QuantileClip(cfg)
+    rng = np.random.default_rng(5)
+    noise = []
+    for _ in range(4000):
+        rule.clip_norm = c0
+        new = rule.observe(RoundObservation(update_norms=norms), rng)
+        b = target - math.log(new / c0) / lr
+        noise.append((b - 0.5) * m - 10.0)
+    noise = np.asarray(noise)
+    assert _chi2_ok(noise, sigma_b**2), noise.var()
+    assert abs(noise.mean()) < 4 * sigma_b / math.sqrt(len(noise))
+
+
+def test_clac_loss_noise_has_its_variance():
+    """The private mean loss has variance (z_loss L_max / m)^2, z_loss = z / sqrt(share)."""
+    m, bound, share = 100, 2.0, 0.1
+    cfg = ClipConfig(
+        initial_clip=1.0,
+        noise_multiplier=1.0,
+        expected_clients=m,
+        loss_bound=bound,
+        loss_budget_share=share,
+    )
+    rule = ClacClip(cfg)
+    rng = np.random.default_rng(6)
+    means = []
+    for _ in range(4000):
+        rule.losses = []
+        rule.observe(RoundObservation(client_losses=(1.0,) * m), rng)
+        means.append(rule.losses[-1])
+    means = np.asarray(means)
+    std = 1.0 / math.sqrt(share) * bound / m  # 0.063: far from the [0, 2] clamp around 1.0
+    assert _chi2_ok(means - 1.0, std**2), means.std()
+    assert abs(means.mean() - 1.0) < 4 * std / math.sqrt(len(means))
