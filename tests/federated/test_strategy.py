@@ -330,15 +330,53 @@ def _noise_per_round(method: str, rounds: int = 5, **kw):
     "method,z_update",
     [
         # quantile: Theorem 1 split with the default 10% count share: z / sqrt(1 - 0.1)
-        ("adaptive-quantile", 1.0 / math.sqrt(0.9)),
-        ("lac", 1.0),
+        ("adaptive-quantile", lambda t: 1.0 / math.sqrt(0.9)),
+        ("lac", lambda t: 1.0),
+        # Du et al.: z_t = z_0 rho^(t/T), rho = 0.5, T = 5 rounds
+        ("dynamic", lambda t: 0.5 ** (t / 5)),
     ],
 )
 def test_noise_std_is_z_times_the_current_clip_after_it_moved(method, z_update):
-    """Catches noise scaled by the initial C (or any stale C) once C has moved."""
+    """Catches noise scaled by the initial C (or any stale C or z) once they have moved."""
     kw = {"quantile_lr": 0.5} if method == "adaptive-quantile" else {}
     rows = list(_noise_per_round(method, **kw))
     assert rows[-1][0] < 0.75 * rows[0][0], rows  # C really moved
-    for clip, measured in rows:
+    for t, (clip, measured) in enumerate(rows):
         # 20000 draws: the sample std is within 3% of the true one with overwhelming odds
-        assert measured == pytest.approx(z_update * clip, rel=0.03), rows
+        assert measured == pytest.approx(z_update(t) * clip, rel=0.03), rows
+
+
+def test_dynamic_rule_through_the_server_schedule_and_ledger():
+    """C_t = C_0 rho_c^(t/T) clips round t, and the ledger records z_t = z_0 rho_s^(t/T)."""
+    cfg = _cfg(method="dynamic", rounds=4, noise_multiplier=0.0, initial_clip=1.0)
+    server = DPFedAvgServer(cfg, _init())
+    big = _update(10.0)  # norm >> C: every round clips to C_t exactly
+    for t in range(4):
+        before = [p.copy() for p in server.params]
+        rec = server.aggregate([1], [ClientReply(1, big, {})])
+        assert rec.clip_norm == pytest.approx(0.5 ** (t / 4))
+        step = math.sqrt(
+            sum(float(np.sum((p - b) ** 2)) for p, b in zip(server.params, before, strict=True))
+        )
+        assert step == pytest.approx(0.5 ** (t / 4) / 4, rel=1e-5)  # C_t / m
+    noisy = DPFedAvgServer(_cfg(method="dynamic", rounds=4, noise_multiplier=2.0), _init())
+    for _ in range(4):
+        noisy.check_budget()
+        noisy.aggregate([1], [ClientReply(1, big, {})])
+    assert [r[0] for r in noisy.accountant.rounds] == pytest.approx(
+        [2.0 * 0.5 ** (t / 4) for t in range(4)]
+    )
+
+
+def test_automatic_rule_through_the_server_normalises_every_update():
+    cfg = _cfg(method="automatic", initial_clip=0.5, noise_multiplier=0.0)
+    server = DPFedAvgServer(cfg, _init())
+    updates = {1: _update(0.01), 2: _update(3.0)}
+    server.aggregate([1, 2], [ClientReply(i, u, {}) for i, u in updates.items()])
+    expected = [np.zeros(s) for s in SHAPES]
+    for u in updates.values():
+        norm = math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in u))
+        for e, a in zip(expected, u, strict=True):
+            e += a * 0.5 / (norm + 0.01)  # R / (||Delta|| + gamma), Bu et al. AUTO-S
+    for got, e in zip(server.params, expected, strict=True):
+        np.testing.assert_allclose(got, e / 4, rtol=1e-5)

@@ -42,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fix z instead of calibrating to --epsilon; 0 = no noise (epsilon = inf)",
     )
     p.add_argument(
-        "--initial-clip", type=float, default=1.0, help="C (fixed), C0 (quantile), C_init (lac)"
+        "--initial-clip",
+        type=float,
+        default=1.0,
+        help="C (fixed), C0 (quantile, dynamic), C_init (lac), R (automatic)",
     )
     p.add_argument("--clients", type=int, default=20, help="population N")
     p.add_argument(
@@ -78,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--vote-noise", type=float, default=10.0, help="sigma_h of the LAC vote")
     p.add_argument("--loss-bound", type=float, default=2.0, help="L_max for DP-CLAC")
     p.add_argument("--loss-budget-share", type=float, default=0.1)
+    p.add_argument(
+        "--auto-gamma", type=float, default=0.01, help="automatic: R / (||update|| + gamma)"
+    )
+    p.add_argument(
+        "--clip-decay", type=float, default=0.5, help="dynamic: C_T / C_0 (C_t = C_0 rho^(t/T))"
+    )
+    p.add_argument(
+        "--noise-decay", type=float, default=0.5, help="dynamic: z_T / z_0 (z_t = z_0 rho^(t/T))"
+    )
     p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
     p.add_argument(
         "--engine",
@@ -129,6 +141,9 @@ def configs(args: argparse.Namespace):
         vote_noise_std=args.vote_noise,
         loss_bound=args.loss_bound,
         loss_budget_share=args.loss_budget_share,
+        auto_gamma=args.auto_gamma,
+        clip_decay=args.clip_decay,
+        noise_decay=args.noise_decay,
     )
     return server, task
 

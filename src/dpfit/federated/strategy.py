@@ -34,7 +34,6 @@ from dpfit.federated.clipping import (
     LacClip,
     RoundObservation,
     clip_rule_class,
-    clip_update,
     make_clip_rule,
 )
 
@@ -82,9 +81,13 @@ class ServerConfig:
     vote_noise_std: float = 10.0
     loss_bound: float = 2.0
     loss_budget_share: float = 0.1
+    auto_gamma: float = 0.01
+    clip_decay: float = 0.5
+    noise_decay: float = 0.5
 
     def __post_init__(self) -> None:
         clip_rule_class(self.method)  # fail early with the list of names
+        self.clip_config(1.0)  # and on a rule setting out of range
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier")
         if not 0 < self.clients_per_round <= self.num_clients:
@@ -109,6 +112,10 @@ class ServerConfig:
             vote_noise_std=self.vote_noise_std if noise_multiplier > 0 else 0.0,
             loss_bound=self.loss_bound,
             loss_budget_share=self.loss_budget_share,
+            total_rounds=max(1, self.rounds),
+            auto_gamma=self.auto_gamma,
+            clip_decay=self.clip_decay,
+            noise_decay=self.noise_decay,
         )
 
 
@@ -212,6 +219,11 @@ class DPFedAvgServer:
                 config.rounds,
                 one_offs,
                 config.accountant,
+                schedule=(
+                    (lambda z: rule_cls.schedule(config.clip_config(z), config.rounds))
+                    if rule_cls.scheduled
+                    else None
+                ),
             )
             target = config.target_epsilon
         self.rule = make_clip_rule(config.method, config.clip_config(self.noise_multiplier))
@@ -243,7 +255,8 @@ class DPFedAvgServer:
 
     @property
     def round_multipliers(self) -> tuple[float, ...]:
-        return type(self.rule).round_multipliers(self.rule.config)
+        """The Gaussian releases of the next round (they change by round for some rules)."""
+        return self.rule.current_multipliers()
 
     def sample_clients(self, node_ids: Sequence[int]) -> list[int]:
         """Poisson sampling: each client independently with probability q = m / N."""
@@ -328,7 +341,7 @@ class DPFedAvgServer:
                     "round %d: update of client %s rejected: %s", self.round, r.node_id, exc
                 )
                 continue
-            clipped, norm = clip_update(r.update, clip)
+            clipped, norm = self.rule.clip(r.update)
             for acc, c in zip(total, clipped, strict=True):
                 acc += c
             norms.append(norm)
