@@ -16,7 +16,13 @@ from dpfit.federated.accounting import (
     epsilon_of,
     training_event,
 )
-from dpfit.federated.clipping import ClacClip, ClipConfig, QuantileClip
+from dpfit.federated.clipping import (
+    ClacClip,
+    ClipConfig,
+    DynamicClip,
+    QuantileClip,
+    RoundObservation,
+)
 
 
 def _direct(event, kind):
@@ -108,3 +114,43 @@ def test_no_noise_is_infinite_epsilon_and_state_roundtrip():
     clone = ClientLevelAccountant(num_clients=10, expected_clients=2, delta=1e-5)
     clone.load_state_dict(acc2.state_dict())
     assert clone.epsilon() == acc2.epsilon()
+
+
+def _dynamic_cfg(z: float, t_total: int, rho: float = 0.5) -> ClipConfig:
+    return ClipConfig(noise_multiplier=z, total_rounds=t_total, noise_decay=rho)
+
+
+def test_dynamic_schedule_is_accounted_round_by_round():
+    """Du et al.'s decaying noise: the ledger holds each round's own z_t = z_0 rho^(t/T) and
+    its epsilon equals dp-accounting's direct composition of those rounds."""
+    q, t_total, z0, rho = 0.1, 4, 1.2, 0.5
+    zs = [z0 * rho ** (t / t_total) for t in range(t_total)]
+    acc = ClientLevelAccountant(
+        num_clients=100, expected_clients=10, delta=1e-5, target_epsilon=100.0
+    )
+    rule = DynamicClip(_dynamic_cfg(z0, t_total, rho))
+    for _ in range(t_total):
+        acc.check_round(rule.current_multipliers())
+        acc.record_round(rule.current_multipliers())
+        rule.observe(RoundObservation(), None)
+    assert [r[0] for r in acc.rounds] == pytest.approx(zs)
+    direct = dpa.ComposedDpEvent([dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)) for z in zs])
+    assert acc.epsilon() == pytest.approx(_direct(direct, "rdp"), rel=1e-9)
+    # accounting every round at z_0 would under-report what the decayed rounds spent
+    assert epsilon_of(training_event(q, t_total, (z0,)), 1e-5) < 0.9 * acc.epsilon()
+
+
+def test_dynamic_calibration_meets_the_target_with_the_whole_schedule():
+    q, t_total, target = 0.1, 3, 4.0
+    z0 = calibrate_noise_multiplier(
+        target,
+        1e-5,
+        q,
+        t_total,
+        schedule=lambda z: DynamicClip.schedule(_dynamic_cfg(z, t_total), t_total),
+    )
+    zs = [z0 * 0.5 ** (t / t_total) for t in range(t_total)]
+    direct = dpa.ComposedDpEvent([dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)) for z in zs])
+    eps = _direct(direct, "rdp")
+    assert eps <= target * (1 + 1e-6)
+    assert eps == pytest.approx(target, rel=1e-2)

@@ -35,15 +35,9 @@ def test_simulation_engine_writes_metrics_rounds_and_plots(tmp_path, capsys):
     assert metrics["final_clip"] <= metrics["initial_clip"]  # LAC never increases C
     rows = list(csv.DictReader(open(out / "rounds.csv")))
     assert [int(r["round"]) for r in rows] == [1, 2]
-    for col in (
-        "clip_norm",
-        "val_loss",
-        "accuracy",
-        "epsilon",
-        "clients_sampled",
-        "clients_answered",
-    ):
+    for col in ("clip_norm", "val_loss", "accuracy", "epsilon", "noise_std"):
         assert col in rows[0]
+    assert not any("client" in col for col in rows[0])  # exact counts are operator-only
     for png in ("clip.png", "accuracy.png", "epsilon.png"):
         assert (out / png).stat().st_size > 0
     assert "round   2/2" in capsys.readouterr().out
@@ -78,3 +72,13 @@ def test_impossible_budget_is_a_clear_error(capsys):
     )
     assert rc == 2
     assert "vote noise" in capsys.readouterr().err
+
+
+def test_insecure_reproducible_noise_is_opt_in_and_recorded(capsys):
+    base = [*TINY, "--engine", "local", "--json", "--method", "fixed", "--rounds", "1"]
+    assert _run(base) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["insecure_seed"] is False
+    assert _run([*base, "--insecure-reproducible-noise"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["insecure_seed"] is True
+    assert "NOT private" in captured.err

@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpfit.federated.clipping import (
+    AutomaticClip,
     ClacClip,
     ClipConfig,
     ClipRuleError,
+    DynamicClip,
     FixedClip,
     LacClip,
     QuantileClip,
@@ -185,3 +187,115 @@ def test_clac_rule_never_increases_and_reacts_to_losses():
     assert clips[0] == 1.0  # first loss: nothing to compare with
     assert clips[1] == pytest.approx(0.5 * 2 / 5 / (1.0 * 2 / 5))  # ratio of means
     assert clips[2] == pytest.approx(clips[1])
+
+
+def _chi2_ok(samples: np.ndarray, var: float) -> bool:
+    """Sample variance within the 99.9% chi-square band around ``var`` (n large)."""
+    n = len(samples)
+    return abs(samples.var(ddof=1) / var - 1.0) < 3.3 * math.sqrt(2.0 / n)
+
+
+def test_quantile_count_noise_has_its_variance():
+    """The noised unclipped count, read back from C's move, has variance sigma_b^2.
+
+    C_new = C exp(-lr (b - gamma)), b = (sum(1[n <= C] - 1/2) + N(0, sigma_b^2)) / m + 1/2.
+    """
+    m, lr, target, c0 = 40, 0.2, 0.5, 1.0
+    cfg = ClipConfig(initial_clip=c0, noise_multiplier=1.0, expected_clients=m, quantile_lr=lr)
+    sigma_b = 0.5 / math.sqrt(0.1)  # z / sqrt(count share 0.1) is 2 sigma_b
+    norms = tuple([0.5] * 30 + [2.0] * 10)  # 30 unclipped at C = 1: centred sum 10
+    rule = QuantileClip(cfg)
+    rng = np.random.default_rng(5)
+    noise = []
+    for _ in range(4000):
+        rule.clip_norm = c0
+        new = rule.observe(RoundObservation(update_norms=norms), rng)
+        b = target - math.log(new / c0) / lr
+        noise.append((b - 0.5) * m - 10.0)
+    noise = np.asarray(noise)
+    assert _chi2_ok(noise, sigma_b**2), noise.var()
+    assert abs(noise.mean()) < 4 * sigma_b / math.sqrt(len(noise))
+
+
+def test_clac_loss_noise_has_its_variance():
+    """The private mean loss has variance (z_loss L_max / m)^2, z_loss = z / sqrt(share)."""
+    m, bound, share = 100, 2.0, 0.1
+    cfg = ClipConfig(
+        initial_clip=1.0,
+        noise_multiplier=1.0,
+        expected_clients=m,
+        loss_bound=bound,
+        loss_budget_share=share,
+    )
+    rule = ClacClip(cfg)
+    rng = np.random.default_rng(6)
+    means = []
+    for _ in range(4000):
+        rule.losses = []
+        rule.observe(RoundObservation(client_losses=(1.0,) * m), rng)
+        means.append(rule.losses[-1])
+    means = np.asarray(means)
+    std = 1.0 / math.sqrt(share) * bound / m  # 0.063: far from the [0, 2] clamp around 1.0
+    assert _chi2_ok(means - 1.0, std**2), means.std()
+    assert abs(means.mean() - 1.0) < 4 * std / math.sqrt(len(means))
+
+
+# ------------------------------------------------------------------ the paper's baselines
+
+
+def test_new_rules_are_registered_by_name():
+    assert isinstance(make_clip_rule("automatic", ClipConfig()), AutomaticClip)
+    assert isinstance(make_clip_rule("dynamic", ClipConfig()), DynamicClip)
+    with pytest.raises(ClipRuleError, match="clip_decay"):
+        ClipConfig(clip_decay=0.0)
+    with pytest.raises(ClipRuleError, match="auto_gamma"):
+        ClipConfig(auto_gamma=0.0)
+
+
+def test_automatic_rule_normalises_each_update_by_r_over_norm_plus_gamma():
+    """Bu et al. AUTO-S: Delta * R / (||Delta|| + gamma); contribution norm < R always."""
+    r, gamma = 0.7, 0.01
+    rule = make_clip_rule(
+        "automatic", ClipConfig(initial_clip=r, noise_multiplier=1.3, auto_gamma=gamma)
+    )
+    rng = np.random.default_rng(7)
+    for scale in (1e-4, 0.05, 1.0, 30.0):
+        update = [rng.normal(size=(4, 3)) * scale, rng.normal(size=5) * scale]
+        norm = math.sqrt(sum(float(np.sum(a**2)) for a in update))
+        clipped, reported = rule.clip(update)
+        assert reported == pytest.approx(norm)
+        for got, a in zip(clipped, update, strict=True):
+            np.testing.assert_allclose(got, a * (r / (norm + gamma)), rtol=1e-5)
+        assert global_norm(clipped) <= r
+        assert global_norm(clipped) == pytest.approx(r * norm / (norm + gamma), rel=1e-5)
+    assert rule.observe(RoundObservation(update_norms=(5.0,)), rng) == r  # R never moves
+    assert rule.update_noise_std() == pytest.approx(1.3 * r)
+
+
+def test_dynamic_rule_decays_clip_and_noise_on_du_et_al_schedule():
+    """C_t = C_0 rho_c^(t/T), z_t = z_0 rho_sigma^(t/T), t = 0..T-1, whatever the data."""
+    c0, z0, rc, rs, t_total = 2.0, 1.5, 0.3, 0.6, 6
+    cfg = ClipConfig(
+        initial_clip=c0,
+        noise_multiplier=z0,
+        total_rounds=t_total,
+        clip_decay=rc,
+        noise_decay=rs,
+    )
+    rule = DynamicClip(cfg)
+    rng = np.random.default_rng(8)
+    for t in range(t_total):
+        assert rule.clip_norm == pytest.approx(c0 * rc ** (t / t_total))
+        assert rule.current_multipliers() == pytest.approx((z0 * rs ** (t / t_total),))
+        assert rule.update_noise_std() == pytest.approx(
+            z0 * rs ** (t / t_total) * c0 * rc ** (t / t_total)
+        )
+        if t == 2:  # resume mid-schedule
+            again = DynamicClip(cfg)
+            again.load_state_dict(rule.state_dict())
+            assert again.current_multipliers() == rule.current_multipliers()
+        rule.observe(RoundObservation(update_norms=(100.0,), val_loss=5.0), rng)
+    assert DynamicClip.schedule(cfg, t_total) == [
+        pytest.approx((z0 * rs ** (t / t_total),)) for t in range(t_total)
+    ]
+    assert rule.clip_norm == pytest.approx(c0 * rc)  # after T rounds: rho_c C_0

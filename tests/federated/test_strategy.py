@@ -9,6 +9,7 @@ import pytest
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from dpfit.federated.app import LocalGrid
+from dpfit.federated.clipping import clip_rule_names
 from dpfit.federated.strategy import (
     CheckpointMismatch,
     ClientReply,
@@ -49,9 +50,9 @@ def test_equal_weight_average_divides_by_expected_clients():
         ClientReply(1, _update(1.0), {"num_examples": 1000}),
         ClientReply(2, _update(3.0), {"num_examples": 1}),
     ]
-    rec = server.aggregate([1, 2, 3], replies)
+    server.aggregate([1, 2, 3], replies)
     np.testing.assert_allclose(server.params[1], (1.0 + 3.0) / 4)  # /m, not /answered
-    assert rec.clients_sampled == 3 and rec.clients_answered == 2
+    assert (server.last_counts.sampled, server.last_counts.answered) == (3, 2)
 
 
 def test_clipping_uses_rule_norm_and_noise_std_is_z_times_c():
@@ -88,8 +89,8 @@ def test_bad_updates_are_rejected_and_logged(bad, match, caplog):
     with pytest.raises(InvalidUpdate, match=match):
         validate_update(bad, SHAPES)
     server = DPFedAvgServer(_cfg(initial_clip=100.0), _init())
-    rec = server.aggregate([1, 2], [ClientReply(1, bad, {}), ClientReply(2, _update(2.0), {})])
-    assert rec.clients_rejected == 1
+    server.aggregate([1, 2], [ClientReply(1, bad, {}), ClientReply(2, _update(2.0), {})])
+    assert server.last_counts.rejected == 1
     assert np.all(np.isfinite(server.params[0]))
     np.testing.assert_allclose(server.params[1], 2.0 / 4)
     assert "rejected" in caplog.text
@@ -98,15 +99,17 @@ def test_bad_updates_are_rejected_and_logged(bad, match, caplog):
 def test_missing_and_crashed_clients_do_not_stall_and_accounting_uses_sampling():
     server = DPFedAvgServer(_cfg(noise_multiplier=1.0), _init())
     rec = server.aggregate([1, 2, 3], [ClientReply(2, error="boom")])
-    assert (rec.clients_sampled, rec.clients_answered, rec.clients_rejected) == (3, 1, 1)
+    counts = server.last_counts
+    assert (counts.sampled, counts.answered, counts.rejected) == (3, 1, 1)
     assert len(server.accountant.rounds) == 1  # the round is paid for anyway
     assert math.isfinite(rec.epsilon)
 
 
 def test_checkpoint_resume_continues_identically(tmp_path):
-    cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, checkpoint_dir=str(tmp_path))
+    quantile = dict(method="adaptive-quantile", noise_multiplier=1.0, insecure_seed=3)
+    cfg = _cfg(**quantile, checkpoint_dir=str(tmp_path))
     replies = lambda r: [ClientReply(i, _update(0.1 * (i + r)), {}) for i in range(1, 4)]  # noqa: E731
-    full = DPFedAvgServer(_cfg(method="adaptive-quantile", noise_multiplier=1.0), _init())
+    full = DPFedAvgServer(_cfg(**quantile), _init())
     for r in range(3):
         full.aggregate([1, 2, 3], replies(r))
     part = DPFedAvgServer(cfg, _init())
@@ -123,6 +126,82 @@ def test_checkpoint_resume_continues_identically(tmp_path):
     other = DPFedAvgServer(_cfg(method="fixed", noise_multiplier=1.0), _init())
     with pytest.raises(CheckpointMismatch, match="checkpoint-dir"):
         other.load_checkpoint(tmp_path)
+    # an insecurely seeded run cannot be resumed as if it were private
+    secure = DPFedAvgServer(_cfg(method="adaptive-quantile", noise_multiplier=1.0), _init())
+    with pytest.raises(CheckpointMismatch, match="insecure_seed"):
+        secure.load_checkpoint(tmp_path)
+
+
+def test_secure_generator_state_survives_a_checkpoint(tmp_path):
+    """Without a seed the streams come from the OS; resume must continue them, not reseed."""
+    cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, checkpoint_dir=str(tmp_path))
+    part = DPFedAvgServer(cfg, _init())
+    part.aggregate([1, 2], [ClientReply(1, _update(0.1), {}), ClientReply(2, _update(0.2), {})])
+    resumed = DPFedAvgServer(cfg, _init())
+    assert resumed.noise_rng.bit_generator.state != part.noise_rng.bit_generator.state
+    assert resumed.load_checkpoint(tmp_path)
+    assert resumed.noise_rng.bit_generator.state == part.noise_rng.bit_generator.state
+    assert resumed.sampling_rng.bit_generator.state == part.sampling_rng.bit_generator.state
+    assert not resumed.insecure
+
+
+# ------------------------------------------------------------------ privacy-critical randomness
+
+
+def _run_rule(method: str, insecure_seed: int | None, rounds: int = 3) -> dict:
+    """A short run on fixed replies; returns everything the server's randomness could touch."""
+    cfg = _cfg(
+        method=method,
+        num_clients=50,
+        clients_per_round=25,
+        noise_multiplier=1.0,
+        initial_clip=0.5,
+        vote_noise_std=3.0,
+        insecure_seed=insecure_seed,
+    )
+    val = iter([1.0 / (k + 1) for k in range(rounds + 2)])
+    server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (next(val), 0.5))
+    votes = [[0, 1, 0]] * 30 + [[1, 0, 0]] * 20 if server.rule.needs_votes else None
+    server.initialise(votes)
+    sampled_all, clips = [], []
+    for _ in range(rounds):
+        sampled_all.append(server.sample_clients(list(range(50))))
+        # the same cohort every round, so that only the server's noise separates two runs
+        cohort = list(range(25))
+        replies = [ClientReply(i, _update(0.05 * (i % 7)), {"loss_before": 0.5}) for i in cohort]
+        server.aggregate(cohort, replies)
+        clips.append(server.rule.clip_norm)
+    return {
+        "sampled": sampled_all,
+        "params": np.concatenate([p.ravel() for p in server.params]),
+        "clips": clips,
+        "votes": list(server.vote_counts),
+        "rule": server.rule.state_dict(),
+    }
+
+
+# the auxiliary noise each rule draws besides the update noise, as seen in its outputs
+AUX_RELEASE = {"adaptive-quantile": "clips", "lac": "votes", "clac": "rule"}
+
+
+@pytest.mark.parametrize("method", clip_rule_names())
+def test_public_seed_does_not_determine_sampling_or_any_noise(method):
+    """Two runs with the same public settings differ in sampling, update noise and the rule's
+    own noise (count, vote, loss); with the same insecure_seed they are identical."""
+    a, b = _run_rule(method, None), _run_rule(method, None)
+    assert a["sampled"] != b["sampled"]
+    assert not np.allclose(a["params"], b["params"])
+    if method in AUX_RELEASE:
+        assert a[AUX_RELEASE[method]] != b[AUX_RELEASE[method]]
+    c, d = _run_rule(method, 11), _run_rule(method, 11)
+    assert c["sampled"] == d["sampled"]
+    np.testing.assert_array_equal(c["params"], d["params"])
+    assert (c["clips"], c["votes"], c["rule"]) == (d["clips"], d["votes"], d["rule"])
+
+
+def test_insecure_seed_warns(caplog):
+    DPFedAvgServer(_cfg(insecure_seed=4), _init())
+    assert "NOT private" in caplog.text
 
 
 # ------------------------------------------------------------------ through Flower messages
@@ -155,12 +234,15 @@ def _grid(num: int, faulty: dict[int, dict]):
 def test_strategy_runs_rounds_with_faulty_clients_through_messages(caplog):
     faulty = {0: {"crash": True}, 1: {"silent": True}, 2: {"value": float("nan")}}
     cfg = _cfg(num_clients=6, clients_per_round=6, rounds=3, initial_clip=10.0)
-    rows = []
-    strategy = DPFedAvg(DPFedAvgServer(cfg, _init()), {}, on_round=rows.append)
-    server = strategy.start(_grid(6, faulty))
+    counts = []
+    strategy = DPFedAvg(
+        DPFedAvgServer(cfg, _init()), {}, on_round=lambda r: counts.append(server.last_counts)
+    )
+    server = strategy.server
+    strategy.start(_grid(6, faulty))
     assert server.round == 3
-    for r in rows:
-        assert r.clients_sampled == 6 and r.clients_answered == 5 and r.clients_rejected == 2
+    for c in counts:
+        assert (c.sampled, c.answered, c.rejected) == (6, 5, 2)
     np.testing.assert_allclose(server.params[1], 3 * 3 * 0.01 / 6, rtol=1e-5)
     assert "NaN" in caplog.text
 
@@ -175,6 +257,7 @@ def test_lac_vote_round_and_budget_stop_through_messages():
         target_epsilon=8.0,
         initial_clip=2.0,
         vote_noise_std=2.0,
+        insecure_seed=0,  # the vote's noise could otherwise flip the winner now and then
     )
     server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (1.0, 0.5))
     strategy = DPFedAvg(server, {})
@@ -190,3 +273,110 @@ def test_dirichlet_with_too_many_clients_is_a_clear_error():
 
     with pytest.raises(PartitionError, match="--alpha"):
         partitions(1000, "dirichlet", 0.5, 0)
+
+
+def test_released_files_carry_no_client_counts(tmp_path):
+    """Same noise, same accepted updates, different numbers of sampled, failed and invalid
+    clients: every released file must be byte-identical (exact counts are operator-only)."""
+    from dpfit.federated.cli import summary, write_files
+    from dpfit.federated.client import TaskConfig
+
+    outputs = []
+    for extra in ([], [ClientReply(3, error="boom"), ClientReply(4, _update(math.nan), {})]):
+        cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, insecure_seed=9)
+        server = DPFedAvgServer(cfg, _init())
+        good = [ClientReply(1, _update(0.1), {}), ClientReply(2, _update(0.3), {})]
+        sampled = [1, 2] + [r.node_id for r in extra] + [5] * bool(extra)  # 5: never answers
+        for _ in range(2):
+            server.aggregate(sampled, good + extra)
+        out = tmp_path / f"out{len(extra)}"
+        write_files(server.history, summary(server, TaskConfig(), 0.5, 0.7), out, plots=False)
+        outputs.append({f.name: f.read_bytes() for f in sorted(out.iterdir())})
+        assert server.last_counts.sampled == len(sampled)  # the operator still sees them
+    assert set(outputs[0]) == {"metrics.json", "rounds.csv"}
+    assert outputs[0] == outputs[1]
+
+
+# ------------------------------------------------------------------ noise follows the moving C
+
+
+def _noise_per_round(method: str, rounds: int = 5, **kw):
+    """Zero updates from 20 clients on a 20000-dim model: each round's parameter change is
+    pure noise / m. Yields (C_t that clipped the round, measured std of the noise on the sum)."""
+    dim, m = 20000, 20
+    cfg = _cfg(
+        method=method,
+        num_clients=40,
+        clients_per_round=m,
+        rounds=rounds,
+        noise_multiplier=1.0,
+        initial_clip=2.0,
+        vote_noise_std=0.01,
+        **kw,
+    )
+    val = iter([0.8**k for k in range(rounds + 2)])  # LAC: C shrinks by 0.8 a round
+    server = DPFedAvgServer(cfg, [np.zeros(dim, dtype=np.float32)], lambda p: (next(val), 0.5))
+    server.initialise([[0, 0, 1]] * 10 if server.rule.needs_votes else None)
+    zero = [
+        ClientReply(i, [np.zeros(dim, dtype=np.float32)], {"loss_before": 1.0}) for i in range(m)
+    ]
+    for _ in range(rounds):
+        before = server.params[0].copy()
+        rec = server.aggregate(list(range(m)), zero)
+        yield rec.clip_norm, float(np.std((server.params[0] - before) * m / cfg.server_lr))
+
+
+@pytest.mark.parametrize(
+    "method,z_update",
+    [
+        # quantile: Theorem 1 split with the default 10% count share: z / sqrt(1 - 0.1)
+        ("adaptive-quantile", lambda t: 1.0 / math.sqrt(0.9)),
+        ("lac", lambda t: 1.0),
+        # Du et al.: z_t = z_0 rho^(t/T), rho = 0.5, T = 5 rounds
+        ("dynamic", lambda t: 0.5 ** (t / 5)),
+    ],
+)
+def test_noise_std_is_z_times_the_current_clip_after_it_moved(method, z_update):
+    """Catches noise scaled by the initial C (or any stale C or z) once they have moved."""
+    kw = {"quantile_lr": 0.5} if method == "adaptive-quantile" else {}
+    rows = list(_noise_per_round(method, **kw))
+    assert rows[-1][0] < 0.75 * rows[0][0], rows  # C really moved
+    for t, (clip, measured) in enumerate(rows):
+        # 20000 draws: the sample std is within 3% of the true one with overwhelming odds
+        assert measured == pytest.approx(z_update(t) * clip, rel=0.03), rows
+
+
+def test_dynamic_rule_through_the_server_schedule_and_ledger():
+    """C_t = C_0 rho_c^(t/T) clips round t, and the ledger records z_t = z_0 rho_s^(t/T)."""
+    cfg = _cfg(method="dynamic", rounds=4, noise_multiplier=0.0, initial_clip=1.0)
+    server = DPFedAvgServer(cfg, _init())
+    big = _update(10.0)  # norm >> C: every round clips to C_t exactly
+    for t in range(4):
+        before = [p.copy() for p in server.params]
+        rec = server.aggregate([1], [ClientReply(1, big, {})])
+        assert rec.clip_norm == pytest.approx(0.5 ** (t / 4))
+        step = math.sqrt(
+            sum(float(np.sum((p - b) ** 2)) for p, b in zip(server.params, before, strict=True))
+        )
+        assert step == pytest.approx(0.5 ** (t / 4) / 4, rel=1e-5)  # C_t / m
+    noisy = DPFedAvgServer(_cfg(method="dynamic", rounds=4, noise_multiplier=2.0), _init())
+    for _ in range(4):
+        noisy.check_budget()
+        noisy.aggregate([1], [ClientReply(1, big, {})])
+    assert [r[0] for r in noisy.accountant.rounds] == pytest.approx(
+        [2.0 * 0.5 ** (t / 4) for t in range(4)]
+    )
+
+
+def test_automatic_rule_through_the_server_normalises_every_update():
+    cfg = _cfg(method="automatic", initial_clip=0.5, noise_multiplier=0.0)
+    server = DPFedAvgServer(cfg, _init())
+    updates = {1: _update(0.01), 2: _update(3.0)}
+    server.aggregate([1, 2], [ClientReply(i, u, {}) for i, u in updates.items()])
+    expected = [np.zeros(s) for s in SHAPES]
+    for u in updates.values():
+        norm = math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in u))
+        for e, a in zip(expected, u, strict=True):
+            e += a * 0.5 / (norm + 0.01)  # R / (||Delta|| + gamma), Bu et al. AUTO-S
+    for got, e in zip(server.params, expected, strict=True):
+        np.testing.assert_allclose(got, e / 4, rtol=1e-5)

@@ -3,20 +3,22 @@
 What happened is recorded as data (a list of releases), and epsilon is computed from the
 composed ``DpEvent``: one-off Gaussian releases (the DP-LAC vote histogram) plus, per round,
 a Poisson-subsampled (q = m / N) composition of that round's Gaussian releases (the model
-update, and the clipped count or the loss where a rule makes one). The sampling recorded is
+update, and the clipped count or the loss where a rule makes one), each round with the
+multipliers it actually used (they change by round for a scheduled rule). The sampling recorded is
 the sampling performed, not the replies that came back.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import dp_accounting as dpa
 
-from dpfit.accounting import ACCOUNTANTS, calibrate, epsilon_of
+from dpfit.accounting import ACCOUNTANTS, calibrate, epsilon_of, make_accountant
 from dpfit.errors import BudgetExhaustedError, InfeasibleTargetError
 from dpfit.federated.clipping import combine_multipliers
 
@@ -48,6 +50,26 @@ def round_event(q: float, multipliers: Sequence[float], kind: str = "rdp") -> dp
     return dpa.PoissonSampledDpEvent(q, inner)
 
 
+def schedule_event(
+    q: float,
+    per_round: Sequence[Sequence[float]],
+    one_off_multipliers: Sequence[float] = (),
+    kind: str = "rdp",
+) -> dpa.DpEvent:
+    """One-off releases, then each round with its own multipliers (runs of identical
+    consecutive rounds are self-composed so that long fixed-noise runs stay cheap)."""
+    events: list[dpa.DpEvent] = [dpa.GaussianDpEvent(s) for s in one_off_multipliers]
+    rounds = [tuple(r) for r in per_round]
+    i = 0
+    while i < len(rounds):
+        j = i
+        while j < len(rounds) and rounds[j] == rounds[i]:
+            j += 1
+        events.append(dpa.SelfComposedDpEvent(round_event(q, rounds[i], kind), j - i))
+        i = j
+    return dpa.ComposedDpEvent(events)
+
+
 def training_event(
     q: float,
     rounds: int,
@@ -56,10 +78,7 @@ def training_event(
     kind: str = "rdp",
 ) -> dpa.DpEvent:
     """The whole run: one-off releases, then ``rounds`` identical sampled rounds."""
-    events: list[dpa.DpEvent] = [dpa.GaussianDpEvent(s) for s in one_off_multipliers]
-    if rounds > 0:
-        events.append(dpa.SelfComposedDpEvent(round_event(q, round_multipliers, kind), rounds))
-    return dpa.ComposedDpEvent(events)
+    return schedule_event(q, [tuple(round_multipliers)] * rounds, one_off_multipliers, kind)
 
 
 def calibrate_noise_multiplier(
@@ -69,11 +88,14 @@ def calibrate_noise_multiplier(
     rounds: int,
     one_off_multipliers: Sequence[float] = (),
     kind: str = "rdp",
+    schedule: Callable[[float], Sequence[Sequence[float]]] | None = None,
 ) -> float:
     """Combined per-round multiplier z so the whole run spends exactly ``target_epsilon``.
 
     Every method gets the same z; rules then split it (Theorem 1), so all meet the same
-    target. One-off releases (the vote) are paid first, out of the same budget.
+    target. One-off releases (the vote) are paid first, out of the same budget. A rule whose
+    noise changes by round passes ``schedule``: z -> the multipliers of every round, and z is
+    then its first round's multiplier.
     """
     floor = epsilon_of(training_event(q, 0, (), one_off_multipliers, kind), delta, kind)
     if one_off_multipliers and floor >= target_epsilon:
@@ -86,17 +108,62 @@ def calibrate_noise_multiplier(
         return training_event(q, rounds, (z,), one_off_multipliers, kind)
 
     try:
-        return calibrate(make_event, target_epsilon, delta, kind, upper=1e4, tolerance=1e-4)
+        z_const = calibrate(make_event, target_epsilon, delta, kind, upper=1e4, tolerance=1e-4)
     except InfeasibleTargetError as exc:
         raise CalibrationError(
             f"cannot reach eps={target_epsilon} at delta={delta} with q={q:.4g}, "
             f"{rounds} rounds: {exc}"
         ) from exc
+    if schedule is None:
+        return z_const
+    return _calibrate_schedule(
+        z_const, schedule, target_epsilon, delta, q, one_off_multipliers, kind
+    )
+
+
+def _calibrate_schedule(
+    z_const: float,
+    schedule: Callable[[float], Sequence[Sequence[float]]],
+    target_epsilon: float,
+    delta: float,
+    q: float,
+    one_off_multipliers: Sequence[float],
+    kind: str,
+) -> float:
+    """z_0 of a schedule whose rounds scale with it (z_t = z_0 f_t, f_0 = 1 >= f_t > 0).
+
+    Every round of schedule(z) is noisier than z f_min and less noisy than z, so the constant
+    calibration z_c brackets the answer: schedule(0.99 z_c) spends more than the target and
+    schedule(z_c / f_min) at most. A narrow bracket keeps the search to a few evaluations of
+    the (one event per round) composition.
+    """
+    f_min = min(combine_multipliers(r) for r in schedule(1.0))
+    if f_min <= 0:
+        raise CalibrationError("a scheduled round has no noise; nothing to calibrate")
+
+    def make_event(z: float) -> dpa.DpEvent:
+        return schedule_event(q, schedule(z), one_off_multipliers, kind)
+
+    if f_min >= 1.0 - 1e-12:
+        return z_const
+    return float(
+        dpa.calibrate_dp_mechanism(
+            lambda: make_accountant(kind),
+            make_event,
+            target_epsilon,
+            delta,
+            # 0.99 z_c: every round noisier than the constant run that just met the target
+            bracket_interval=dpa.ExplicitBracketInterval(0.99 * z_const, z_const / f_min),
+            tol=1e-4 * z_const,
+        )
+    )
 
 
 @dataclass
 class ClientLevelAccountant:
-    """Ledger of releases; epsilon is recomputed from the composed event (fast with RDP)."""
+    """Ledger of releases. ``event()`` describes the whole run; epsilon comes from a live
+    dp-accounting accountant into which each release is composed once, as it is recorded
+    (rounds whose noise changes would otherwise be recomputed from scratch every round)."""
 
     num_clients: int
     expected_clients: float
@@ -105,51 +172,49 @@ class ClientLevelAccountant:
     target_epsilon: float | None = None
     one_offs: list[float] = field(default_factory=list)
     rounds: list[tuple[float, ...]] = field(default_factory=list)
+    _live: dpa.PrivacyAccountant | None = field(default=None, init=False, repr=False)
+    _checked: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def sample_rate(self) -> float:
         return min(1.0, self.expected_clients / self.num_clients)
 
     def event(self, extra_round: Sequence[float] | None = None) -> dpa.DpEvent:
-        events: list[dpa.DpEvent] = [dpa.GaussianDpEvent(s) for s in self.one_offs]
+        """What happened, as one dp-accounting event: every round with its own multipliers."""
         rounds = list(self.rounds) + ([tuple(extra_round)] if extra_round is not None else [])
-        # group identical consecutive rounds so long runs stay cheap to account
-        i = 0
-        while i < len(rounds):
-            j = i
-            while j < len(rounds) and rounds[j] == rounds[i]:
-                j += 1
-            events.append(
-                dpa.SelfComposedDpEvent(round_event(self.sample_rate, rounds[i], self.kind), j - i)
-            )
-            i = j
-        return dpa.ComposedDpEvent(events)
+        return schedule_event(self.sample_rate, rounds, self.one_offs, self.kind)
 
-    def _epsilon(self, event: dpa.DpEvent) -> float:
-        if any(s <= 0 for s in self.one_offs) or any(z <= 0 for r in self.rounds for z in r):
-            return math.inf
-        return epsilon_of(event, self.delta, self.kind)
+    def _non_private(self) -> bool:
+        return any(s <= 0 for s in self.one_offs) or any(z <= 0 for r in self.rounds for z in r)
+
+    def _accountant(self) -> dpa.PrivacyAccountant:
+        if self._live is None:
+            self._live = make_accountant(self.kind)
+            self._live.compose(self.event())
+        return self._live
 
     def epsilon(self) -> float:
         """Epsilon spent so far at ``delta``."""
-        return self._epsilon(self.event())
+        if self._non_private():
+            return math.inf
+        return float(self._accountant().get_epsilon(self.delta))
 
     def record_one_off(self, noise_multiplier: float) -> None:
         self.one_offs.append(float(noise_multiplier))
+        self._live = self._checked = None  # one-offs come first in the event; rebuilt lazily
 
     def check_round(self, multipliers: Sequence[float]) -> float:
         """Epsilon after one more round; raises BudgetExhausted if it would pass the target."""
         if self.target_epsilon is None:
             return math.inf
-        if any(z <= 0 for z in multipliers):
+        if self._non_private() or any(z <= 0 for z in multipliers):
             eps = math.inf
         else:
-            saved = self.rounds
-            self.rounds = saved + [tuple(multipliers)]
-            try:
-                eps = self.epsilon()
-            finally:
-                self.rounds = saved
+            trial = copy.deepcopy(self._accountant())
+            trial.compose(round_event(self.sample_rate, multipliers, self.kind))
+            eps = float(trial.get_epsilon(self.delta))
+            # record_round of the same round adopts it instead of composing it again
+            self._checked = (len(self.rounds), tuple(float(z) for z in multipliers), trial)
         if eps > self.target_epsilon * (1 + 1e-6):
             raise BudgetExhausted(
                 f"round {len(self.rounds) + 1} would bring client-level epsilon to {eps:.4f} "
@@ -159,7 +224,23 @@ class ClientLevelAccountant:
         return eps
 
     def record_round(self, multipliers: Sequence[float]) -> None:
-        self.rounds.append(tuple(float(z) for z in multipliers))
+        checked, self._checked = self._checked, None
+        round_ = tuple(float(z) for z in multipliers)
+        if (
+            self._live is not None
+            and checked is not None
+            and checked[:2]
+            == (
+                len(self.rounds),
+                round_,
+            )
+        ):
+            self._live = checked[2]
+        elif self._live is not None and not self._non_private() and all(z > 0 for z in round_):
+            self._live.compose(round_event(self.sample_rate, round_, self.kind))
+        else:
+            self._live = None
+        self.rounds.append(round_)
 
     def state_dict(self) -> dict[str, Any]:
         return {"one_offs": list(self.one_offs), "rounds": [list(r) for r in self.rounds]}
@@ -167,3 +248,4 @@ class ClientLevelAccountant:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.one_offs = [float(s) for s in state["one_offs"]]
         self.rounds = [tuple(float(z) for z in r) for r in state["rounds"]]
+        self._live = self._checked = None

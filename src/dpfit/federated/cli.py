@@ -25,11 +25,7 @@ ROUND_COLUMNS = (
     "val_loss",
     "accuracy",
     "epsilon",
-    "clients_sampled",
-    "clients_answered",
-    "clients_rejected",
     "noise_std",
-    "seconds",
 )
 
 
@@ -46,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fix z instead of calibrating to --epsilon; 0 = no noise (epsilon = inf)",
     )
     p.add_argument(
-        "--initial-clip", type=float, default=1.0, help="C (fixed), C0 (quantile), C_init (lac)"
+        "--initial-clip",
+        type=float,
+        default=1.0,
+        help="C (fixed), C0 (quantile, dynamic), C_init (lac), R (automatic)",
     )
     p.add_argument("--clients", type=int, default=20, help="population N")
     p.add_argument(
@@ -63,7 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     p.add_argument("--examples-per-client", type=int, default=32, help="cap; 0 = all")
     p.add_argument("--eval-examples", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="public randomness only: data split, partitions, model init, local shuffles",
+    )
+    p.add_argument(
+        "--insecure-reproducible-noise",
+        action="store_true",
+        help="also draw client sampling and noise from --seed (reproducible, NOT private "
+        "against anyone who knows the seed; recorded in metrics.json)",
+    )
     p.add_argument("--model", default="", help="model folder (default: bundled MiniLM)")
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--target-quantile", type=float, default=0.5)
@@ -71,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--vote-noise", type=float, default=10.0, help="sigma_h of the LAC vote")
     p.add_argument("--loss-bound", type=float, default=2.0, help="L_max for DP-CLAC")
     p.add_argument("--loss-budget-share", type=float, default=0.1)
+    p.add_argument(
+        "--auto-gamma", type=float, default=0.01, help="automatic: R / (||update|| + gamma)"
+    )
+    p.add_argument(
+        "--clip-decay", type=float, default=0.5, help="dynamic: C_T / C_0 (C_t = C_0 rho^(t/T))"
+    )
+    p.add_argument(
+        "--noise-decay", type=float, default=0.5, help="dynamic: z_T / z_0 (z_t = z_0 rho^(t/T))"
+    )
     p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
     p.add_argument(
         "--engine",
@@ -115,13 +134,16 @@ def configs(args: argparse.Namespace):
         initial_clip=args.initial_clip,
         server_lr=args.server_lr,
         accountant=args.accountant,
-        seed=args.seed,
+        insecure_seed=args.seed if args.insecure_reproducible_noise else None,
         checkpoint_dir=args.checkpoint_dir,
         target_quantile=args.target_quantile,
         quantile_lr=args.quantile_lr,
         vote_noise_std=args.vote_noise,
         loss_bound=args.loss_bound,
         loss_budget_share=args.loss_budget_share,
+        auto_gamma=args.auto_gamma,
+        clip_decay=args.clip_decay,
+        noise_decay=args.noise_decay,
     )
     return server, task
 
@@ -153,6 +175,7 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "partition": task.partition,
         "local_mode": task.local_mode,
         "stopped": server.stop_reason,
+        "insecure_seed": server.insecure,
     }
 
 
@@ -160,19 +183,27 @@ def write_outputs(server: Any, task: Any, out: str | Path, plots: bool = True) -
     """DIR/metrics.json, DIR/rounds.csv and, with matplotlib, DIR/{clip,accuracy,epsilon}.png."""
     from dpfit.federated.app import make_evaluate_fn
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     test_loss, test_acc = make_evaluate_fn(task, "test")(server.params)
     metrics = summary(server, task, test_acc, test_loss)
+    write_files(server.history, metrics, out, plots)
+    return metrics
+
+
+def write_files(
+    history: list[Any], metrics: dict[str, Any], out: str | Path, plots: bool = True
+) -> None:
+    """The released files: every value in them is a function of noised releases and public
+    settings (see docs/federated.md for each file's classification)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2))
     with open(out / "rounds.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, extrasaction="ignore")
         w.writeheader()
-        for r in server.history:
+        for r in history:
             w.writerow(asdict(r))
     if plots:
-        plot_rounds(server.history, out)
-    return metrics
+        plot_rounds(history, out)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -220,13 +251,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     quiet = args.json
+    if server_cfg.insecure_seed is not None:
+        print(
+            f"WARNING: --insecure-reproducible-noise: client sampling and noise come from "
+            f"--seed {args.seed}; this run is NOT private against anyone who knows the seed.",
+            file=sys.stderr,
+        )
 
     def progress(r: Any) -> None:
         if not quiet:
             print(
                 f"round {r.round:3d}/{server_cfg.rounds}  C={r.clip_norm:.4g}  "
-                f"val_loss={_fmt(r.val_loss)}  acc={_fmt(r.accuracy)}  eps={_fmt(r.epsilon)}  "
-                f"clients {r.clients_answered}/{r.clients_sampled}",
+                f"val_loss={_fmt(r.val_loss)}  acc={_fmt(r.accuracy)}  eps={_fmt(r.epsilon)}",
                 flush=True,
             )
 

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,7 +34,6 @@ from dpfit.federated.clipping import (
     LacClip,
     RoundObservation,
     clip_rule_class,
-    clip_update,
     make_clip_rule,
 )
 
@@ -68,7 +68,9 @@ class ServerConfig:
     initial_clip: float = 1.0
     server_lr: float = 1.0
     accountant: str = "rdp"
-    seed: int = 0
+    # None: client sampling and noise come from OS entropy. An int makes them reproducible
+    # from that number, and the run is then NOT private against anyone who knows it.
+    insecure_seed: int | None = None
     round_timeout: float = 600.0
     node_wait_timeout: float = 120.0
     checkpoint_dir: str | None = None
@@ -79,9 +81,13 @@ class ServerConfig:
     vote_noise_std: float = 10.0
     loss_bound: float = 2.0
     loss_budget_share: float = 0.1
+    auto_gamma: float = 0.01
+    clip_decay: float = 0.5
+    noise_decay: float = 0.5
 
     def __post_init__(self) -> None:
         clip_rule_class(self.method)  # fail early with the list of names
+        self.clip_config(1.0)  # and on a rule setting out of range
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier")
         if not 0 < self.clients_per_round <= self.num_clients:
@@ -106,6 +112,10 @@ class ServerConfig:
             vote_noise_std=self.vote_noise_std if noise_multiplier > 0 else 0.0,
             loss_bound=self.loss_bound,
             loss_budget_share=self.loss_budget_share,
+            total_rounds=max(1, self.rounds),
+            auto_gamma=self.auto_gamma,
+            clip_decay=self.clip_decay,
+            noise_decay=self.noise_decay,
         )
 
 
@@ -121,16 +131,33 @@ class ClientReply:
 
 @dataclass(frozen=True)
 class RoundRecord:
+    """What a round releases: functions of the noised model and of public settings only.
+
+    C_t and the noise std are post-processing of earlier noised releases; the validation
+    loss and accuracy are measured on the server's public validation split.
+    """
+
     round: int
     clip_norm: float
     next_clip: float
     val_loss: float
     accuracy: float
     epsilon: float
-    clients_sampled: int
-    clients_answered: int
-    clients_rejected: int
     noise_std: float
+
+
+@dataclass(frozen=True)
+class RoundCounts:
+    """Exact per-round client counts and timing: for the operator's log, never released.
+
+    How many sampled clients answered is a statistic of who took part, and no noise
+    covers it; it goes to the DEBUG log (``-vv``) and nowhere else.
+    """
+
+    round: int
+    sampled: int
+    answered: int
+    rejected: int
     seconds: float
 
 
@@ -143,6 +170,27 @@ def validate_update(update: Sequence[np.ndarray], shapes: Sequence[tuple[int, ..
             raise InvalidUpdate(f"array {i} has shape {tuple(a.shape)}, expected {tuple(s)}")
         if not np.all(np.isfinite(a)):
             raise InvalidUpdate(f"array {i} has NaN or Inf values")
+
+
+def server_generators(
+    insecure_seed: int | None,
+) -> tuple[np.random.Generator, np.random.Generator]:
+    """(sampling, noise) generators: seeded from the OS's CSPRNG unless ``insecure_seed``.
+
+    Two independent streams so that the sampling decisions and the noise never share draws.
+    Their state is secret: whoever holds it can regenerate every noise vector.
+    """
+    if insecure_seed is None:
+        root = np.random.SeedSequence(secrets.randbits(128))
+    else:
+        logger.warning(
+            "insecure_seed=%d: client sampling and noise are reproducible from this number; "
+            "the run is NOT private against anyone who knows it",
+            insecure_seed,
+        )
+        root = np.random.SeedSequence(int(insecure_seed))
+    sampling, noise = root.spawn(2)
+    return np.random.default_rng(sampling), np.random.default_rng(noise)
 
 
 class DPFedAvgServer:
@@ -171,6 +219,11 @@ class DPFedAvgServer:
                 config.rounds,
                 one_offs,
                 config.accountant,
+                schedule=(
+                    (lambda z: rule_cls.schedule(config.clip_config(z), config.rounds))
+                    if rule_cls.scheduled
+                    else None
+                ),
             )
             target = config.target_epsilon
         self.rule = make_clip_rule(config.method, config.clip_config(self.noise_multiplier))
@@ -181,13 +234,15 @@ class DPFedAvgServer:
             kind=config.accountant,
             target_epsilon=target,
         )
-        self.rng = np.random.default_rng(config.seed)
+        self.sampling_rng, self.noise_rng = server_generators(config.insecure_seed)
+        self.insecure = config.insecure_seed is not None
         self.round = 0
         self.initialised = False
         self.initial_clip = self.rule.clip_norm
         self.vote_counts: list[float] = []
         self.history: list[RoundRecord] = []
         self.stop_reason: str | None = None
+        self.last_counts: RoundCounts | None = None  # operator's log only
         logger.info(
             "method=%s z=%.4f q=%.4f update multiplier=%.4f",
             config.method,
@@ -200,12 +255,13 @@ class DPFedAvgServer:
 
     @property
     def round_multipliers(self) -> tuple[float, ...]:
-        return type(self.rule).round_multipliers(self.rule.config)
+        """The Gaussian releases of the next round (they change by round for some rules)."""
+        return self.rule.current_multipliers()
 
     def sample_clients(self, node_ids: Sequence[int]) -> list[int]:
         """Poisson sampling: each client independently with probability q = m / N."""
         q = self.config.sample_rate
-        draws = self.rng.random(len(node_ids))
+        draws = self.sampling_rng.random(len(node_ids))
         return [int(n) for n, u in zip(sorted(node_ids), draws, strict=True) if u < q]
 
     def evaluate(self) -> tuple[float, float]:
@@ -233,15 +289,15 @@ class DPFedAvgServer:
                     good.append(v)
                 else:
                     logger.warning("rejected malformed vote %s", v)
-            counts = self.rule.initialise_from_votes(good, self.rng)
+            counts = self.rule.initialise_from_votes(good, self.noise_rng)
             self.vote_counts = [float(c) for c in counts]
             if self.rule.config.vote_noise_std > 0:
                 self.accountant.record_one_off(self.rule.config.vote_noise_std)
             else:
                 self.accountant.record_one_off(0.0)
+            logger.debug("operator only: %d well-formed votes", len(good))
             logger.info(
-                "vote: %d clients, noised counts %s -> C0=%.4g",
-                len(good),
+                "vote: noised counts %s -> C0=%.4g",
                 np.round(counts, 2).tolist(),
                 self.rule.clip_norm,
             )
@@ -285,7 +341,7 @@ class DPFedAvgServer:
                     "round %d: update of client %s rejected: %s", self.round, r.node_id, exc
                 )
                 continue
-            clipped, norm = clip_update(r.update, clip)
+            clipped, norm = self.rule.clip(r.update)
             for acc, c in zip(total, clipped, strict=True):
                 acc += c
             norms.append(norm)
@@ -295,7 +351,7 @@ class DPFedAvgServer:
         std = self.rule.update_noise_std()
         m = self.config.clients_per_round
         for p, acc in zip(self.params, total, strict=True):
-            noise = self.rng.normal(0.0, std, size=p.shape) if std > 0 else 0.0
+            noise = self.noise_rng.normal(0.0, std, size=p.shape) if std > 0 else 0.0
             p += (self.config.server_lr * (acc + noise) / m).astype(np.float32)
         self.accountant.record_round(self.round_multipliers)
         val_loss, acc = self.evaluate()
@@ -303,7 +359,7 @@ class DPFedAvgServer:
             RoundObservation(
                 update_norms=tuple(norms), client_losses=tuple(losses), val_loss=val_loss
             ),
-            self.rng,
+            self.noise_rng,
         )
         record = RoundRecord(
             round=self.round,
@@ -312,12 +368,12 @@ class DPFedAvgServer:
             val_loss=val_loss,
             accuracy=acc,
             epsilon=self.accountant.epsilon(),
-            clients_sampled=len(sampled),
-            clients_answered=answered,
-            clients_rejected=rejected,
             noise_std=std,
-            seconds=time.perf_counter() - t0,
         )
+        self.last_counts = RoundCounts(
+            self.round, len(sampled), answered, rejected, time.perf_counter() - t0
+        )
+        logger.debug("operator only: %s", self.last_counts)
         self.history.append(record)
         if self.config.checkpoint_dir:
             self.save_checkpoint(self.config.checkpoint_dir)
@@ -333,6 +389,8 @@ class DPFedAvgServer:
             "clients_per_round": c.clients_per_round,
             "delta": c.delta,
             "noise_multiplier": self.noise_multiplier,
+            # an insecurely seeded run's generator state stays insecure after a resume
+            "insecure_seed": self.insecure,
             "shapes": [list(s) for s in self.shapes],
         }
 
@@ -345,12 +403,19 @@ class DPFedAvgServer:
             "vote_counts": self.vote_counts,
             "rule": self.rule.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "rng": self.rng.bit_generator.state,
+            "rng": {
+                "sampling": self.sampling_rng.bit_generator.state,
+                "noise": self.noise_rng.bit_generator.state,
+            },
             "history": [asdict(r) for r in self.history],
         }
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        """Write params + state atomically: a crash mid-write leaves the previous round."""
+        """Write params + state atomically: a crash mid-write leaves the previous round.
+
+        The state holds the sampling and noise generators: a checkpoint is as secret as the
+        un-noised updates (whoever reads it can regenerate every noise vector).
+        """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         tag = f"round{self.round:05d}"
@@ -385,7 +450,8 @@ class DPFedAvgServer:
         self.vote_counts = list(state["vote_counts"])
         self.rule.load_state_dict(state["rule"])
         self.accountant.load_state_dict(state["accountant"])
-        self.rng.bit_generator.state = state["rng"]
+        self.sampling_rng.bit_generator.state = state["rng"]["sampling"]
+        self.noise_rng.bit_generator.state = state["rng"]["noise"]
         self.history = [RoundRecord(**r) for r in state["history"]]
         logger.info("resumed from %s at round %d (C=%.4g)", d, self.round, self.rule.clip_norm)
         return True

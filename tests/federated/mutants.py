@@ -1,0 +1,139 @@
+"""Federated privacy mutants: apply each small bug to a copy of src/, run the fast federated
+tests against it, report which mutants the tests kill and which survive.
+
+    PYTHONPATH=src python tests/federated/mutants.py            # all mutants (minutes each)
+    PYTHONPATH=src python tests/federated/mutants.py --only 2 4  # some of them
+
+Exit status 1 if any mutant survives. Not collected by pytest (no test_ prefix): it runs the
+suite many times over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FED = "src/dpfit/federated"
+
+# (description, file, original text, mutated text)
+MUTANTS: list[tuple[str, str, str, str]] = [
+    (
+        "sampling and noise seeded from a public constant",
+        f"{FED}/strategy.py",
+        "root = np.random.SeedSequence(secrets.randbits(128))",
+        "root = np.random.SeedSequence(0)",
+    ),
+    (
+        "update noise scaled by the initial C (rule)",
+        f"{FED}/clipping/base.py",
+        "return self.update_multiplier * self.clip_norm",
+        "return self.update_multiplier * self.config.initial_clip",
+    ),
+    (
+        "update noise scaled by the initial C (server)",
+        f"{FED}/strategy.py",
+        "std = self.rule.update_noise_std()",
+        "std = self.rule.update_multiplier * self.initial_clip",
+    ),
+    (
+        "quantile count noise removed",
+        f"{FED}/clipping/quantile.py",
+        "noise = rng.normal(0.0, count_noise_std) if count_noise_std > 0 else 0.0",
+        "noise = 0.0",
+    ),
+    (
+        "DP-CLAC loss noise removed",
+        f"{FED}/clipping/clac.py",
+        "total += rng.normal(0.0, noise_std)",
+        "total += 0.0",
+    ),
+    (
+        "quantile rule draws its noise from a fixed generator",
+        f"{FED}/clipping/quantile.py",
+        "self.count_noise_std(self.config),\n            rng,",
+        "self.count_noise_std(self.config),\n            np.random.default_rng(0),",
+    ),
+    (
+        "DP-CLAC draws its noise from a fixed generator",
+        f"{FED}/clipping/clac.py",
+        "self.loss_noise_std(),\n            rng,",
+        "self.loss_noise_std(),\n            np.random.default_rng(0),",
+    ),
+    (
+        "automatic clipping at 2R",
+        f"{FED}/clipping/automatic.py",
+        "return bound / (norm + gamma)",
+        "return 2 * bound / (norm + gamma)",
+    ),
+    (
+        "ledger records the first round's multipliers every round",
+        f"{FED}/strategy.py",
+        "return self.rule.current_multipliers()",
+        "return type(self.rule).round_multipliers(self.rule.config)",
+    ),
+    (
+        "dynamic schedule stuck at z_0",
+        f"{FED}/clipping/dynamic.py",
+        "dynamic_multiplier(config.noise_multiplier, config.noise_decay, t, config.total_rounds)",
+        "dynamic_multiplier(config.noise_multiplier, config.noise_decay, 0, config.total_rounds)",
+    ),
+    (
+        "average divided by the clients that answered",
+        f"{FED}/strategy.py",
+        "m = self.config.clients_per_round",
+        "m = max(1, len(norms))",
+    ),
+    (
+        "exact client count released in metrics.json",
+        f"{FED}/cli.py",
+        '"insecure_seed": server.insecure,\n    }',
+        '"insecure_seed": server.insecure,\n'
+        '        "clients": server.last_counts.sampled if server.last_counts else 0,\n    }',
+    ),
+]
+
+TESTS = [
+    "tests/federated/test_clipping.py",
+    "tests/federated/test_accounting.py",
+    "tests/federated/test_strategy.py",
+]
+
+
+def run_mutant(index: int, desc: str, rel: str, old: str, new: str) -> bool:
+    """True if the tests kill the mutant."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(ROOT / "src", src)
+        target = Path(tmp) / rel
+        text = target.read_text()
+        if text.count(old) != 1:
+            raise SystemExit(f"mutant {index} ({desc}): pattern not found once in {rel}")
+        target.write_text(text.replace(old, new))
+        env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+        cmd += ["-m", "not slow", "-k", "not dirichlet", *TESTS]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    killed = proc.returncode != 0
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    print(f"[{index:2d}] {'killed ' if killed else 'SURVIVED'} {desc}  ({tail})", flush=True)
+    return killed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", type=int, nargs="+", default=None)
+    args = p.parse_args()
+    chosen = [(i, m) for i, m in enumerate(MUTANTS) if args.only is None or i in args.only]
+    survived = [i for i, m in chosen if not run_mutant(i, *m)]
+    print(f"{len(chosen) - len(survived)}/{len(chosen)} killed; survived: {survived or 'none'}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
