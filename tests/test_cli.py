@@ -57,10 +57,14 @@ def test_train_writes_everything(tiny, tmp_path, capsys):
     assert m["eval_n"] == 40 and m["train_examples"] == 160  # --eval-data: no hold-out
     assert 1.9 < m["epsilon"] <= 2.0 + 1e-6 and m["steps"] == 5
     with open(out / "steps.csv") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = list(reader)
     assert [int(r["step"]) for r in rows] == list(range(1, 6))
     assert float(rows[-1]["epsilon"]) == pytest.approx(m["epsilon"])
-    assert (out / "loss.png").stat().st_size > 1000 and (out / "epsilon.png").stat().st_size > 1000
+    # a private run keeps no exact training loss or Poisson batch size per step
+    assert not {"loss", "batch_size"} & set(reader.fieldnames)
+    assert not (out / "loss.png").exists() and (out / "epsilon.png").stat().st_size > 1000
+    assert m["insecure_seed"] is False and m["final_train_loss"] is None
     record = json.loads((out / "model" / "dpfit.json").read_text())
     assert record["epsilon"] == pytest.approx(m["epsilon"]) and record["delta"] == m["delta"]
     assert record["trained_parameters"] and "sample_rate" in record and record["clipping"] == "flat"
@@ -163,3 +167,30 @@ def test_help_lists_the_commands():
         assert cmd in text
     with pytest.raises(SystemExit):
         main(["train", "--clipping", "per-layer"])
+
+
+def test_insecure_reproducible_noise_warns_and_records(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(train_args(tiny, "--insecure-reproducible-noise", "--output", str(out))) == 0
+    assert "NOT private" in capsys.readouterr().err
+    assert json.loads((out / "metrics.json").read_text())["insecure_seed"] is True
+
+
+def test_non_private_steps_keep_the_loss(tiny, tmp_path):
+    out = tmp_path / "run"
+    assert main(train_args(tiny, "--non-private", "--output", str(out))) == 0
+    with open(out / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(float(r["loss"]) > 0 for r in rows)
+    assert (out / "loss.png").exists()
+
+
+def test_rare_label_names_are_refused_with_a_hint(tiny, tmp_path, capsys):
+    data = tmp_path / "d.csv"
+    data.write_text(
+        "text,label\n" + "the film was good,pos\n" * 40 + "the film was bad,neg\n" * 40
+        + "the film was fine,alice-smith\n"
+    )  # fmt: skip
+    assert main(train_args(tiny, "--data", str(data))) == 2
+    err = capsys.readouterr().err
+    assert "--labels" in err and "--public-labels" in err

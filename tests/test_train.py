@@ -1,5 +1,6 @@
 """The training loop as a library function: private, non-private, and every bad input."""
 
+import json
 import math
 
 import pytest
@@ -55,14 +56,94 @@ def test_private_run_spends_the_target_and_reports(tiny):
     )
 
 
-def test_same_seed_same_result_other_seed_differs(tiny):
+def _bias(res, name="bert.encoder.layer.0.output.dense.bias"):
+    return dict(res.model.named_parameters())[name].detach().clone()
+
+
+def test_seed_does_not_fix_the_noise_by_default(tiny):
+    """--seed is public: two private runs with the same seed must draw different noise and
+    batches (a leaked seed must not regenerate them). Fails if train() seeds the engine."""
     a = train(cfg(tiny, max_steps=3, seed=1))
     b = train(cfg(tiny, max_steps=3, seed=1))
-    c = train(cfg(tiny, max_steps=3, seed=2))
-    pa, pb, pc = (dict(r.model.named_parameters()) for r in (a, b, c))
-    name = "bert.encoder.layer.0.output.dense.bias"
-    assert torch.equal(pa[name], pb[name])
-    assert not torch.equal(pa[name], pc[name])
+    assert a.metrics["noise_multiplier"] > 0
+    assert not torch.equal(_bias(a), _bias(b))
+    assert a.metrics["insecure_seed"] is False and a.privacy["insecure_seed"] is False
+
+
+def test_insecure_reproducible_noise_repeats_and_is_recorded(tiny):
+    notes: list[str] = []
+    a = train(
+        cfg(tiny, max_steps=3, seed=1, insecure_reproducible_noise=True), on_note=notes.append
+    )
+    b = train(cfg(tiny, max_steps=3, seed=1, insecure_reproducible_noise=True))
+    c = train(cfg(tiny, max_steps=3, seed=2, insecure_reproducible_noise=True))
+    assert torch.equal(_bias(a), _bias(b))
+    assert not torch.equal(_bias(a), _bias(c))
+    assert a.metrics["insecure_seed"] is True and a.privacy["insecure_seed"] is True
+    assert any("NOT private" in n for n in notes)
+
+
+def test_non_private_runs_repeat_with_the_seed(tiny):
+    a = train(cfg(tiny, max_steps=3, seed=1, non_private=True))
+    b = train(cfg(tiny, max_steps=3, seed=1, non_private=True))
+    assert torch.equal(_bias(a), _bias(b))
+
+
+def test_private_steps_keep_no_training_loss_or_batch_size(tiny):
+    res = train(cfg(tiny, max_steps=3))
+    assert res.steps and all(r.loss is None for r in res.steps)
+    assert res.metrics["final_train_loss"] is None
+    assert not hasattr(res.steps[0], "batch_size")
+
+
+def _labelled_csv(path, counts: dict[str, int]):
+    import csv
+
+    rows = []
+    words = ("good", "bad", "fine", "dull")
+    for k, (label, c) in enumerate(counts.items()):
+        rows += [(f"the film was {words[k % 4]} {i % 7}", label) for i in range(c)]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows(rows)
+    return str(path)
+
+
+def test_rare_label_is_refused_unless_declared_public(tiny, tmp_path):
+    """A label carried by one training example must not reach config.json (id2label)."""
+    from dpfit.train import MIN_PUBLIC_LABEL_COUNT, RareLabelError
+
+    data = _labelled_csv(tmp_path / "d.csv", {"neg": 60, "pos": 60, "patient-4711": 1})
+    base = dict(model=tiny[0], data=data, eval_data=data, max_steps=1, batch_size=30)
+    with pytest.raises(RareLabelError, match="--labels"):
+        train(TrainConfig(**base))
+    assert MIN_PUBLIC_LABEL_COUNT >= 10
+    # the user's public label set: the rare name is not in it, so the data is refused...
+    with pytest.raises(dpfit.DPFitError, match="patient-4711"):
+        train(TrainConfig(**base, labels=("neg", "pos")))
+    # ...and with an explicit declaration the names are published, and said to be public
+    out = tmp_path / "run"
+    res = train(TrainConfig(**base, public_labels=True, output=str(out)))
+    assert (
+        "patient-4711"
+        in json.loads((out / "model" / "config.json").read_text())["id2label"].values()
+    )
+    assert res.metrics["label_names_source"] == "--public-labels"
+
+
+def test_declared_labels_fix_the_names_and_order(tiny, tmp_path):
+    data = _labelled_csv(tmp_path / "d.csv", {"neg": 60, "pos": 60})
+    out = tmp_path / "run"
+    res = train(
+        TrainConfig(
+            model=tiny[0], data=data, max_steps=1, batch_size=30,
+            labels=("pos", "neg", "neutral"), output=str(out),
+        )
+    )  # fmt: skip
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "pos", "1": "neg", "2": "neutral"}
+    assert res.metrics["label_names_source"] == "--labels"
 
 
 def test_fixed_noise_multiplier(tiny):

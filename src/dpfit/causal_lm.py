@@ -15,7 +15,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 from dpfit.biases import add_biases
 from dpfit.engine import PrivacyEngine
 from dpfit.params import make_bias_trainable
+from dpfit.recipe import default_delta
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,11 @@ class CausalLMConfig:
     physical_batch_size: int = 16
     epochs: float = 1.0
     target_epsilon: float = 8.0
-    target_delta: float | None = None  # default 1 / n^1.1
+    target_delta: float | None = None  # default min(1e-5, 1/n^1.1)
     max_grad_norm: float = 0.1
     lr: float = 5e-3
-    seed: int = 0
+    seed: int = 0  # public randomness: split, sampling of the generated text
+    insecure_seed: int | None = None  # seeds DP noise + Poisson sampling: NOT private
     sample_prompts: tuple[str, ...] = ("To be, or not", "My lord,", "O, what a")
     sample_tokens: int = 20
     check_gradients: bool = False
@@ -63,7 +65,6 @@ class CausalLMResult:
     total: int
     samples: tuple[tuple[str, str], ...]
     seconds: float
-    history: tuple[float, ...] = field(default_factory=tuple)
 
     @property
     def trainable_fraction(self) -> float:
@@ -183,7 +184,7 @@ def train_causal_lm(
     tokenizer,
     lines: Sequence[str],
     config: CausalLMConfig = CausalLMConfig(),
-    progress: Callable[[int, float], None] | None = None,
+    progress: Callable[[int, float], None] | None = None,  # (logical step, epsilon)
 ) -> CausalLMResult:
     """DP-BiTFiT-Add on `lines`: add zero biases, train only biases, report perplexity."""
     t0 = time.perf_counter()
@@ -201,7 +202,7 @@ def train_causal_lm(
     summary = make_bias_trainable(model)
     log.info("causal LM, DP-BiTFiT-Add: %s", summary)
     ppl_before = perplexity(model, held, collate)
-    delta = config.target_delta or 1.0 / len(train) ** 1.1
+    delta = config.target_delta or default_delta(len(train))
     engine = PrivacyEngine(
         model,
         expected_batch_size=min(config.expected_batch_size, len(train)),
@@ -210,12 +211,11 @@ def train_causal_lm(
         target_delta=delta,
         epochs=config.epochs,
         max_grad_norm=config.max_grad_norm,
-        seed=config.seed,
+        insecure_seed=config.insecure_seed,
         check_gradients=config.check_gradients,
     )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr, weight_decay=0.0)
     loader = engine.data_loader(train, collate, physical_batch_size=config.physical_batch_size)
-    history = []
     model.train()
     try:
         for _ in range(max(1, math.ceil(config.epochs))):
@@ -224,10 +224,9 @@ def train_causal_lm(
                     break
                 loss = causal_lm_loss(model, batch)
                 loss.backward()
-                if engine.step(optimizer):
-                    history.append(loss.item())
-                    if progress is not None:
-                        progress(engine.steps_taken, history[-1])
+                # the exact loss of a private batch is not reported (docs/threat-model.md)
+                if engine.step(optimizer) and progress is not None:
+                    progress(engine.steps_taken, engine.epsilon())
     finally:
         engine.detach()
     ppl_after = perplexity(model, held, collate)
@@ -242,7 +241,6 @@ def train_causal_lm(
         total=summary.total,
         samples=tuple(samples),
         seconds=time.perf_counter() - t0,
-        history=tuple(history),
     )
 
 
@@ -293,6 +291,7 @@ def train_from_config(config) -> Any:
         max_grad_norm=config.max_grad_norm,
         lr=config.lr,
         seed=config.seed,
+        insecure_seed=config.seed if config.insecure_reproducible_noise else None,
     )
     result = train_causal_lm(model, tokenizer, lines, cfg)
     metrics = {

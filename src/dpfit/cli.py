@@ -66,6 +66,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--max-train-examples", type=_positive_int, help="random subset of the training data"
     )
     g.add_argument("--task", choices=("classification", "causal-lm"), default="classification")
+    g.add_argument(
+        "--labels",
+        help="comma-separated public label names, e.g. neg,pos (their order fixes the class "
+        "ids); label names are published in model/config.json and metrics.json",
+    )
+    g.add_argument(
+        "--public-labels",
+        action="store_true",
+        help="treat the label names read from the training data as public even if some are "
+        "rare (without --labels, each must otherwise appear >= 20 times)",
+    )
 
     g = p.add_argument_group("privacy")
     g.add_argument("--epsilon", type=_positive_float, default=8.0, help="target epsilon (8)")
@@ -97,7 +108,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--lr", type=_positive_float, help="learning rate (bundled job 5e-3, else 2e-3)")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="public randomness only: data split, head init, non-private shuffles "
+        "(DP noise and sampling use OS randomness)",
+    )
+    g.add_argument(
+        "--insecure-reproducible-noise",
+        action="store_true",
+        help="also seed the DP noise and Poisson sampling from --seed, to reproduce a run "
+        "exactly; the run is then NOT private against anyone who knows the seed",
+    )
     g.add_argument("--mode", choices=("bias", "full"), default="bias")
     g.add_argument("--add-biases", action="store_true", help="BiTFiT-Add for models without biases")
     g.add_argument(
@@ -168,6 +191,9 @@ def train_config_from_args(args: argparse.Namespace):
         optimizer=args.optimizer,
         max_length=_resolved(args, "max_length"),
         seed=args.seed,
+        insecure_reproducible_noise=args.insecure_reproducible_noise,
+        labels=tuple(x for x in args.labels.split(",") if x.strip()) if args.labels else None,
+        public_labels=args.public_labels,
         non_private=args.non_private,
         mode=args.mode,
         add_biases=args.add_biases,
@@ -210,6 +236,8 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
             ("clip norm", m.get("max_grad_norm")),
             ("clipping", m.get("clipping")),
         ]
+    if m.get("insecure_seed"):
+        rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
     rows += [
         ("logical steps", m["steps"]),
         ("training examples", m["train_examples"]),
@@ -272,7 +300,9 @@ def run_train(args: argparse.Namespace) -> int:
                 total=total, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
             )
             bar.update(row.step - 1)  # resumed runs start part-way
-        post = {"loss": f"{row.loss:.4f}" if not math.isnan(row.loss) else "-"}
+        post = {}
+        if row.loss is not None:  # non-private runs only: a private run's loss is not shown
+            post["loss"] = f"{row.loss:.4f}"
         if math.isfinite(row.epsilon):
             post["eps"] = f"{row.epsilon:.3f}"
         bar.set_postfix(post, refresh=False)

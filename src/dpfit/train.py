@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 
 from dpfit import checkpoint as ckpt
-from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
+from dpfit.data.text import DataError, LabeledTexts, bundled_rotten_tomatoes, load_texts
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.models import count_bias_parameters, load_classifier
+from dpfit.recipe import default_delta
 from dpfit.reporting import StepRow, peak_memory_mb, plot_steps, write_json, write_steps_csv
 
 logger = logging.getLogger(__name__)
 
 # The defaults must finish in < 10 minutes on 2 CPU cores: a random subset of the bundled
 # training split and a short max length (95% of snippets are under 48 tokens).
-DEFAULT_DELTA = 1e-5
 CLIPPING = ("flat", "automatic")
 MODES = ("bias", "full")
 TASKS = ("classification", "causal-lm")
@@ -42,6 +42,18 @@ OPTIMIZERS = {
 
 class PhysicalBatchMemoryError(DPFitError, MemoryError):
     """A physical batch did not fit in memory."""
+
+
+class RareLabelError(DataError):
+    """Label names read from the data would be published, and some are rare."""
+
+
+# Label names inferred from the training file are published. A name carried by many
+# examples is not evidence about any one of them; 20 is about the count a noisy
+# (stability-based) histogram at epsilon 1, delta 1e-5 needs before it releases a key
+# (1 + 2 ln(1/(2 delta)) / epsilon = 22.6), and a class with fewer examples cannot be learned
+# under DP noise anyway. It is a heuristic guard, not a DP release: --labels is the guarantee.
+MIN_PUBLIC_LABEL_COUNT = 20
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,10 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | sgd (momentum 0.9)
     weight_decay: float = 0.0
     max_length: int = 48
-    seed: int = 0
+    seed: int = 0  # public randomness only: split, head init, non-private shuffles
+    insecure_reproducible_noise: bool = False  # also seed noise + sampling: NOT private
+    labels: tuple[str, ...] | None = None  # public label names given by the user
+    public_labels: bool = False  # declare label names read from the data public
     non_private: bool = False
     mode: str = "bias"
     add_biases: bool = False  # BiTFiT-Add (issue #5)
@@ -107,6 +122,12 @@ class TrainConfig:
             raise ValueError("give a target epsilon or a noise multiplier (or non_private)")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir")
+        if self.labels is not None:
+            object.__setattr__(self, "labels", tuple(str(x).strip() for x in self.labels))
+            if len(set(self.labels)) != len(self.labels) or len(self.labels) < 2:
+                raise ValueError(
+                    f"labels must name at least two distinct classes, got {list(self.labels)}"
+                )
 
     # Settings that may change between a run and its resumption without changing the result.
     RESUMABLE = (
@@ -164,8 +185,12 @@ def prepare_data(config: TrainConfig) -> PreparedData:
             f"data: bundled Rotten Tomatoes, split by movie (seed {config.seed}): "
             f"{len(splits.train)} train / {len(splits.validation)} validation / {len(test)} test"
         )
+        notes.append("label names: the bundled data's own (rotten, fresh), public")
     else:
-        train = load_texts(config.data, config.text_column, config.label_column)
+        train = load_texts(
+            config.data, config.text_column, config.label_column, label_names=config.labels
+        )
+        notes.append(_public_label_note(train, config))
         if config.eval_data is None:
             if len(train) < 10:
                 raise DPFitError(
@@ -188,6 +213,32 @@ def prepare_data(config: TrainConfig) -> PreparedData:
         )
         train = train.subsample(config.max_train_examples, seed=config.seed)
     return PreparedData(train, test, tuple(notes))
+
+
+def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
+    """Label names are released (model/config.json id2label, metrics.json per_class): say
+    where they came from, and refuse names read from the data that few examples carry."""
+    names = ", ".join(train.label_names)
+    if config.labels is not None:
+        return f"label names (public, from --labels): {names}"
+    rare = {k: c for k, c in train.class_counts().items() if c < MIN_PUBLIC_LABEL_COUNT}
+    if rare and not config.public_labels:
+        raise RareLabelError(
+            f"{config.data}: {len(rare)} label name(s) appear in fewer than "
+            f"{MIN_PUBLIC_LABEL_COUNT} training examples ({', '.join(sorted(rare))}). Label "
+            "names are written un-noised into model/config.json and metrics.json, so a rare "
+            "one can reveal who is in the data. Pass the public label set with --labels "
+            "a,b,c, or declare the names in the data public with --public-labels"
+        )
+    how = (
+        "declared public with --public-labels"
+        if config.public_labels
+        else (f"each seen >= {MIN_PUBLIC_LABEL_COUNT} times")
+    )
+    return (
+        f"label names read from the training data are treated as PUBLIC ({how}): {names}; "
+        "pass --labels to give them yourself"
+    )
 
 
 def encode(data: LabeledTexts, tokenizer, max_length: int) -> list[dict]:
@@ -447,7 +498,7 @@ def _enter_bias_phase(engine, optimizer, note: Callable[[str], None]):
 def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
     import dpfit
 
-    delta = config.delta if config.delta is not None else min(DEFAULT_DELTA, n**-1.1)
+    delta = config.delta if config.delta is not None else default_delta(n)
     kwargs = dict(
         expected_batch_size=min(config.batch_size, n),
         sample_size=n,
@@ -456,7 +507,8 @@ def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
         clipping=config.clipping,
         loss_reduction="mean",
         accountant=config.accountant,
-        seed=config.seed,
+        # --seed is public: noise and sampling use OS randomness unless the user opts out
+        insecure_seed=config.seed if config.insecure_reproducible_noise else None,
     )
     if config.full_epochs:  # two-phase X+BiTFiT: one accountant across both phases
         kwargs["schedule"] = [
@@ -496,6 +548,17 @@ def train(
         if on_note is not None:
             on_note(msg)
 
+    if config.insecure_reproducible_noise and not config.non_private:
+        msg = (
+            f"WARNING: --insecure-reproducible-noise: the DP noise and the Poisson sampling are "
+            f"seeded from --seed {config.seed}. Anyone who knows the seed can regenerate every "
+            "noise vector and batch, so the run is NOT private against them (metrics.json "
+            'records "insecure_seed": true). Use it only to debug or reproduce a run.'
+        )
+        logger.warning(msg)
+        if on_note is not None:
+            on_note(msg)
+        notes.append(msg)
     device = _device(config.device)
     _seed_everything(config.seed)
     data = prepare_data(config)
@@ -590,18 +653,20 @@ def train(
     acc_loss, acc_n = 0.0, 0
 
     def record(epoch_now: int) -> None:
+        # Private runs keep no per-step loss or batch size: both are exact functions of the
+        # private batch (see dpfit.reporting.PRIVATE_STEP_FIELDS).
         nonlocal acc_loss, acc_n
         eps = stepper.epsilon()
         while len(rows) < stepper.steps_taken:
             current = len(rows) == stepper.steps_taken - 1  # the step this batch finished
+            loss = acc_loss / acc_n if (config.non_private and current and acc_n) else None
             rows.append(
                 StepRow(
                     step=len(rows) + 1,
                     epoch=epoch_now + 1,
-                    loss=acc_loss / acc_n if (current and acc_n) else float("nan"),
                     epsilon=eps,
-                    batch_size=acc_n if current else 0,  # earlier ones: empty Poisson batches
                     elapsed_s=elapsed_before + time.perf_counter() - t_loop,
+                    loss=loss,
                 )
             )
             if on_step is not None:
@@ -624,8 +689,9 @@ def train(
                     if _is_oom(e):
                         raise _oom_error(config, e) from e
                     raise
-                acc_loss += float(loss.detach()) * bsz
-                acc_n += bsz
+                if config.non_private:
+                    acc_loss += float(loss.detach()) * bsz
+                    acc_n += bsz
                 if stepper.step(optimizer):
                     # empty Poisson batches are noise-only steps the engine takes on its own
                     record(epoch)
@@ -682,10 +748,25 @@ def _metrics(config, data, summary, accuracy, privacy, rows, train_time, t_start
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
         "peak_memory_mb": peak_memory_mb(device.type),
-        "final_loss": next((r.loss for r in reversed(rows) if not math.isnan(r.loss)), None),
+        "final_train_loss": (
+            next((r.loss for r in reversed(rows) if r.loss is not None), None)
+            if config.non_private
+            else None  # a private run's training loss is not released
+        ),
+        "insecure_seed": bool(not config.non_private and config.insecure_reproducible_noise),
+        "label_names_public": True,
+        "label_names_source": _label_source(config),
         "config": dataclasses.asdict(config),
     }
     return m
+
+
+def _label_source(config: TrainConfig) -> str:
+    if config.data is None:
+        return "bundled"
+    if config.labels is not None:
+        return "--labels"
+    return "--public-labels" if config.public_labels else "training data (each name frequent)"
 
 
 def save_outputs(result: TrainResult, config: TrainConfig) -> Path:
@@ -693,7 +774,7 @@ def save_outputs(result: TrainResult, config: TrainConfig) -> Path:
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
     save_model(result.model, result.tokenizer, out / "model", result.privacy, result.metrics)
-    write_steps_csv(out / "steps.csv", result.steps)
+    write_steps_csv(out / "steps.csv", result.steps, private=not config.non_private)
     plot_steps(result.steps, out)
     write_json(out / "metrics.json", result.metrics)
     return out
