@@ -67,7 +67,8 @@ def test_train_writes_everything(tiny, tmp_path, capsys):
     assert m["insecure_seed"] is False and m["final_train_loss"] is None
     record = json.loads((out / "model" / "dpfit.json").read_text())
     assert record["epsilon"] == pytest.approx(m["epsilon"]) and record["delta"] == m["delta"]
-    assert record["trained_parameters"] and "sample_rate" in record and record["clipping"] == "flat"
+    assert record["trained_parameters"] and "sample_rate" in record
+    assert record["clipping"] == m["clipping"] == m["recipe"]["clipping"]
     assert (out / "model" / "config.json").exists()
 
     # the saved model is a normal transformers folder: `evaluate` scores it

@@ -52,11 +52,11 @@ def test_private_run_spends_the_target_and_reports(tiny):
     # only biases and the new head moved
     assert res.privacy["trained_parameters"]
     assert all(
-        n.endswith("bias") or n.startswith("classifier") for n in res.privacy["trained_parameters"]
+        n.endswith("bias") or n.startswith("head.") for n in res.privacy["trained_parameters"]
     )
 
 
-def _bias(res, name="bert.encoder.layer.0.output.dense.bias"):
+def _bias(res, name="backbone.encoder.layer.0.output.dense.bias"):
     return dict(res.model.named_parameters())[name].detach().clone()
 
 
@@ -176,7 +176,7 @@ def test_decoder_model_trains_with_score_head(tmp_path):
     )
     assert res.metrics["steps"] == round(90 / 20)  # 10% of 100 held out
     names = res.privacy["trained_parameters"]
-    assert "score.weight" in names and any(".attn.c_attn.bias" in n for n in names)
+    assert "head.weight" in names and any(".attn.c_attn.bias" in n for n in names)
 
 
 def test_model_without_biases_points_to_add_biases(tmp_path):
@@ -187,16 +187,16 @@ def test_model_without_biases_points_to_add_biases(tmp_path):
 
 
 def test_batchnorm_model_is_refused(tiny, monkeypatch):
-    import dpfit.train as train_mod
+    from dpfit.tasks import classification
 
-    real = train_mod.load_classifier
+    real = classification.load_classifier
 
     def with_batchnorm(*a, **kw):
         loaded = real(*a, **kw)
-        loaded.model.bert.pooler.add_module("norm", torch.nn.BatchNorm1d(16))
+        loaded.model.backbone.pooler.add_module("norm", torch.nn.BatchNorm1d(16))
         return loaded
 
-    monkeypatch.setattr(train_mod, "load_classifier", with_batchnorm)
+    monkeypatch.setattr(classification, "load_classifier", with_batchnorm)
     with pytest.raises(BatchNormError, match="GroupNorm"):
         train(cfg(tiny, max_steps=1))
 
@@ -207,23 +207,23 @@ def test_infeasible_epsilon(tiny):
 
 
 def test_out_of_memory_suggests_physical_batch_size(tiny, monkeypatch):
-    from transformers import BertForSequenceClassification
+    from transformers import BertModel
 
     def oom(self, *a, **kw):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(BertForSequenceClassification, "forward", oom)
+    monkeypatch.setattr(BertModel, "forward", oom)
     with pytest.raises(PhysicalBatchMemoryError, match="--physical-batch-size 4"):
         train(cfg(tiny, max_steps=1))
 
 
 def test_other_runtime_errors_are_not_disguised(tiny, monkeypatch):
-    from transformers import BertForSequenceClassification
+    from transformers import BertModel
 
     def broken(self, *a, **kw):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(BertForSequenceClassification, "forward", broken)
+    monkeypatch.setattr(BertModel, "forward", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         train(cfg(tiny, max_steps=1))
 
@@ -244,20 +244,17 @@ def test_config_validation():
         TrainConfig(epsilon=None)
 
 
-def test_unavailable_task_and_phase_hooks_say_so(tiny):
-    from dpfit import causal_lm
-
-    if not hasattr(causal_lm, "train_from_config"):
-        with pytest.raises(dpfit.DPFitError, match="causal-lm"):
-            train(cfg(tiny, task="causal-lm"))
+def test_impossible_schedules_say_so(tiny):
     with pytest.raises(dpfit.DPFitError, match="--full-epochs"):
         train(cfg(tiny, full_epochs=2))  # must leave at least one bias-only epoch
     with pytest.raises(dpfit.DPFitError, match="--non-private"):
         train(cfg(tiny, full_epochs=1, non_private=True))
+    with pytest.raises(dpfit.DPFitError, match="--head-first"):
+        train(cfg(tiny, full_epochs=1, head_first=True))
 
 
 def test_two_phase_full_then_bias_under_one_budget(tiny):
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModel
 
     res = train(cfg(tiny, epochs=3, full_epochs=1, epsilon=3.0))
     m = res.metrics
@@ -265,16 +262,14 @@ def test_two_phase_full_then_bias_under_one_budget(tiny):
     assert m["steps"] == 3 * round(180 / 30)
     # the second phase trains biases and the head only...
     names = res.privacy["trained_parameters"]
-    assert names and all(n.endswith("bias") or n.startswith("classifier") for n in names)
+    assert names and all(n.endswith("bias") or n.startswith("head.") for n in names)
     # ...but the first phase moved the weights too
-    start = AutoModelForSequenceClassification.from_pretrained(tiny[0])
+    start = AutoModel.from_pretrained(tiny[0])
     before = dict(start.named_parameters())
     moved = [
         n
-        for n, p in res.model.named_parameters()
-        if n.endswith("weight")
-        and not n.startswith("classifier")
-        and not torch.equal(p.detach().cpu(), before[n].detach())
+        for n, p in res.model.backbone.named_parameters()
+        if n.endswith("weight") and not torch.equal(p.detach().cpu(), before[n].detach())
     ]
     assert moved
 
@@ -293,3 +288,60 @@ def test_add_biases_makes_a_bias_free_model_trainable(tmp_path):
     )
     names = res.privacy["trained_parameters"]
     assert res.metrics["steps"] == 3 and any(n.endswith("bias") for n in names)
+
+
+PLAIN_TRANSFORMERS = """
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained(folder)
+backbone = AutoModel.from_pretrained(folder).eval()
+head = load_file(f"{folder}/dpfit_head.safetensors")
+pooling = backbone.config.dpfit_pooling
+enc = tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
+with torch.no_grad():
+    out = backbone(**enc)
+    h, m = out.last_hidden_state, enc["attention_mask"]
+    if pooling == "mean":
+        pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True)
+    elif pooling == "cls":
+        pooled = h[:, 0]
+    elif pooling == "pooler":
+        pooled = out.pooler_output
+    else:  # "last": the last token the attention mask keeps
+        pooled = h[torch.arange(len(h)), (m * torch.arange(m.shape[1])).argmax(1)]
+    logits = pooled @ head["weight"].T + head["bias"]
+"""
+
+
+@pytest.mark.parametrize("arch,pooling", [("bert", "auto"), ("bert", "mean"), ("gpt2", "auto")])
+def test_saved_model_reloads_with_identical_logits(tmp_path, arch, pooling):
+    """`dpfit evaluate`'s loader and the plain transformers code in docs/train.md give the
+    trained model's logits."""
+    from dpfit.models import load_classifier
+    from dpfit.train import evaluate
+
+    model = save_tiny_random_model(tmp_path / arch, arch=arch)
+    data = write_tiny_sentiment_csv(tmp_path / "d.csv", n=100)
+    out = tmp_path / "run"
+    res = train(TrainConfig(model=str(model), data=str(data), max_steps=3, batch_size=20,
+                            pooling=pooling, output=str(out)))  # fmt: skip
+    texts = ["the film was good", "bad plot", "a very dull movie and it was not fun"]
+    folder = str(out / "model")
+    trained = res.model.eval()
+    assert trained.head.weight.abs().sum() > 0  # trained away from its zero init
+    enc = res.tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = trained(**enc).logits
+    again = load_classifier(folder)
+    assert again.pooling == trained.pooling and again.model.config.id2label == {0: "neg", 1: "pos"}
+    with torch.no_grad():
+        assert torch.allclose(again.model.eval()(**enc).logits, expected, atol=1e-6)
+    scope = {"folder": folder, "texts": texts}
+    exec(PLAIN_TRANSFORMERS, scope)
+    assert torch.allclose(scope["logits"], expected, atol=1e-5)
+    test = dpfit.data.load_texts(str(data), label_names=("neg", "pos"))
+    assert evaluate(again.model, again.tokenizer, test).accuracy == pytest.approx(
+        evaluate(trained, res.tokenizer, test).accuracy
+    )

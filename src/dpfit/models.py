@@ -32,6 +32,8 @@ class LoadedModel:
     tokenizer: object
     source: str
     head_names: tuple[str, ...]
+    pooling: str = "native"  # cls | pooler | mean | last, or the folder's own head
+    pooling_reason: str = ""
 
 
 def hub_offline() -> bool:
@@ -114,17 +116,31 @@ def load_classifier(
     label_names: Sequence[str] | None = None,
     *,
     seed: int | None = None,
+    pooling: str = "auto",
 ) -> LoadedModel:
-    """A sequence-classification model + tokenizer; a new head when the labels differ.
+    """A classifier (backbone -> pooling -> zero-initialised linear head) + tokenizer.
 
     Args:
         name_or_path: local folder, a ``.gguf`` file, a hub id, or None for the bundled MiniLM.
-        label_names: the task's classes. None keeps the folder's own head (evaluation of a
-            saved model); otherwise the head is sized and named for these labels.
-        seed: seeds torch before the head is initialised so runs repeat exactly.
+        label_names: the task's classes. None keeps a saved model's own labels and head
+            (evaluation); a folder dpfit saved keeps its head when the labels are the same.
+        seed: seeds torch before the model is built (dropout-free parts are deterministic).
+        pooling: auto | cls | pooler | mean | last (dpfit.tasks.pooling.resolve_pooling).
+
+    A transformers ``*ForSequenceClassification`` folder that dpfit did not write is loaded
+    with its own head when `label_names` is None, so ``dpfit evaluate`` scores it as it is.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModel
+
+    from dpfit.tasks.pooling import (
+        CONFIG_KEY,
+        PooledClassifier,
+        has_trained_pooler,
+        is_pooled_classifier_folder,
+        load_head,
+        resolve_pooling,
+    )
 
     target, kwargs, local = _resolve(name_or_path)
     offline = local or hub_offline()
@@ -132,30 +148,59 @@ def load_classifier(
         config = AutoConfig.from_pretrained(target, local_files_only=offline, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error(target, local, "model config", e) from e
-    if label_names is not None:
-        names = list(label_names)
-        config.num_labels = len(names)
-        config.id2label = dict(enumerate(names))
-        config.label2id = {n: i for i, n in enumerate(names)}
+    saved_by_dpfit = local and is_pooled_classifier_folder(target)
+    if label_names is None and not saved_by_dpfit:
+        return _load_native_classifier(target, kwargs, local, config, name_or_path)
     tokenizer = load_tokenizer(name_or_path)
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
+    own = [str(config.id2label[i]) for i in range(config.num_labels)] if saved_by_dpfit else None
+    names = list(label_names) if label_names is not None else own
     if seed is not None:
         torch.manual_seed(seed)
     try:
+        backbone, info = AutoModel.from_pretrained(
+            target, config=config, local_files_only=offline, output_loading_info=True, **kwargs
+        )
+    except (OSError, ValueError) as e:
+        raise _load_error(target, local, "model", e) from e
+    _restore_added_biases(backbone, target, local)
+    if saved_by_dpfit:
+        how, why = getattr(config, CONFIG_KEY), "saved with the model"
+    else:
+        how, why = resolve_pooling(
+            pooling,
+            target if local else None,
+            config,
+            has_trained_pooler(backbone, info.get("missing_keys", ())),
+        )
+    config = backbone.config  # from_pretrained may have copied the one passed in
+    config.num_labels = len(names)
+    config.id2label = dict(enumerate(names))
+    config.label2id = {n: i for i, n in enumerate(names)}
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    model = PooledClassifier(backbone, len(names), how)
+    if saved_by_dpfit and names == own:
+        load_head(model, target)
+    logger.info("loaded %s (%s), pooling %s (%s)", target, type(backbone).__name__, how, why)
+    return LoadedModel(model, tokenizer, target, ("head",), how, why)
+
+
+def _load_native_classifier(target, kwargs, local, config, name_or_path) -> LoadedModel:
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = load_tokenizer(name_or_path)
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            target,
-            config=config,
-            local_files_only=offline,
-            ignore_mismatched_sizes=label_names is not None,
-            **kwargs,
+            target, config=config, local_files_only=local or hub_offline(), **kwargs
         )
     except (OSError, ValueError) as e:
         raise _load_error(target, local, "model", e) from e
     _restore_added_biases(model, target, local)
-    heads = head_module_names(model)
-    logger.info("loaded %s (%s) with head %s", target, type(model).__name__, heads)
-    return LoadedModel(model, tokenizer, target, heads)
+    return LoadedModel(model, tokenizer, target, head_module_names(model), "native", "its own head")
 
 
 def _restore_added_biases(model, folder: str, local: bool) -> None:
@@ -166,6 +211,23 @@ def _restore_added_biases(model, folder: str, local: bool) -> None:
         return
     if local and getattr(model.config, biases.CONFIG_KEY, None):
         biases.restore_added_biases(model, folder)
+
+
+def save_plain(model, folder: str | os.PathLike) -> None:
+    """``save_pretrained``, or for a model loaded from GGUF (transformers refuses to save a
+    "quantised" model) the dequantised tensors and a config without the quantisation entry."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if getattr(model, "hf_quantizer", None) is None:
+        model.save_pretrained(folder)
+        return
+    from safetensors.torch import save_model
+
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    type(model.config).from_dict(config).save_pretrained(folder)
+    logger.info("saved a dequantised copy of the GGUF model to %s", folder)
 
 
 def count_bias_parameters(model, exclude: Sequence[str] = ()) -> int:
