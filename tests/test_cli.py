@@ -195,3 +195,40 @@ def test_rare_label_names_are_refused_with_a_hint(tiny, tmp_path, capsys):
     assert main(train_args(tiny, "--data", str(data))) == 2
     err = capsys.readouterr().err
     assert "--labels" in err and "--public-labels" in err
+
+
+def test_gguf_classifier_trains_saves_and_evaluates(tmp_path, capsys):
+    """A GGUF model (transformers calls it quantised and refuses save_pretrained) trains,
+    and its run writes metrics.json and a dequantised model that `evaluate` reloads."""
+    pytest.importorskip("gguf")
+    from dpfit.models import save_tiny_gguf_model
+
+    model = save_tiny_gguf_model(tmp_path / "gg" / "tiny.gguf")
+    data = write_tiny_sentiment_csv(tmp_path / "d.csv", n=100)
+    out = tmp_path / "run"
+    args = ["train", "--model", str(model), "--add-biases", "--data", str(data), "--max-steps",
+            "2", "--batch-size", "20", "--threads", "1", "--quiet", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps"] == 2 and "output_errors" not in m
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dpfit_added_biases"]
+    capsys.readouterr()
+    assert main(["evaluate", "--model", str(out / "model"), "--data", str(data), "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["n"] == 100 and ev["privacy"]["epsilon"] == pytest.approx(m["epsilon"])
+
+
+def test_metrics_survive_a_failing_model_save(tiny, tmp_path, monkeypatch, capsys):
+    """Privacy spent is never lost: a save error still leaves metrics.json with epsilon."""
+    from dpfit.tasks import classification
+
+    def broken(*a, **kw):
+        raise ValueError("The model is quantized with gguf and is not serializable")
+
+    monkeypatch.setattr(classification.ClassificationTask, "save", broken)
+    out = tmp_path / "run"
+    assert main(train_args(tiny, "--max-steps", "1", "--output", str(out))) == 2
+    assert "metrics.json" in capsys.readouterr().err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["epsilon"] > 0 and "not serializable" in m["output_errors"][0]

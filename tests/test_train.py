@@ -345,3 +345,47 @@ def test_saved_model_reloads_with_identical_logits(tmp_path, arch, pooling):
     assert evaluate(again.model, again.tokenizer, test).accuracy == pytest.approx(
         evaluate(trained, res.tokenizer, test).accuracy
     )
+
+
+def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monkeypatch):
+    """Head-first: the head phase computes features in one backbone pass (no backbone
+    forward per head step), and one noise multiplier covers head + bias steps on one ledger."""
+    from dpfit.tasks import classification
+
+    seen: list[int] = []  # examples through the backbone, per forward
+    marks: dict[str, int] = {}
+    real = classification.load_classifier
+
+    def counting(*a, **kw):
+        loaded = real(*a, **kw)
+        loaded.model.backbone.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append(int(kwargs["input_ids"].shape[0])),
+            with_kwargs=True,
+        )
+        return loaded
+
+    def on_note(msg):
+        if "private head steps" in msg:
+            marks["head_done"] = sum(seen)
+
+    import pytest as _pytest
+
+    mp = _pytest.MonkeyPatch()
+    mp.setattr(classification, "load_classifier", counting)
+    try:
+        res = train(cfg(tiny, head_first=True, head_epochs=2, epochs=1, epsilon=3.0),
+                    on_note=on_note)  # fmt: skip
+    finally:
+        mp.undo()
+    n = 180
+    steps_per_epoch = round(n / 30)
+    m = res.metrics
+    assert marks["head_done"] == n  # every example once, and nothing per head step
+    assert m["head_first_steps"] == 2 * steps_per_epoch and m["steps"] == steps_per_epoch
+    total = m["head_first_steps"] + m["steps"]
+    assert res.privacy["steps"] == total
+    assert m["epsilon"] == pytest.approx(
+        dpfit.epsilon_for(m["noise_multiplier"], 30 / n, total, 1e-5), rel=1e-9
+    )
+    assert 2.9 < m["epsilon"] <= 3.0 + 1e-6  # calibrated for the whole run, not one phase
+    assert res.model.head.weight.abs().sum() > 0

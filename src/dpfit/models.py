@@ -322,6 +322,62 @@ def save_tiny_random_model(folder: str | os.PathLike, arch: str = "bert", seed: 
     return folder
 
 
+def save_tiny_gguf_model(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a tiny random LLaMA as a ``.gguf`` file (float32 tensors, a SentencePiece-style
+    vocabulary of :data:`TINY_WORDS` and letters), for tests of the GGUF path. Needs `gguf`."""
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens = ["<unk>", "<s>", "</s>", *TINY_WORDS, *"abcdefghijklmnopqrstuvwxyz "]
+    vocab, width, ffn, layers, heads = len(tokens), 16, 32, 2, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(width)
+    w.add_feed_forward_length(ffn)
+    w.add_block_count(layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(width // heads)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    rng = np.random.default_rng(seed)
+
+    def rand(name: str, shape: tuple[int, ...]) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    rand("token_embd.weight", (vocab, width))
+    for i in range(layers):
+        for name, shape in (
+            ("attn_q", (width, width)),
+            ("attn_k", (width, width)),
+            ("attn_v", (width, width)),
+            ("attn_output", (width, width)),
+            ("ffn_gate", (ffn, width)),
+            ("ffn_up", (ffn, width)),
+            ("ffn_down", (width, ffn)),
+        ):
+            rand(f"blk.{i}.{name}.weight", shape)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(width, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(width, np.float32))
+    rand("output.weight", (vocab, width))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_tiny_sentiment_csv(
     path: str | os.PathLike, n: int = 200, seed: int = 0, labels: tuple[str, str] = ("neg", "pos")
 ) -> Path:
