@@ -368,15 +368,8 @@ def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monke
         if "private head steps" in msg:
             marks["head_done"] = sum(seen)
 
-    import pytest as _pytest
-
-    mp = _pytest.MonkeyPatch()
-    mp.setattr(classification, "load_classifier", counting)
-    try:
-        res = train(cfg(tiny, head_first=True, head_epochs=2, epochs=1, epsilon=3.0),
-                    on_note=on_note)  # fmt: skip
-    finally:
-        mp.undo()
+    monkeypatch.setattr(classification, "load_classifier", counting)
+    res = train(cfg(tiny, head_first=True, head_epochs=2, epochs=1, epsilon=3.0), on_note=on_note)
     n = 180
     steps_per_epoch = round(n / 30)
     m = res.metrics
