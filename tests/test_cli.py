@@ -232,3 +232,18 @@ def test_metrics_survive_a_failing_model_save(tiny, tmp_path, monkeypatch, capsy
     assert "metrics.json" in capsys.readouterr().err
     m = json.loads((out / "metrics.json").read_text())
     assert m["epsilon"] > 0 and "not serializable" in m["output_errors"][0]
+
+
+def test_defaults_learn_a_learnable_task_non_privately(tmp_path, capsys):
+    """End to end with the non-private defaults on a tiny sentence-transformers-style model:
+    clearly above the majority class (catches "trains but learns nothing")."""
+    model = save_tiny_random_model(tmp_path / "st", sentence_pooling="mean")
+    train_csv = write_tiny_sentiment_csv(tmp_path / "train.csv", n=240, seed=0)
+    test_csv = write_tiny_sentiment_csv(tmp_path / "test.csv", n=200, seed=1)
+    args = ["train", "--model", str(model), "--data", str(train_csv), "--eval-data",
+            str(test_csv), "--non-private", "--threads", "1", "--quiet", "--json"]  # fmt: skip
+    assert main(args) == 0
+    m = json.loads(capsys.readouterr().out)
+    majority = max(c["n"] for c in m["per_class"].values()) / m["eval_n"]
+    assert m["pooling"] == "mean" and m["overridden_by_flags"] == []
+    assert m["accuracy"] >= majority + 0.15

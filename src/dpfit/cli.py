@@ -138,6 +138,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--head-epochs", type=_positive_int, help="epochs of the --head-first phase (recipe)"
     )
+    g.add_argument(
+        "--head-lr", type=_positive_float, help="learning rate of the --head-first phase (recipe)"
+    )
     g.add_argument("--add-biases", action="store_true", help="BiTFiT-Add for models without biases")
     g.add_argument(
         "--full-epochs", type=int, default=0, help="two-phase: full fine-tuning epochs first"
@@ -188,6 +191,7 @@ def train_config_from_args(args: argparse.Namespace):
         pooling=args.pooling,
         head_first=args.head_first,
         head_epochs=args.head_epochs,
+        head_lr=args.head_lr,
         seed=args.seed,
         insecure_reproducible_noise=args.insecure_reproducible_noise,
         labels=tuple(x for x in args.labels.split(",") if x.strip()) if args.labels else None,

@@ -247,11 +247,18 @@ TINY_WORDS = (
 ).split()
 
 
-def save_tiny_random_model(folder: str | os.PathLike, arch: str = "bert", seed: int = 0) -> Path:
+def save_tiny_random_model(
+    folder: str | os.PathLike,
+    arch: str = "bert",
+    seed: int = 0,
+    sentence_pooling: str | None = None,
+) -> Path:
     """Write a tiny random model + word-level tokenizer to `folder`, for fast smoke tests.
 
     Offline and in well under a second, so CLI and Trainer tests need no download. `arch`:
     "bert" (encoder with biases), "gpt2" (decoder, Conv1D, biases), "llama" (no biases).
+    `sentence_pooling` ("mean" or "cls") also writes the sentence-transformers files
+    (modules.json, 1_Pooling/config.json), like the bundled MiniLM.
     """
     import torch
     from transformers import (
@@ -319,7 +326,30 @@ def save_tiny_random_model(folder: str | os.PathLike, arch: str = "bert", seed: 
         raise ValueError(f"arch must be bert, gpt2 or llama, got {arch!r}")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if sentence_pooling is not None:
+        _write_sentence_transformers_files(folder, sentence_pooling)
     return folder
+
+
+def _write_sentence_transformers_files(folder: Path, pooling: str) -> None:
+    import json
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    flags = {
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_cls_token": pooling == "cls",
+    }
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(flags))
 
 
 def save_tiny_gguf_model(path: str | os.PathLike, seed: int = 0) -> Path:

@@ -89,6 +89,7 @@ class TrainConfig:
     pooling: str = "auto"  # auto | cls | pooler | mean | last
     head_first: bool = False  # private linear probe on frozen features, then biases + head
     head_epochs: int | None = None  # epochs of the head-first phase
+    head_lr: float | None = None  # learning rate of the head-first phase
     seed: int = 0  # public randomness only: split, head init, non-private shuffles
     insecure_reproducible_noise: bool = False  # also seed noise + sampling: NOT private
     labels: tuple[str, ...] | None = None  # public label names given by the user
@@ -131,6 +132,8 @@ class TrainConfig:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.head_lr is not None and not self.head_lr > 0:
+            raise ValueError(f"head_lr must be > 0, got {self.head_lr}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1")
         if not self.non_private and self.noise_multiplier is None and self.epsilon is None:
@@ -163,6 +166,7 @@ class TrainConfig:
         "max_length",
         "physical_batch_size",
         "head_epochs",
+        "head_lr",
     )
 
     def overrides(self) -> tuple[str, ...]:
@@ -174,6 +178,7 @@ class TrainConfig:
         filled = {f: getattr(recipe, f) for f in self.RECIPE_FIELDS if getattr(self, f) is None}
         if not self.head_first:
             filled["head_epochs"] = 0
+            filled["head_lr"] = None
         return dataclasses.replace(self, **filled)
 
     def fingerprint(self) -> dict:
@@ -465,7 +470,7 @@ def _head_phase(
         loader = engine.data_loader(data, _collate_features, physical_batch_size=len(data))
         stepper = engine
         params = engine.parameters()
-    optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
+    optimizer = OPTIMIZERS[config.optimizer](params, config.head_lr, config.weight_decay)
     try:
         while stepper.steps_taken < steps:
             for batch in loader:
