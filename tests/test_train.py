@@ -148,11 +148,14 @@ def test_declared_labels_fix_the_names_and_order(tiny, tmp_path):
 
 def test_fixed_noise_multiplier(tiny):
     res = train(cfg(tiny, noise_multiplier=1.5, epsilon=None, max_steps=4))
-    assert res.metrics["noise_multiplier"] == 1.5
-    assert res.metrics["steps"] == 4
-    assert res.metrics["epsilon"] == pytest.approx(
-        dpfit.epsilon_for(1.5, 30 / 180, 4, 1e-5), rel=1e-9
-    )
+    m = res.metrics
+    assert m["noise_multiplier"] == 1.5
+    assert m["steps"] == 4 and m["head_first_steps"] > 0  # head-first is on by default
+    total = 4 + m["head_first_steps"]
+    assert m["epsilon"] == pytest.approx(dpfit.epsilon_for(1.5, 30 / 180, total, 1e-5), rel=1e-9)
+    off = train(cfg(tiny, noise_multiplier=1.5, epsilon=None, max_steps=4, head_first=False))
+    assert off.metrics["head_first_steps"] == 0
+    assert off.metrics["epsilon"] == pytest.approx(dpfit.epsilon_for(1.5, 30 / 180, 4, 1e-5))
 
 
 def test_non_private_learns_the_toy_task(tiny):

@@ -131,9 +131,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--head-first",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="first train the head privately on frozen features (one backbone pass), then "
-        "biases + head; both phases share one privacy budget",
+        "biases + head; both phases share one privacy budget (recipe: on for private "
+        "classification in bias mode)",
     )
     g.add_argument(
         "--head-epochs", type=_positive_int, help="epochs of the --head-first phase (recipe)"
@@ -241,7 +243,9 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
     if m.get("insecure_seed"):
         rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
     rows += [
+        ("head", f"{m.get('pooling')} pooling, linear"),
         ("logical steps", m["steps"]),
+        *([("head-first steps", m["head_first_steps"])] if m.get("head_first_steps") else []),
         ("training examples", m["train_examples"]),
         ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
         ("train time", f"{m['train_time_s']:.1f} s"),

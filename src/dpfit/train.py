@@ -11,6 +11,7 @@ comparison meaningful.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -87,7 +88,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_length: int | None = None
     pooling: str = "auto"  # auto | cls | pooler | mean | last
-    head_first: bool = False  # private linear probe on frozen features, then biases + head
+    # private linear probe on frozen features, then biases + head; None: the recipe decides
+    head_first: bool | None = None
     head_epochs: int | None = None  # epochs of the head-first phase
     head_lr: float | None = None  # learning rate of the head-first phase
     seed: int = 0  # public randomness only: split, head init, non-private shuffles
@@ -176,7 +178,7 @@ class TrainConfig:
     def with_recipe(self, recipe: Recipe) -> TrainConfig:
         """This config with every unset recipe field taken from `recipe`."""
         filled = {f: getattr(recipe, f) for f in self.RECIPE_FIELDS if getattr(self, f) is None}
-        if not self.head_first:
+        if self.head_first is False or not (self.head_epochs or recipe.head_epochs):
             filled["head_epochs"] = 0
             filled["head_lr"] = None
         return dataclasses.replace(self, **filled)
@@ -302,6 +304,17 @@ def _oom_error(config: TrainConfig, e: BaseException) -> PhysicalBatchMemoryErro
     )
 
 
+@contextlib.contextmanager
+def _oom_guard(config: TrainConfig):
+    """Turn an out-of-memory error into one that says which flag to change."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        if _is_oom(e):
+            raise _oom_error(config, e) from e
+        raise
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -327,11 +340,13 @@ def _check_options(config: TrainConfig) -> None:
             raise DPFitError("--full-epochs schedules a private run; drop --non-private")
         if config.mode != "bias":
             raise DPFitError("--full-epochs X already runs X epochs in full mode; drop --mode")
-    if config.head_first:
+    if config.head_first:  # asked for explicitly
         if config.task != "classification":
             raise DPFitError("--head-first trains a classification head; drop it for this task")
         if config.full_epochs:
             raise DPFitError("--head-first and --full-epochs are separate schedules; pick one")
+    if config.head_epochs and config.full_epochs:
+        raise DPFitError("--head-epochs and --full-epochs are separate schedules; pick one")
     if config.task != "classification" and config.non_private:
         raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
 
@@ -549,9 +564,12 @@ def train(
     # the recipe: a function of public quantities only; each flag overrides its field
     n = prep.n
     delta = config.delta if config.delta is not None else default_delta(n)
+    head_first = config.head_first
+    if head_first is None and (config.full_epochs or not hasattr(model, "features")):
+        head_first = False  # a schedule of its own, or a model without a pooled head
     recipe = resolve_recipe(
         n, prep.num_classes, config.epsilon, delta, summary.total, config.mode,
-        private=not config.non_private, head_first=config.head_first,
+        private=not config.non_private, head_first=head_first,
     )  # fmt: skip
     overrides = config.overrides()
     config = config.with_recipe(recipe)
@@ -596,7 +614,8 @@ def train(
     t_loop = time.perf_counter()
     if config.non_private:
         if head_steps and resume_path is None:
-            _head_phase(model, items, collate, config, n, delta, 0.0, head_steps, device, note)
+            with _oom_guard(config):
+                _head_phase(model, items, collate, config, n, delta, 0.0, head_steps, device, note)
         loader = ShuffledBatches(
             items, batch_size, config.physical_batch_size, collate, config.seed
         )
@@ -606,9 +625,10 @@ def train(
         if head_steps:
             sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
             if resume_path is None:
-                head_state = _head_phase(
-                    model, items, collate, config, n, delta, sigma, head_steps, device, note
-                )
+                with _oom_guard(config):
+                    head_state = _head_phase(
+                        model, items, collate, config, n, delta, sigma, head_steps, device, note
+                    )
         engine = _make_engine(model, config, n, total_steps, delta, sigma)
         if head_state is not None:
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
@@ -641,7 +661,7 @@ def train(
             return
         ckpt.save_checkpoint(
             config.checkpoint_dir,
-            stepper.steps_taken,
+            len(rows),  # logical steps of the main phase, as steps.csv counts them
             {
                 "config": config.fingerprint(),
                 "trainable": ckpt.trainable_state(model, everything=config.full_epochs > 0),
@@ -687,13 +707,9 @@ def train(
             for batch in loader:
                 weight = batch.pop("_weight", 1.0)
                 batch = {k: v.to(device) for k, v in batch.items()}
-                try:
+                with _oom_guard(config):
                     loss = task.loss(model, batch)
                     (loss * weight).backward()
-                except (RuntimeError, MemoryError) as e:
-                    if _is_oom(e):
-                        raise _oom_error(config, e) from e
-                    raise
                 if config.non_private:
                     bsz = int(next(iter(batch.values())).shape[0])
                     acc_loss += float(loss.detach()) * bsz
