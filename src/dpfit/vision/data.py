@@ -280,6 +280,8 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     if raw[2] not in dtypes:
         raise ImageDataError(f"{path}: unknown idx data type 0x{raw[2]:02x}")
     ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise ImageDataError(f"{path}: header truncated")
     dims = np.frombuffer(raw, dtype=">u4", count=ndim, offset=4).astype(np.int64)
     dtype = np.dtype(dtypes[raw[2]])
     body = 4 + 4 * ndim
