@@ -124,6 +124,9 @@ def test_pixels_fixed_normalisation_channels_and_resize():
     assert big.shape == (1, 3, 4, 4) and torch.equal(big[:, 0], big[:, 2])
     with pytest.raises(ImageDataError, match="channels"):
         to_pixels(np.zeros((1, 3, 2, 2), np.uint8), channels=1)
+    # one channel: canonical strides, not the channels-last-looking ones elementwise ops leave
+    # (convolutions then go channels-last and torch's GroupNorm backward crashes on them)
+    assert to_pixels(np.zeros((2, 1, 3, 3), np.uint8)).stride() == (9, 9, 3, 1)
     images, labels = patterns(6, 4)
     b = ImageCollate(vd.ImageData(images[:, None], labels, CLASSES, "x"))([5, 0])
     assert b["pixel_values"].shape == (2, 1, 4, 4) and b["labels"].tolist() == [

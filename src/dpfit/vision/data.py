@@ -149,7 +149,10 @@ def to_pixels(
             )
     if size is not None and tuple(x.shape[-2:]) != (size, size):
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-    return x.contiguous()
+    # Canonical NCHW strides. With one channel, elementwise ops leave a channel stride of 1,
+    # which convolutions read as channels-last and answer with channels-last outputs; torch
+    # 2.13's CPU GroupNorm backward on those crashes when only the bias needs a gradient.
+    return torch.empty(x.shape, dtype=x.dtype).copy_(x)
 
 
 class ImageCollate:
