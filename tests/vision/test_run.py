@@ -32,6 +32,7 @@ def _json(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_cli_private_run_learns_generated_task(tiny_npz, tmp_path, capsys):
     args = ["train", "--task", "image-classification", "--data", str(tiny_npz), "--model",
             "resnet-gn", "--mode", "full", "--noise-multiplier", "1.0", "--epochs", "3",
@@ -150,6 +151,7 @@ def _final(out):
     )
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted(tmp_path, capsys):
     """Two-phase image run killed at a random checkpoint, resumed: identical to a clean run."""
     data = write_npz(tmp_path / "d.npz", 200, size=8)
