@@ -193,3 +193,30 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path, capsys):
         torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
     rows = (tmp_path / "resumed" / "steps.csv").read_text().splitlines()
     assert len(rows) == total + 1
+
+
+def test_private_split_follows_the_pretraining_record(tiny_npz):
+    from dpfit.vision.run import prepare_images
+
+    src = str(tiny_npz)
+    rec = {"source": src, "fraction": 0.25, "seed": 5}
+    cfg = VisionConfig(data=src)
+    got = prepare_images(cfg, rec)
+    assert got.public_split["fraction"] == 0.25 and got.public_split["seed"] == 5
+    public = prepare_images(VisionConfig(data=src, split="public", non_private=True,
+                                         public_fraction=0.25, split_seed=5))  # fmt: skip
+    rows = {
+        (img.tobytes(), int(y))
+        for img, y in zip(public.train.images, public.train.labels, strict=True)
+    }
+    assert not rows & {
+        (img.tobytes(), int(y)) for img, y in zip(got.train.images, got.train.labels, strict=True)
+    }
+    assert len(rows) + len(got.train) == 432
+    for bad in (dict(split_seed=6), dict(public_fraction=0.2), dict(public_fraction=0.0)):
+        with pytest.raises(DPFitError, match="would include some of those examples"):
+            prepare_images(VisionConfig(data=src, **bad), rec)
+    with pytest.raises(DPFitError, match="protects nothing"):
+        prepare_images(cfg, {"source": src, "fraction": 1.0})
+    other = prepare_images(cfg, {"source": "elsewhere.npz", "fraction": 1.0})  # other public data
+    assert other.public_split is None and len(other.train) == 432

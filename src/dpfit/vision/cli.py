@@ -48,7 +48,10 @@ def _image_options(g, p: argparse.ArgumentParser) -> None:
         )
     if not _has(p, "--split-seed"):
         g.add_argument(
-            "--split-seed", type=int, default=0, help="seed of the public/private split (0)"
+            "--split-seed",
+            type=int,
+            help="seed of the public/private split (default: as recorded by a pretrained "
+            "--model, else 0)",
         )
     if not _has(p, "--image-size"):
         g.add_argument(

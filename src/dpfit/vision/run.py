@@ -57,7 +57,8 @@ class VisionConfig:
     eval_data: str | None = None  # None: FashionMNIST test split / 10% held out of `data`
     split: str = "private"  # which side of the public/private split to train on
     public_fraction: float | None = None  # None: as recorded by the pretrained model, else 0
-    split_seed: int = 0  # seeds the public/private split and the held-out test share
+    split_seed: int | None = None  # seeds the public/private split and the held-out test
+    # share; None: as recorded by the pretrained model, else 0
     image_size: int | None = None  # square input size (upsampled); None: the data's / model's
     max_train_examples: int | None = None
     max_eval_examples: int | None = None
@@ -162,59 +163,66 @@ def _is_bundled(spec: str | None) -> bool:
 def prepare_images(config: VisionConfig, recorded_split: dict | None = None) -> PreparedImages:
     """Training and test images; the public/private split made (or inherited) and checked."""
     notes: list[str] = []
-    data = load_images(config.data, "train", image_size=config.image_size)
     source = FASHION_MNIST if _is_bundled(config.data) else str(config.data)
+    fraction, seed = config.public_fraction, config.split_seed
+    same_source = bool(recorded_split) and recorded_split.get("source") == source
+    if same_source and "seed" not in recorded_split and config.split == "private":
+        raise DPFitError(
+            f"the model was pretrained non-privately on all of {source}; private fine-tuning "
+            "on the same data protects nothing. Pretrain on a public share "
+            "(--public-fraction) or on separate public data"
+        )
+    if same_source and "seed" in recorded_split:
+        rec = (float(recorded_split["fraction"]), int(recorded_split["seed"]))
+        if config.split == "private" and (fraction, seed) not in (
+            (None, None),
+            (None, rec[1]),
+            rec,
+        ):
+            raise DPFitError(
+                f"the model was pretrained non-privately on a public {rec[0]:g} of {source} "
+                f"(split seed {rec[1]}); a private split with fraction "
+                f"{rec[0] if fraction is None else fraction:g} and seed "
+                f"{0 if seed is None else seed} would include some of those examples. Use "
+                f"--public-fraction {rec[0]:g} --split-seed {rec[1]} (or leave both out)"
+            )
+        if config.split == "private" and fraction is None:
+            fraction, seed = rec
+            notes.append(
+                f"public split from the pretrained model's record: {rec[0]:g} of {source} "
+                f"(seed {rec[1]}) is public and excluded from private training"
+            )
+    seed = 0 if seed is None else seed
+    data = load_images(config.data, "train", image_size=config.image_size)
     if config.eval_data is not None:
         split = "test" if _is_bundled(config.eval_data) else "train"
         test = load_images(config.eval_data, split, data.label_names, image_size=config.image_size)
     elif _is_bundled(config.data):
         test = load_images(None, "test")
     else:
-        data, test = data.split(HELD_OUT, seed=config.split_seed)
+        data, test = data.split(HELD_OUT, seed=seed)
         notes.append(
             f"no --eval-data: holding out a random {HELD_OUT:.0%} of {config.data} as the test "
-            f"set ({len(test)} images, split seed {config.split_seed})"
+            f"set ({len(test)} images, split seed {seed})"
         )
-    fraction = config.public_fraction
-    if recorded_split and recorded_split.get("source") == source:
-        rec = (float(recorded_split["fraction"]), int(recorded_split["seed"]))
-        if fraction is None:
-            fraction = rec[0]
-            if config.split_seed != rec[1]:
-                raise DPFitError(
-                    f"the model was pretrained on the public {rec[0]:g} of {source} drawn with "
-                    f"split seed {rec[1]}; pass --split-seed {rec[1]} so the private split "
-                    "excludes exactly those examples"
-                )
-            notes.append(
-                f"public split from the pretrained model's record: {rec[0]:g} of {source} "
-                f"(seed {rec[1]}) is public and excluded from private training"
-            )
-        elif (fraction, config.split_seed) != rec and config.split == "private":
-            raise DPFitError(
-                f"the model was pretrained non-privately on a public {rec[0]:g} of {source} "
-                f"(split seed {rec[1]}); a private split with fraction {fraction:g} and seed "
-                f"{config.split_seed} would include some of those examples. Use "
-                f"--public-fraction {rec[0]:g} --split-seed {rec[1]}"
-            )
     public_split = None
     if fraction:
-        public, private = public_private_split(data, fraction, config.split_seed)
+        public, private = public_private_split(data, fraction, seed)
         public_split = {
             "source": source,
             "fraction": fraction,
-            "seed": config.split_seed,
+            "seed": seed,
             "n_public": len(public),
             "n_private": len(private),
         }
         data = public if config.split == "public" else private
         notes.append(
             f"{config.split} split: {len(data)} of {len(public) + len(private)} training images "
-            f"({fraction:g} public, split seed {config.split_seed})"
+            f"({fraction:g} public, split seed {seed})"
         )
     elif config.split == "public":
         notes.append(f"all of {source} is treated as public (no --public-fraction)")
-        public_split = {"source": source, "fraction": 1.0, "seed": config.split_seed}
+        public_split = {"source": source, "fraction": 1.0}
     if config.max_train_examples is not None and config.max_train_examples < len(data):
         notes.append(f"training on a random {config.max_train_examples} of {len(data)} images")
         data = data.subsample(config.max_train_examples, seed=config.seed)
