@@ -172,7 +172,10 @@ def cmd_scan(args) -> None:
             spec = {"kind": "scan", "method": method, "image_size": size, "model": args.model,
                     "batch": args.batch, "steps": args.steps, "warmup": 1}  # fmt: skip
             print(f"scan: {method} at {size}px", flush=True)
-            res = _spawn(spec)
+            try:
+                res = _spawn(spec)
+            except SystemExit as e:  # keep the scan going; the report lists the failure
+                res = {"error": str(e)[-500:]}
             _append(SCAN, {"method": method, "image_size": size, "model": args.model, **res})
 
 
@@ -251,7 +254,8 @@ def _scan_worker(spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------- report
 def cmd_report(args) -> None:
-    runs, scan = list(_read(RUNS)), list(_read(SCAN))
+    runs, scan_all = list(_read(RUNS)), list(_read(SCAN))
+    scan = [r for r in scan_all if "error" not in r]
     pre = list(_read(RESULTS / "vision_pretrain.jsonl"))
     lines = ["# Private image classification (FashionMNIST): measured rows", ""]
     lines.append("Produced by `benchmarks/vision.py`; raw rows in `vision_runs.jsonl`, "
@@ -307,6 +311,9 @@ def cmd_report(args) -> None:
             summary.setdefault("scan", []).append(r)
         lines.append("")
         lines += _scan_ratios(scan, summary)
+    for r in scan_all:
+        if "error" in r:
+            lines.append(f"- scan {r['method']} at {r['image_size']}px failed: {r['error'][-200:]}")
     (RESULTS / "vision.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "vision.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n".join(lines))
