@@ -158,7 +158,11 @@ def _train_worker(spec: dict) -> dict:
     keep = ("accuracy", "eval_n", "epsilon", "delta", "noise_multiplier", "sample_rate", "steps",
             "train_examples", "trainable_params", "trainable_fraction", "train_time_s", "mode",
             "final_loss")  # fmt: skip
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     return {**{k: m[k] for k in keep}, "worker_wall_s": time.perf_counter() - t0,
+            "worker_cpu_s": ru.ru_utime + ru.ru_stime,
             "peak_rss_mb": _peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
 
 
@@ -259,21 +263,23 @@ def cmd_report(args) -> None:
     pre = list(_read(RESULTS / "vision_pretrain.jsonl"))
     lines = ["# Private image classification (FashionMNIST): measured rows", ""]
     lines.append("Produced by `benchmarks/vision.py`; raw rows in `vision_runs.jsonl`, "
-                 "`vision_scan.jsonl`, `vision_pretrain.jsonl`.")  # fmt: skip
+                 "`vision_scan.jsonl`, `vision_pretrain.jsonl`. Times are wall-clock on a 2-core "
+                 "machine shared with other jobs (load average about 12): they vary by tens of "
+                 "percent with the load, so compare CPU seconds where given.")  # fmt: skip
     lines.append("")
     if pre:
         lines += ["## Public pretraining (non-private, 10% of the training set)", "",
-                  "| model | size | public images | test acc | time (s) |", "|---|---|---|---|---|"]  # fmt: skip
+                  "| model | size | public images | test acc (images) | time (s) |", "|---|---|---|---|---|"]  # fmt: skip
         for p in pre:
             lines.append(f"| {p['model']} | {p['image_size']} | {p['train_examples']} | "
-                         f"{p['accuracy']:.3f} | {p['train_time_s']:.0f} |")  # fmt: skip
+                         f"{p['accuracy']:.3f} ({p['eval_n']}) | {p['train_time_s']:.0f} |")  # fmt: skip
         lines.append("")
     summary: dict = {"rows": {}, "checks": {}}
     if runs:
         lines += ["## Private fine-tuning from the public checkpoint", "",
-                  "| model | row | eps | seeds | test acc (mean) | train time (s) | peak RSS (MB) "
-                  "| trainable | steps | private images |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| model | row | eps | seeds | test acc (mean) | train time (s) | worker CPU (s) "
+                  "| peak RSS (MB) | trainable | steps | private images | test images |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         groups: dict = {}
         for r in runs:
             groups.setdefault((r["model"], r["row"], r["eps"], r["image_size"]), []).append(r)
@@ -289,9 +295,11 @@ def cmd_report(args) -> None:
                 if eps is None
                 else f"{eps:g} ({statistics.mean(r['epsilon'] for r in rs):.2f})"
             )
+            cpu = [r["worker_cpu_s"] for r in rs if "worker_cpu_s" in r]
+            cpu_s = f"{statistics.mean(cpu):.0f}" if cpu else "-"
             lines.append(f"| {model} | {LABELS[row]} | {eps_s} | {len(rs)} | {acc:.3f} | {t:.0f} | "
-                         f"{mem:.0f} | {100 * rs[0]['trainable_fraction']:.2f}% | {rs[0]['steps']} "
-                         f"| {rs[0]['train_examples']} |")  # fmt: skip
+                         f"{cpu_s} | {mem:.0f} | {100 * rs[0]['trainable_fraction']:.2f}% | "
+                         f"{rs[0]['steps']} | {rs[0]['train_examples']} | {rs[0]['eval_n']} |")  # fmt: skip
             summary["rows"][f"{model}/{row}/{eps}/{size}"] = {
                 "accuracy": acc,
                 "train_time_s": t,
