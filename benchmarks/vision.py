@@ -259,7 +259,8 @@ def _scan_worker(spec: dict) -> dict:
 # ---------------------------------------------------------------------------- report
 def cmd_report(args) -> None:
     runs, scan_all = list(_read(RUNS)), list(_read(SCAN))
-    scan = [r for r in scan_all if "error" not in r]
+    latest = {(r["method"], r["image_size"], r["model"]): r for r in scan_all if "error" not in r}
+    scan = list(latest.values())  # the newest row per (method, size, model)
     pre = list(_read(RESULTS / "vision_pretrain.jsonl"))
     lines = ["# Private image classification (FashionMNIST): measured rows", ""]
     lines.append("Produced by `benchmarks/vision.py`; raw rows in `vision_runs.jsonl`, "
