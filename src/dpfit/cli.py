@@ -64,7 +64,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-train-examples", type=_positive_int, help="random subset of the training data"
     )
-    g.add_argument("--task", choices=("classification", "causal-lm"), default="classification")
+    g.add_argument(
+        "--task",
+        choices=("classification", "causal-lm", "image-classification"),  # vision hook
+        default="classification",
+    )
     g.add_argument(
         "--labels",
         help="comma-separated public label names, e.g. neg,pos (their order fixes the class "
@@ -165,6 +169,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     g.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    from dpfit.vision import cli as vision_cli  # vision hook: image options, own group
+
+    vision_cli.add_train_arguments(p)
 
 
 def train_config_from_args(args: argparse.Namespace):
@@ -278,6 +285,10 @@ def _set_threads(spec: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if args.task == "image-classification":  # vision hook
+        from dpfit.vision import cli as vision_cli
+
+        return vision_cli.run_train(args)
     from tqdm.auto import tqdm
 
     _set_threads(args.threads)
@@ -350,7 +361,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from dpfit.models import load_classifier
     from dpfit.reporting import format_table, to_json
     from dpfit.train import _device, evaluate
+    from dpfit.vision import cli as vision_cli  # vision hook
+    from dpfit.vision.models import is_image_model_folder
 
+    if is_image_model_folder(args.model):
+        return vision_cli.run_evaluate(args)
     _set_threads(args.threads)
     loaded = load_classifier(args.model)
     model = loaded.model
@@ -475,6 +490,19 @@ COMMANDS = {
     "federated": ("federated DP fine-tuning (Flower)", add_federated_arguments, run_federated),
     "audit": (audit_cli.HELP, audit_cli.add_arguments, audit_cli.run),
 }
+
+
+def _vision_cli():  # vision hook: `dpfit pretrain` (non-private training on a public split)
+    from dpfit.vision import cli
+
+    return cli
+
+
+COMMANDS["pretrain"] = (
+    "non-private pretraining of an image model on public data",
+    lambda p: _vision_cli().add_pretrain_arguments(p),
+    lambda args: _vision_cli().run_pretrain(args),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ from dpfit.grad_sample import (  # noqa: F401  (registration)
     linear,
     norm,
     rmsnorm,
+    vit,  # transformers ViT embeddings (cls token, positions)
 )
 from dpfit.grad_sample.registry import (
     SamplerEntry,

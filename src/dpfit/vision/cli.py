@@ -1,0 +1,317 @@
+"""Command-line side of image classification: ``dpfit pretrain``, the image options of
+``dpfit train --task image-classification``, and ``dpfit evaluate`` on image models.
+
+All argument definitions and the translation to :class:`VisionConfig` live here; ``dpfit.cli``
+only forwards to these functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from dpfit.errors import DPFitError
+
+TASK = "image-classification"
+# Image defaults (each flag overrides); sized for FashionMNIST-scale data on a few CPU cores.
+IMAGE_DEFAULTS = dict(epochs=3, batch_size=256, physical_batch_size=64, max_grad_norm=1.0, lr=5e-3)
+PRETRAIN_DEFAULTS = dict(epochs=3, batch_size=128, physical_batch_size=128, lr=2e-3)
+
+
+def _fraction(s: str) -> float:
+    v = float(s)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {v}")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _has(p: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in p._option_string_actions
+
+
+def _image_options(g, p: argparse.ArgumentParser) -> None:
+    """Options shared by pretrain and train (added only where the parser lacks them)."""
+    if not _has(p, "--public-fraction"):
+        g.add_argument(
+            "--public-fraction",
+            type=_fraction,
+            help="share of the training data declared public (pretrain trains on it, train on "
+            "the rest); default: as recorded by a pretrained --model, else none",
+        )
+    if not _has(p, "--split-seed"):
+        g.add_argument(
+            "--split-seed",
+            type=int,
+            help="seed of the public/private split (default: as recorded by a pretrained "
+            "--model, else 0)",
+        )
+    if not _has(p, "--image-size"):
+        g.add_argument(
+            "--image-size",
+            type=_positive_int,
+            help="square input size; images are resized (upsampled) to it",
+        )
+    if not _has(p, "--max-eval-examples"):
+        g.add_argument(
+            "--max-eval-examples", type=_positive_int, help="random subset of the test images"
+        )
+    if not _has(p, "--replace-batchnorm"):
+        g.add_argument(
+            "--replace-batchnorm",
+            action="store_true",
+            help="turn a user model's BatchNorm into GroupNorm (changes the architecture)",
+        )
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The image options of ``dpfit train`` (used with --task image-classification)."""
+    g = p.add_argument_group(f"image classification (--task {TASK})")
+    _image_options(g, p)
+    if not _has(p, "--head-only"):
+        g.add_argument(
+            "--head-only", action="store_true", help="DP last-layer: train the head alone"
+        )
+    if not _has(p, "--insecure-reproducible-noise"):
+        g.add_argument(
+            "--insecure-reproducible-noise",
+            action="store_true",
+            help="seed noise and sampling with --seed: reproducible, NOT private against "
+            "anyone who knows the seed",
+        )
+
+
+def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", choices=(TASK,), default=TASK)
+    p.add_argument(
+        "--model", default="resnet-gn", help="resnet-gn | vit-tiny | a saved folder (resnet-gn)"
+    )
+    p.add_argument(
+        "--data", help="image folder, .npz or fashion-mnist (default: bundled FashionMNIST)"
+    )
+    p.add_argument("--eval-data", help="scored at the end (default: test split / 10%% held out)")
+    p.add_argument("--max-train-examples", type=_positive_int)
+    g = p.add_argument_group("public split")
+    _image_options(g, p)
+    g = p.add_argument_group("optimisation (non-private)")
+    g.add_argument("--epochs", type=_positive_int, help="passes over the public data (3)")
+    g.add_argument("--batch-size", type=_positive_int, help="(128)")
+    g.add_argument("--physical-batch-size", type=_positive_int, help="(128)")
+    g.add_argument("--lr", type=float, help="(2e-3)")
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--threads", default="auto", help="CPU threads for torch (a number, or auto)")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", required=True, help="folder: DIR/model, metrics.json, steps.csv")
+    g.add_argument("--checkpoint-dir")
+    g.add_argument("--checkpoint-every", type=_positive_int, default=1)
+    g.add_argument("--resume", action="store_true")
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--quiet", action="store_true")
+
+
+def _value(args: argparse.Namespace, name: str, defaults: dict):
+    given = getattr(args, name, None)
+    return defaults[name] if given is None else given
+
+
+def train_config_from_args(args: argparse.Namespace):
+    from dpfit.vision.run import VisionConfig
+
+    if getattr(args, "add_biases", False):
+        raise DPFitError("--add-biases is for text models; image models here have biases")
+    d = IMAGE_DEFAULTS
+    insecure = getattr(args, "insecure_reproducible_noise", False)
+    return VisionConfig(
+        model=args.model or "resnet-gn",
+        data=args.data,
+        eval_data=args.eval_data,
+        split="private",
+        public_fraction=args.public_fraction,
+        split_seed=args.split_seed,
+        image_size=args.image_size,
+        max_train_examples=args.max_train_examples,
+        max_eval_examples=args.max_eval_examples,
+        epsilon=args.epsilon,
+        delta=args.delta,
+        noise_multiplier=args.noise_multiplier,
+        accountant=args.accountant,
+        epochs=_value(args, "epochs", d),
+        max_steps=args.max_steps,
+        batch_size=_value(args, "batch_size", d),
+        physical_batch_size=_value(args, "physical_batch_size", d),
+        max_grad_norm=_value(args, "max_grad_norm", d),
+        clipping=args.clipping,
+        lr=_value(args, "lr", d),
+        optimizer=args.optimizer,
+        seed=args.seed,
+        insecure_seed=args.seed if insecure and not args.non_private else None,
+        non_private=args.non_private,
+        mode="head" if args.head_only else args.mode,
+        full_epochs=args.full_epochs,
+        replace_batchnorm=args.replace_batchnorm,
+        output=args.output,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        device=args.device,
+    )
+
+
+def pretrain_config_from_args(args: argparse.Namespace):
+    from dpfit.vision.run import VisionConfig
+
+    d = PRETRAIN_DEFAULTS
+    return VisionConfig(
+        model=args.model,
+        data=args.data,
+        eval_data=args.eval_data,
+        split="public",
+        public_fraction=args.public_fraction,
+        split_seed=args.split_seed,
+        image_size=args.image_size,
+        max_train_examples=args.max_train_examples,
+        max_eval_examples=args.max_eval_examples,
+        epsilon=None,
+        non_private=True,
+        mode="full",
+        epochs=_value(args, "epochs", d),
+        batch_size=_value(args, "batch_size", d),
+        physical_batch_size=_value(args, "physical_batch_size", d),
+        lr=_value(args, "lr", d),
+        optimizer=args.optimizer,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        replace_batchnorm=args.replace_batchnorm,
+        output=args.output,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        device=args.device,
+    )
+
+
+def summary_rows(m: dict) -> list[tuple[str, object]]:
+    rows: list[tuple[str, object]] = [
+        ("accuracy", m["accuracy"]),
+        ("evaluated on", f"{m['eval_n']} images ({m['eval_source']})"),
+        ("epsilon", m["epsilon"] if m["private"] else "non-private"),
+    ]
+    if m["private"]:
+        rows += [
+            ("delta", m["delta"]),
+            ("sigma (noise multiplier)", m["noise_multiplier"]),
+            ("clip norm", m["max_grad_norm"]),
+        ]
+        if m.get("insecure_seed"):
+            rows.append(("noise seeded (INSECURE)", "yes"))
+    rows += [
+        ("model", f"{m['model']} at {m['image_size']}x{m['image_size']}"),
+        ("mode", m["mode"]),
+        ("trained on", f"{m['train_examples']} images ({m['train_source']})"),
+        ("logical steps", m["steps"]),
+        ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
+        ("train time", f"{m['train_time_s']:.1f} s"),
+        ("peak memory", f"{m['peak_memory_mb']:.0f} MB"),
+    ]
+    return rows
+
+
+def _run(config, args: argparse.Namespace, title: str) -> int:
+    from tqdm.auto import tqdm
+
+    from dpfit.reporting import format_table, to_json
+    from dpfit.vision.run import train_images
+
+    _set_threads(getattr(args, "threads", "auto"))
+    bar = None
+
+    def on_note(msg: str) -> None:
+        (tqdm.write if bar is not None else print)(f"note: {msg}", file=sys.stderr)
+
+    def on_step(row, total: int) -> None:
+        nonlocal bar
+        if args.quiet:
+            return
+        if bar is None:
+            bar = tqdm(total=total, unit="step", desc=title, file=sys.stderr, dynamic_ncols=True)
+            bar.update(row.step - 1)
+        post = {"loss": f"{row.loss:.4f}" if not math.isnan(row.loss) else "-"}
+        if math.isfinite(row.epsilon):
+            post["eps"] = f"{row.epsilon:.3f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+
+    if config.insecure_seed is not None:
+        print(
+            "WARNING: --insecure-reproducible-noise: noise and sampling are seeded with --seed; "
+            "the result is NOT private against anyone who knows the seed",
+            file=sys.stderr,
+        )
+    try:
+        result = train_images(config, on_step=on_step, on_note=on_note)
+    finally:
+        if bar is not None:
+            bar.close()
+    m = result.metrics
+    if args.json:
+        print(to_json({k: v for k, v in m.items() if k != "config"}, indent=None))
+    else:
+        print(format_table(summary_rows(m), title=f"dpfit {title}: result"))
+        if result.output_dir is not None:
+            print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
+    return 0
+
+
+def _set_threads(spec: str) -> None:
+    try:
+        from dpfit.cli import _set_threads as set_threads
+    except ImportError:  # pragma: no cover
+        return
+    set_threads(spec)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    return _run(train_config_from_args(args), args, "train")
+
+
+def run_pretrain(args: argparse.Namespace) -> int:
+    return _run(pretrain_config_from_args(args), args, "pretrain")
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    """``dpfit evaluate --model DIR/model --data X`` for an image model folder."""
+    from dpfit.reporting import format_table, to_json
+    from dpfit.vision.data import FASHION_MNIST, load_images
+    from dpfit.vision.models import load_image_model, read_record
+    from dpfit.vision.run import _device, evaluate_images
+
+    _set_threads(getattr(args, "threads", "auto"))
+    model = load_image_model(args.model)
+    bundled = args.data in (None, FASHION_MNIST)
+    data = load_images(args.data, "test" if bundled else "train", model.spec.label_names)
+    device = _device(getattr(args, "device", "auto"))
+    model.module.to(device)
+    res = evaluate_images(model, data, getattr(args, "batch_size", 256), device)
+    record = read_record(args.model)
+    out = {**res, "model": str(args.model), "data": data.source, "privacy": record}
+    if args.json:
+        print(to_json(out, indent=None))
+        return 0
+    rows: list[tuple[str, object]] = [("accuracy", res["accuracy"]), ("examples", res["n"])]
+    rows += [
+        (f"class {k}", f"{v['correct']}/{v['n']} correct") for k, v in res["per_class"].items()
+    ]
+    if record.get("private"):
+        rows += [("trained with epsilon", record.get("epsilon")), ("delta", record.get("delta"))]
+    print(format_table(rows, title=f"dpfit evaluate: {args.model}"))
+    return 0

@@ -1,0 +1,222 @@
+"""Image training end to end: the CLI learns a generated task, public pretraining feeds private
+fine-tuning, two-phase composes one budget, a killed run resumes bit-for-bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from image_tasks import patterns, write_npz
+from safetensors.torch import load_file
+
+from dpfit import PrivacyEngine
+from dpfit import checkpoint as ckpt
+from dpfit.accounting import epsilon_for
+from dpfit.cli import main
+from dpfit.errors import DPFitError
+from dpfit.vision.data import ImageCollate, ImageData
+from dpfit.vision.models import build_model
+from dpfit.vision.run import VisionConfig
+
+FAST = ["--threads", "1", "--quiet", "--json"]
+
+
+def _json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_cli_private_run_learns_generated_task(tiny_npz, tmp_path, capsys):
+    args = ["train", "--task", "image-classification", "--data", str(tiny_npz), "--model",
+            "resnet-gn", "--mode", "full", "--noise-multiplier", "1.0", "--epochs", "3",
+            "--batch-size", "64", "--physical-batch-size", "32", "--lr", "5e-3",
+            "--output", str(tmp_path / "out"), *FAST]  # fmt: skip
+    assert main(args) == 0
+    m = _json(capsys)
+    assert m["accuracy"] >= 0.6, m["accuracy"]  # four classes: chance is 0.25
+    assert m["eval_n"] == 48 and m["train_examples"] == 432  # 10% held out of the file
+    q = 64 / 432
+    assert m["sample_rate"] == pytest.approx(q)
+    assert m["epsilon"] == pytest.approx(epsilon_for(1.0, q, m["steps"], m["delta"]), rel=1e-9)
+    assert not m["insecure_seed"]
+    record = json.loads((tmp_path / "out" / "model" / "dpfit-vision.json").read_text())
+    assert record["arch"] == "resnet-gn" and record["dpfit"]["private"]
+
+
+def test_pretrain_public_then_private_bitfit_then_evaluate(tiny_npz, tmp_path, capsys):
+    pre = tmp_path / "pre"
+    assert main(["pretrain", "--task", "image-classification", "--data", str(tiny_npz),
+                 "--public-fraction", "0.3", "--epochs", "2", "--batch-size", "32",
+                 "--output", str(pre), *FAST]) == 0  # fmt: skip
+    m_pre = _json(capsys)
+    assert not m_pre["private"] and m_pre["train_examples"] == round(0.3 * 432)
+    assert m_pre["trainable_fraction"] == 1.0
+    rec = json.loads((pre / "model" / "dpfit-vision.json").read_text())["dpfit"]
+    assert rec["pretrained_on"]["fraction"] == 0.3 and not rec["private"]
+
+    fine = tmp_path / "fine"
+    base = ["train", "--task", "image-classification", "--data", str(tiny_npz), "--model",
+            str(pre / "model"), "--noise-multiplier", "2.0", "--max-steps", "4",
+            "--batch-size", "32", "--output", str(fine), *FAST]  # fmt: skip
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    m = json.loads(captured.out.strip().splitlines()[-1])
+    # the private run trains on the other 70% only (the split comes from the model's record)
+    assert m["train_examples"] == 432 - round(0.3 * 432)
+    assert "public split from the pretrained model's record" in captured.err
+    assert m["private"] and 0 < m["trainable_fraction"] < 0.05  # biases + head
+    # a split that would overlap the public examples is refused
+    assert main([*base, "--public-fraction", "0.2"]) == 2
+    assert "would include some of those examples" in capsys.readouterr().err
+
+    assert (
+        main(
+            [
+                "evaluate",
+                "--model",
+                str(fine / "model"),
+                "--data",
+                str(tiny_npz),
+                *FAST[:2],
+                "--json",
+            ]
+        )
+        == 0
+    )
+    ev = _json(capsys)
+    assert ev["n"] == 480 and ev["privacy"]["private"]
+    assert ev["privacy"]["pretrained_on"]["fraction"] == 0.3
+
+
+def test_two_phase_on_an_image_model_composes_one_budget():
+    images, labels = patterns(200, 8, seed=1)
+    data = ImageData(images[:, None], labels, ("a", "b", "c", "d"), "gen")
+    m = build_model("resnet-gn", data.label_names, 1, 8, seed=0, options={"width": 8})
+    model = m.module
+    import dpfit
+
+    dpfit.make_bias_trainable(model, train_head=m.head_names)
+    engine = PrivacyEngine(
+        model, expected_batch_size=20, sample_size=200, target_epsilon=2.0, target_delta=1e-5,
+        schedule=[("full", 1), ("bias", 1)], insecure_seed=0,
+    )  # fmt: skip
+    loader = engine.data_loader(range(200), collate_fn=ImageCollate(data))
+    conv = model.stem[0].weight
+    eps_after, conv_after = {}, {}
+    for phase in engine.phases():
+        opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+        before = conv.detach().clone()
+        for b in loader:
+            F.cross_entropy(model(b["pixel_values"]), b["labels"]).backward()
+            engine.step(opt)
+        eps_after[phase.mode] = engine.epsilon()
+        conv_after[phase.mode] = not torch.equal(before, conv)
+    assert conv_after == {"full": True, "bias": False}  # weights train only in the full phase
+    steps = 2 * engine.config.steps_per_epoch
+    assert engine.steps_taken == steps
+    assert engine.epsilon() == pytest.approx(
+        epsilon_for(engine.noise_multiplier, 0.1, steps, 1e-5), rel=1e-9
+    )
+    assert eps_after["full"] < eps_after["bias"] <= 2.0 * 1.001
+    assert eps_after["bias"] > 0.95 * 2.0  # calibrated for both phases together
+    engine.detach()
+
+
+def test_config_errors_are_early():
+    with pytest.raises(DPFitError, match="non-private"):
+        VisionConfig(split="public")
+    with pytest.raises(DPFitError, match="--full-epochs must be between"):
+        VisionConfig(full_epochs=3, epochs=3)
+    with pytest.raises(ValueError, match="mode"):
+        VisionConfig(mode="lora")
+
+
+def _args(data, out, *extra):
+    return ["train", "--task", "image-classification", "--data", str(data), "--model", "resnet-gn",
+            "--noise-multiplier", "1.0", "--epochs", "3", "--full-epochs", "1",
+            "--batch-size", "30", "--physical-batch-size", "16", "--seed", "3",
+            "--insecure-reproducible-noise", "--output", str(out), *FAST, *extra]  # fmt: skip
+
+
+def _final(out):
+    return load_file(str(out / "model" / "model.safetensors")), json.loads(
+        (out / "metrics.json").read_text()
+    )
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_uninterrupted(tmp_path, capsys):
+    """Two-phase image run killed at a random checkpoint, resumed: identical to a clean run."""
+    data = write_npz(tmp_path / "d.npz", 200, size=8)
+    assert main(_args(data, tmp_path / "ref")) == 0
+    capsys.readouterr()
+    ref_params, ref_metrics = _final(tmp_path / "ref")
+    total = ref_metrics["steps"]
+    assert ref_metrics["insecure_seed"] and total >= 15
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    kill_at = rng.randint(2, total - 3)
+    ck = tmp_path / "ck"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpfit.cli", *_args(data, tmp_path / "killed", "--checkpoint-dir", str(ck))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = ckpt.list_checkpoints(ck)
+        if found and found[-1][0] >= kill_at:
+            time.sleep(rng.uniform(0, 0.05))
+            proc.kill()
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.returncode == -9, f"not killed (rc={proc.returncode}): {err[-2000:]}"
+    killed_at = ckpt.list_checkpoints(ck)[-1][0]
+    assert killed_at < total
+
+    assert main(_args(data, tmp_path / "resumed", "--checkpoint-dir", str(ck), "--resume")) == 0
+    params, metrics = _final(tmp_path / "resumed")
+    msg = f"kill_at={kill_at}, last checkpoint={killed_at}"
+    assert metrics["steps"] == total and metrics["epsilon"] == ref_metrics["epsilon"], msg
+    assert metrics["accuracy"] == ref_metrics["accuracy"], msg
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
+    rows = (tmp_path / "resumed" / "steps.csv").read_text().splitlines()
+    assert len(rows) == total + 1
+
+
+def test_private_split_follows_the_pretraining_record(tiny_npz):
+    from dpfit.vision.run import prepare_images
+
+    src = str(tiny_npz)
+    rec = {"source": src, "fraction": 0.25, "seed": 5}
+    cfg = VisionConfig(data=src)
+    got = prepare_images(cfg, rec)
+    assert got.public_split["fraction"] == 0.25 and got.public_split["seed"] == 5
+    public = prepare_images(VisionConfig(data=src, split="public", non_private=True,
+                                         public_fraction=0.25, split_seed=5))  # fmt: skip
+    rows = {
+        (img.tobytes(), int(y))
+        for img, y in zip(public.train.images, public.train.labels, strict=True)
+    }
+    assert not rows & {
+        (img.tobytes(), int(y)) for img, y in zip(got.train.images, got.train.labels, strict=True)
+    }
+    assert len(rows) + len(got.train) == 432
+    for bad in (dict(split_seed=6), dict(public_fraction=0.2), dict(public_fraction=0.0)):
+        with pytest.raises(DPFitError, match="would include some of those examples"):
+            prepare_images(VisionConfig(data=src, **bad), rec)
+    with pytest.raises(DPFitError, match="protects nothing"):
+        prepare_images(cfg, {"source": src, "fraction": 1.0})
+    other = prepare_images(cfg, {"source": "elsewhere.npz", "fraction": 1.0})  # other public data
+    assert other.public_split is None and len(other.train) == 432
