@@ -24,9 +24,12 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+warnings.filterwarnings("ignore", category=FutureWarning, module="sklearn")
 
 from dpfit.data.tasks import TASKS, TaskSplits, load_task  # noqa: E402
 

@@ -156,13 +156,17 @@ TRAIN_FIELDS = {f.name for f in dataclasses.fields(dptrain.TrainConfig)}
 
 
 def report(log: Path) -> None:
+    """Markdown table of every finished run, grouped by task."""
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-    for r in rows:
-        spec = {k: v for k, v in r["spec"].items()}
+    print("| task | n | setting | B | steps | sigma | test acc | wall (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["task"], r["key"])):
+        spec = ", ".join(f"{k}={v}" for k, v in r["spec"].items())
+        sigma = r.get("noise_multiplier")
+        acc = "failed" if "error" in r else f"{100 * r['accuracy']:.1f}"
         print(
-            f"{r['task']:17s} n={r['n']:5d} seed={r['seed']} B={r['batch_size']:4d} "
-            f"steps={r['steps']:4d} acc={100 * r['accuracy']:5.1f} eps={r['epsilon']:.2f} "
-            f"sigma={r['noise_multiplier'] or 0:.2f} {r['wall_s']:5.0f}s {spec}"
+            f"| {r['task']} | {r['n']} | {spec} | {r['batch_size']} | {r['steps']} | "
+            f"{'-' if sigma is None else f'{sigma:.2f}'} | {acc} | {r['wall_s']:.0f} |"
         )
 
 

@@ -159,7 +159,8 @@ def run_key(row: Row, task: str, seed: int, scale: Scale) -> str:
 def read_log(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "key" in r]  # older formats of this log are ignored
 
 
 def summarize(records: list[dict], scale: Scale) -> dict:
