@@ -153,7 +153,7 @@ def main() -> None:
                 "tfidf_lr": tfidf_lr(task, seed),
                 "probe": probe(task, args.max_length, seed),
             }
-            logger.info("%s", json.dumps(row))
+            print(json.dumps(row), flush=True)
             results.append(row)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -170,6 +170,30 @@ def report(log: Path) -> None:
         )
 
 
+def sigma_table() -> None:
+    """Noise multiplier and per-step noise on the mean gradient (sigma/B) for candidate rules."""
+    from dpfit.accounting import noise_multiplier_for
+
+    print("| n | rule | B | epochs | steps | eps | sigma | sigma/B |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in (1000, 3000, 10000):
+        delta = min(1e-5, n**-1.1)
+        rules = {
+            "B=n/10, 3 epochs": (n // 10, 3),
+            "B=10 sqrt(n) <= n/4, >= 50 steps": (int(min(10 * math.sqrt(n), n / 4)), None),
+        }
+        for name, (b, epochs) in rules.items():
+            per_epoch = max(1, round(n / b))
+            if epochs is None:
+                epochs = max(3, min(20, math.ceil(50 / per_epoch)))
+            steps = epochs * per_epoch
+            for eps in (1.0, 3.0, 8.0):
+                s = noise_multiplier_for(eps, delta, b / n, steps)
+                print(
+                    f"| {n} | {name} | {b} | {epochs} | {steps} | {eps:g} | {s:.2f} | {s / b:.4f} |"
+                )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--grid", nargs="+", default=["np-ref"], choices=sorted(GRIDS))
@@ -179,8 +203,12 @@ def main() -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--log", default=str(LOG))
     p.add_argument("--report", action="store_true")
+    p.add_argument("--sigma-table", action="store_true")
     args = p.parse_args()
     log = Path(args.log)
+    if args.sigma_table:
+        sigma_table()
+        return
     if args.report:
         report(log)
         return
