@@ -102,15 +102,29 @@ def frozen_features(
     return out
 
 
-def probe(task: TaskSplits, max_length: int = 128, seed: int = 0) -> dict[str, dict]:
-    """Standardised frozen features + logistic regression (C by CV), one row per pooling."""
+def features_of(texts, full_texts, max_length: int) -> dict[str, np.ndarray]:
+    """Features of `texts` (a subset of `full_texts`) from the cache of the full list."""
+    full = frozen_features(full_texts, max_length)
+    where = {t: i for i, t in enumerate(full_texts)}
+    idx = np.array([where[t] for t in texts])
+    return {k: v[idx] for k, v in full.items()}
+
+
+def probe(
+    task: TaskSplits, max_length: int = PROBE_MAX_LENGTH, seed: int = 0, full: TaskSplits = None
+) -> dict[str, dict]:
+    """Standardised frozen features + logistic regression (C by CV), one row per pooling.
+
+    `full`: the unsubsampled task, whose cached features are reused for a subset.
+    """
     from sklearn.linear_model import LogisticRegressionCV
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
+    full = full or task
     t = time.perf_counter()
-    f_train = frozen_features(task.train.texts, max_length)
-    f_test = frozen_features(task.test.texts, max_length)
+    f_train = features_of(task.train.texts, full.train.texts, max_length)
+    f_test = features_of(task.test.texts, full.test.texts, max_length)
     feat_s = time.perf_counter() - t
     y_train, y_test = np.array(task.train.labels), np.array(task.test.labels)
     rows = {}

@@ -126,12 +126,12 @@ def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale
     )
     m = train(cfg).metrics
     keep = (
-        "accuracy epsilon delta noise_multiplier steps epochs batch_size train_examples "
-        "trainable_fraction train_time_s recipe pooling clipping max_grad_norm"
+        "accuracy epsilon delta noise_multiplier steps head_first_steps epochs batch_size lr "
+        "max_length train_examples trainable_fraction train_time_s recipe clipping max_grad_norm"
     ).split()
     out = {k: m.get(k) for k in keep if k in m}
-    out["lr"] = m.get("config", {}).get("lr")
-    out["max_length"] = m.get("config", {}).get("max_length")
+    for k in ("lr", "max_length", "pooling"):  # older builds keep these only in the config
+        out.setdefault(k, m.get("config", {}).get(k))
     return out
 
 
@@ -144,7 +144,7 @@ def run_row(row: Row, task_name: str, seed: int, scale: Scale) -> list[dict]:
     if row.kind == "tfidf":
         return [{"row": row.name, **baselines.tfidf_lr(task, seed), **sizes}]
     if row.kind == "probe":
-        res = baselines.probe(task, baselines.PROBE_MAX_LENGTH, seed)
+        res = baselines.probe(task, baselines.PROBE_MAX_LENGTH, seed, load_task(task_name, seed))
         return [{"row": f"frozen probe, {p}", **r, **sizes} for p, r in res.items()]
     return [{"row": row.name, **sizes, **run_dpfit(row, train_csv, test_csv, seed, scale)}]
 
