@@ -76,7 +76,7 @@ ROWS = (
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
 )
 ROW_BY_KEY = {r.key: r for r in ROWS}
-QUICK_TRAIN, QUICK_TEST = 2000, 1000
+QUICK_TRAIN, QUICK_TEST = 1000, 500
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def _cell(s: dict | None) -> str:
     if s is None:
         return "not run"
     sd = f" ± {s['sd']:.1f}" if s["sd"] is not None else ""
-    return f"{s['mean']:.1f}{sd} ({len(s['seeds'])})"
+    return f"{s['mean']:.1f}{sd} ({len(s['seeds'])}) {s['wall_s']:.0f} s"
 
 
 def targets(summary: dict) -> list[str]:
