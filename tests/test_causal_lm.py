@@ -7,13 +7,10 @@ import math
 import pytest
 import torch
 
-from dpfit.causal_lm import (
-    CausalLMConfig,
-    TokenizedLines,
-    causal_lm_loss,
-    make_collate,
-    train_causal_lm,
-)
+from dpfit.causal_lm import TokenizedLines, causal_lm_loss, make_collate
+from dpfit.recipe import default_delta
+from dpfit.tasks.causal_lm import CausalLMTask, train_causal_lm
+from dpfit.train import TrainConfig
 
 torch.set_num_threads(1)
 
@@ -59,19 +56,35 @@ def test_loss_is_mean_of_per_example_token_means():
 
 
 def test_tiny_llama_end_to_end():
+    """Through the one training loop: private steps, the composed epsilon, biases only."""
     model = tiny_llama()
-    cfg = CausalLMConfig(
-        train_examples=32, eval_examples=8, lines_per_example=1, max_length=24,
-        expected_batch_size=8, physical_batch_size=4, epochs=1, target_epsilon=4.0,
-        sample_prompts=("line",), sample_tokens=4, check_gradients=True,
+    task = CausalLMTask(
+        lines_per_example=1, eval_examples=8, sample_prompts=("line",), sample_tokens=4
+    )
+    cfg = TrainConfig(
+        task="causal-lm", max_train_examples=32, max_length=24, batch_size=8,
+        physical_batch_size=4, epochs=1, epsilon=4.0,
     )  # fmt: skip
-    res = train_causal_lm(model, CharTokenizer(), LINES, cfg)
-    assert res.steps == round(32 / 8)
-    assert 0 < res.epsilon <= 4.0 * 1.001
-    assert math.isfinite(res.perplexity_before) and math.isfinite(res.perplexity_after)
-    assert res.trainable < res.total and len(res.samples) == 1
+    res = train_causal_lm(model, CharTokenizer(), LINES, cfg, task)
+    m = res.metrics
+    assert m["steps"] == round(32 / 8)
+    assert 0 < m["epsilon"] <= 4.0 * 1.001
+    assert m["delta"] == default_delta(32)
+    assert math.isfinite(m["perplexity_before"]) and math.isfinite(m["perplexity_after"])
+    assert m["trainable_params"] < m["total_params"] and len(m["samples"]) == 1
+    assert m["final_train_loss"] is None and all(r.loss is None for r in res.steps)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(n.endswith("bias") for n in trained)
+
+
+def test_causal_lm_delta_follows_the_one_rule(tmp_path):
+    """min(1e-5, 1/n^1.1) for every task (was 1/n^1.1 = 0.001 for the Hamlet run)."""
+    model = tiny_llama()
+    task = CausalLMTask(lines_per_example=1, eval_examples=4, sample_prompts=(), sample_tokens=1)
+    cfg = TrainConfig(task="causal-lm", max_train_examples=40, max_length=16, batch_size=8,
+                      physical_batch_size=8, epochs=1, max_steps=1)  # fmt: skip
+    res = train_causal_lm(model, CharTokenizer(), LINES, cfg, task)
+    assert res.metrics["delta"] == pytest.approx(min(1e-5, 40**-1.1)) == 1e-5
 
 
 @pytest.mark.slow
@@ -83,19 +96,18 @@ def test_smollm2_smoke():
 
     loaded = load_smollm2()  # ~40 s the first time on this machine, ~1 s from the cache
     model, tok = loaded.model, loaded.tokenizer
-    cfg = CausalLMConfig(
-        train_examples=8, eval_examples=4, max_length=24, expected_batch_size=4,
-        physical_batch_size=4, epochs=1, target_epsilon=8.0, sample_prompts=("My lord,",),
-        sample_tokens=4,
-    )  # fmt: skip
+    task = CausalLMTask(eval_examples=4, sample_prompts=("My lord,",), sample_tokens=4)
+    cfg = TrainConfig(task="causal-lm", max_train_examples=8, max_length=24, batch_size=4,
+                      physical_batch_size=4, epochs=1, epsilon=8.0)  # fmt: skip
     ids = tok("To be, or not to be", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         before = model(input_ids=ids).logits
-    res = train_causal_lm(model, tok, hamlet_lines(), cfg)
-    assert res.steps == 2
-    assert res.perplexity_before < 2000  # a trained LM (uniform over 49,152 tokens: 49,152)
-    assert res.trainable_fraction < 2e-3
-    assert math.isfinite(res.perplexity_after)
+    res = train_causal_lm(model, tok, hamlet_lines(), cfg, task)
+    m = res.metrics
+    assert m["steps"] == 2
+    assert m["perplexity_before"] < 2000  # a trained LM (uniform over 49,152 tokens: 49,152)
+    assert m["trainable_fraction"] < 2e-3
+    assert math.isfinite(m["perplexity_after"])
     model.eval()
     for p in model.parameters():  # zero the learned biases: the original function returns
         if p.requires_grad:

@@ -57,13 +57,18 @@ def test_train_writes_everything(tiny, tmp_path, capsys):
     assert m["eval_n"] == 40 and m["train_examples"] == 160  # --eval-data: no hold-out
     assert 1.9 < m["epsilon"] <= 2.0 + 1e-6 and m["steps"] == 5
     with open(out / "steps.csv") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = list(reader)
     assert [int(r["step"]) for r in rows] == list(range(1, 6))
     assert float(rows[-1]["epsilon"]) == pytest.approx(m["epsilon"])
-    assert (out / "loss.png").stat().st_size > 1000 and (out / "epsilon.png").stat().st_size > 1000
+    # a private run keeps no exact training loss or Poisson batch size per step
+    assert not {"loss", "batch_size"} & set(reader.fieldnames)
+    assert not (out / "loss.png").exists() and (out / "epsilon.png").stat().st_size > 1000
+    assert m["insecure_seed"] is False and m["final_train_loss"] is None
     record = json.loads((out / "model" / "dpfit.json").read_text())
     assert record["epsilon"] == pytest.approx(m["epsilon"]) and record["delta"] == m["delta"]
-    assert record["trained_parameters"] and "sample_rate" in record and record["clipping"] == "flat"
+    assert record["trained_parameters"] and "sample_rate" in record
+    assert record["clipping"] == m["clipping"] == m["recipe"]["clipping"]
     assert (out / "model" / "config.json").exists()
 
     # the saved model is a normal transformers folder: `evaluate` scores it
@@ -163,3 +168,82 @@ def test_help_lists_the_commands():
         assert cmd in text
     with pytest.raises(SystemExit):
         main(["train", "--clipping", "per-layer"])
+
+
+def test_insecure_reproducible_noise_warns_and_records(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(train_args(tiny, "--insecure-reproducible-noise", "--output", str(out))) == 0
+    assert "NOT private" in capsys.readouterr().err
+    assert json.loads((out / "metrics.json").read_text())["insecure_seed"] is True
+
+
+def test_non_private_steps_keep_the_loss(tiny, tmp_path):
+    out = tmp_path / "run"
+    assert main(train_args(tiny, "--non-private", "--output", str(out))) == 0
+    with open(out / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(float(r["loss"]) > 0 for r in rows)
+    assert (out / "loss.png").exists()
+
+
+def test_rare_label_names_are_refused_with_a_hint(tiny, tmp_path, capsys):
+    data = tmp_path / "d.csv"
+    data.write_text(
+        "text,label\n" + "the film was good,pos\n" * 40 + "the film was bad,neg\n" * 40
+        + "the film was fine,alice-smith\n"
+    )  # fmt: skip
+    assert main(train_args(tiny, "--data", str(data))) == 2
+    err = capsys.readouterr().err
+    assert "--labels" in err and "--public-labels" in err
+
+
+def test_gguf_classifier_trains_saves_and_evaluates(tmp_path, capsys):
+    """A GGUF model (transformers calls it quantised and refuses save_pretrained) trains,
+    and its run writes metrics.json and a dequantised model that `evaluate` reloads."""
+    pytest.importorskip("gguf")
+    from dpfit.models import save_tiny_gguf_model
+
+    model = save_tiny_gguf_model(tmp_path / "gg" / "tiny.gguf")
+    data = write_tiny_sentiment_csv(tmp_path / "d.csv", n=100)
+    out = tmp_path / "run"
+    args = ["train", "--model", str(model), "--add-biases", "--data", str(data), "--max-steps",
+            "2", "--batch-size", "20", "--threads", "1", "--quiet", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps"] == 2 and "output_errors" not in m
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dpfit_added_biases"]
+    capsys.readouterr()
+    assert main(["evaluate", "--model", str(out / "model"), "--data", str(data), "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["n"] == 100 and ev["privacy"]["epsilon"] == pytest.approx(m["epsilon"])
+
+
+def test_metrics_survive_a_failing_model_save(tiny, tmp_path, monkeypatch, capsys):
+    """Privacy spent is never lost: a save error still leaves metrics.json with epsilon."""
+    from dpfit.tasks import classification
+
+    def broken(*a, **kw):
+        raise ValueError("The model is quantized with gguf and is not serializable")
+
+    monkeypatch.setattr(classification.ClassificationTask, "save", broken)
+    out = tmp_path / "run"
+    assert main(train_args(tiny, "--max-steps", "1", "--output", str(out))) == 2
+    assert "metrics.json" in capsys.readouterr().err
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["epsilon"] > 0 and "not serializable" in m["output_errors"][0]
+
+
+def test_defaults_learn_a_learnable_task_non_privately(tmp_path, capsys):
+    """End to end with the non-private defaults on a tiny sentence-transformers-style model:
+    clearly above the majority class (catches "trains but learns nothing")."""
+    model = save_tiny_random_model(tmp_path / "st", sentence_pooling="mean")
+    train_csv = write_tiny_sentiment_csv(tmp_path / "train.csv", n=240, seed=0)
+    test_csv = write_tiny_sentiment_csv(tmp_path / "test.csv", n=200, seed=1)
+    args = ["train", "--model", str(model), "--data", str(train_csv), "--eval-data",
+            str(test_csv), "--non-private", "--threads", "1", "--quiet", "--json"]  # fmt: skip
+    assert main(args) == 0
+    m = json.loads(capsys.readouterr().out)
+    majority = max(c["n"] for c in m["per_class"].values()) / m["eval_n"]
+    assert m["pooling"] == "mean" and m["overridden_by_flags"] == []
+    assert m["accuracy"] >= majority + 0.15

@@ -1,5 +1,6 @@
 """The training loop as a library function: private, non-private, and every bad input."""
 
+import json
 import math
 
 import pytest
@@ -51,18 +52,98 @@ def test_private_run_spends_the_target_and_reports(tiny):
     # only biases and the new head moved
     assert res.privacy["trained_parameters"]
     assert all(
-        n.endswith("bias") or n.startswith("classifier") for n in res.privacy["trained_parameters"]
+        n.endswith("bias") or n.startswith("head.") for n in res.privacy["trained_parameters"]
     )
 
 
-def test_same_seed_same_result_other_seed_differs(tiny):
+def _bias(res, name="backbone.encoder.layer.0.output.dense.bias"):
+    return dict(res.model.named_parameters())[name].detach().clone()
+
+
+def test_seed_does_not_fix_the_noise_by_default(tiny):
+    """--seed is public: two private runs with the same seed must draw different noise and
+    batches (a leaked seed must not regenerate them). Fails if train() seeds the engine."""
     a = train(cfg(tiny, max_steps=3, seed=1))
     b = train(cfg(tiny, max_steps=3, seed=1))
-    c = train(cfg(tiny, max_steps=3, seed=2))
-    pa, pb, pc = (dict(r.model.named_parameters()) for r in (a, b, c))
-    name = "bert.encoder.layer.0.output.dense.bias"
-    assert torch.equal(pa[name], pb[name])
-    assert not torch.equal(pa[name], pc[name])
+    assert a.metrics["noise_multiplier"] > 0
+    assert not torch.equal(_bias(a), _bias(b))
+    assert a.metrics["insecure_seed"] is False and a.privacy["insecure_seed"] is False
+
+
+def test_insecure_reproducible_noise_repeats_and_is_recorded(tiny):
+    notes: list[str] = []
+    a = train(
+        cfg(tiny, max_steps=3, seed=1, insecure_reproducible_noise=True), on_note=notes.append
+    )
+    b = train(cfg(tiny, max_steps=3, seed=1, insecure_reproducible_noise=True))
+    c = train(cfg(tiny, max_steps=3, seed=2, insecure_reproducible_noise=True))
+    assert torch.equal(_bias(a), _bias(b))
+    assert not torch.equal(_bias(a), _bias(c))
+    assert a.metrics["insecure_seed"] is True and a.privacy["insecure_seed"] is True
+    assert any("NOT private" in n for n in notes)
+
+
+def test_non_private_runs_repeat_with_the_seed(tiny):
+    a = train(cfg(tiny, max_steps=3, seed=1, non_private=True))
+    b = train(cfg(tiny, max_steps=3, seed=1, non_private=True))
+    assert torch.equal(_bias(a), _bias(b))
+
+
+def test_private_steps_keep_no_training_loss_or_batch_size(tiny):
+    res = train(cfg(tiny, max_steps=3))
+    assert res.steps and all(r.loss is None for r in res.steps)
+    assert res.metrics["final_train_loss"] is None
+    assert not hasattr(res.steps[0], "batch_size")
+
+
+def _labelled_csv(path, counts: dict[str, int]):
+    import csv
+
+    rows = []
+    words = ("good", "bad", "fine", "dull")
+    for k, (label, c) in enumerate(counts.items()):
+        rows += [(f"the film was {words[k % 4]} {i % 7}", label) for i in range(c)]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows(rows)
+    return str(path)
+
+
+def test_rare_label_is_refused_unless_declared_public(tiny, tmp_path):
+    """A label carried by one training example must not reach config.json (id2label)."""
+    from dpfit.train import MIN_PUBLIC_LABEL_COUNT, RareLabelError
+
+    data = _labelled_csv(tmp_path / "d.csv", {"neg": 60, "pos": 60, "patient-4711": 1})
+    base = dict(model=tiny[0], data=data, eval_data=data, max_steps=1, batch_size=30)
+    with pytest.raises(RareLabelError, match="--labels"):
+        train(TrainConfig(**base))
+    assert MIN_PUBLIC_LABEL_COUNT >= 10
+    # the user's public label set: the rare name is not in it, so the data is refused...
+    with pytest.raises(dpfit.DPFitError, match="patient-4711"):
+        train(TrainConfig(**base, labels=("neg", "pos")))
+    # ...and with an explicit declaration the names are published, and said to be public
+    out = tmp_path / "run"
+    res = train(TrainConfig(**base, public_labels=True, output=str(out)))
+    assert (
+        "patient-4711"
+        in json.loads((out / "model" / "config.json").read_text())["id2label"].values()
+    )
+    assert res.metrics["label_names_source"] == "--public-labels"
+
+
+def test_declared_labels_fix_the_names_and_order(tiny, tmp_path):
+    data = _labelled_csv(tmp_path / "d.csv", {"neg": 60, "pos": 60})
+    out = tmp_path / "run"
+    res = train(
+        TrainConfig(
+            model=tiny[0], data=data, max_steps=1, batch_size=30,
+            labels=("pos", "neg", "neutral"), output=str(out),
+        )
+    )  # fmt: skip
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "pos", "1": "neg", "2": "neutral"}
+    assert res.metrics["label_names_source"] == "--labels"
 
 
 def test_fixed_noise_multiplier(tiny):
@@ -95,7 +176,7 @@ def test_decoder_model_trains_with_score_head(tmp_path):
     )
     assert res.metrics["steps"] == round(90 / 20)  # 10% of 100 held out
     names = res.privacy["trained_parameters"]
-    assert "score.weight" in names and any(".attn.c_attn.bias" in n for n in names)
+    assert "head.weight" in names and any(".attn.c_attn.bias" in n for n in names)
 
 
 def test_model_without_biases_points_to_add_biases(tmp_path):
@@ -106,16 +187,16 @@ def test_model_without_biases_points_to_add_biases(tmp_path):
 
 
 def test_batchnorm_model_is_refused(tiny, monkeypatch):
-    import dpfit.train as train_mod
+    from dpfit.tasks import classification
 
-    real = train_mod.load_classifier
+    real = classification.load_classifier
 
     def with_batchnorm(*a, **kw):
         loaded = real(*a, **kw)
-        loaded.model.bert.pooler.add_module("norm", torch.nn.BatchNorm1d(16))
+        loaded.model.backbone.pooler.add_module("norm", torch.nn.BatchNorm1d(16))
         return loaded
 
-    monkeypatch.setattr(train_mod, "load_classifier", with_batchnorm)
+    monkeypatch.setattr(classification, "load_classifier", with_batchnorm)
     with pytest.raises(BatchNormError, match="GroupNorm"):
         train(cfg(tiny, max_steps=1))
 
@@ -126,23 +207,23 @@ def test_infeasible_epsilon(tiny):
 
 
 def test_out_of_memory_suggests_physical_batch_size(tiny, monkeypatch):
-    from transformers import BertForSequenceClassification
+    from transformers import BertModel
 
     def oom(self, *a, **kw):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(BertForSequenceClassification, "forward", oom)
+    monkeypatch.setattr(BertModel, "forward", oom)
     with pytest.raises(PhysicalBatchMemoryError, match="--physical-batch-size 4"):
         train(cfg(tiny, max_steps=1))
 
 
 def test_other_runtime_errors_are_not_disguised(tiny, monkeypatch):
-    from transformers import BertForSequenceClassification
+    from transformers import BertModel
 
     def broken(self, *a, **kw):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(BertForSequenceClassification, "forward", broken)
+    monkeypatch.setattr(BertModel, "forward", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         train(cfg(tiny, max_steps=1))
 
@@ -163,20 +244,17 @@ def test_config_validation():
         TrainConfig(epsilon=None)
 
 
-def test_unavailable_task_and_phase_hooks_say_so(tiny):
-    from dpfit import causal_lm
-
-    if not hasattr(causal_lm, "train_from_config"):
-        with pytest.raises(dpfit.DPFitError, match="causal-lm"):
-            train(cfg(tiny, task="causal-lm"))
+def test_impossible_schedules_say_so(tiny):
     with pytest.raises(dpfit.DPFitError, match="--full-epochs"):
         train(cfg(tiny, full_epochs=2))  # must leave at least one bias-only epoch
     with pytest.raises(dpfit.DPFitError, match="--non-private"):
         train(cfg(tiny, full_epochs=1, non_private=True))
+    with pytest.raises(dpfit.DPFitError, match="--head-first"):
+        train(cfg(tiny, full_epochs=1, head_first=True))
 
 
 def test_two_phase_full_then_bias_under_one_budget(tiny):
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModel
 
     res = train(cfg(tiny, epochs=3, full_epochs=1, epsilon=3.0))
     m = res.metrics
@@ -184,16 +262,14 @@ def test_two_phase_full_then_bias_under_one_budget(tiny):
     assert m["steps"] == 3 * round(180 / 30)
     # the second phase trains biases and the head only...
     names = res.privacy["trained_parameters"]
-    assert names and all(n.endswith("bias") or n.startswith("classifier") for n in names)
+    assert names and all(n.endswith("bias") or n.startswith("head.") for n in names)
     # ...but the first phase moved the weights too
-    start = AutoModelForSequenceClassification.from_pretrained(tiny[0])
+    start = AutoModel.from_pretrained(tiny[0])
     before = dict(start.named_parameters())
     moved = [
         n
-        for n, p in res.model.named_parameters()
-        if n.endswith("weight")
-        and not n.startswith("classifier")
-        and not torch.equal(p.detach().cpu(), before[n].detach())
+        for n, p in res.model.backbone.named_parameters()
+        if n.endswith("weight") and not torch.equal(p.detach().cpu(), before[n].detach())
     ]
     assert moved
 
@@ -212,3 +288,97 @@ def test_add_biases_makes_a_bias_free_model_trainable(tmp_path):
     )
     names = res.privacy["trained_parameters"]
     assert res.metrics["steps"] == 3 and any(n.endswith("bias") for n in names)
+
+
+PLAIN_TRANSFORMERS = """
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained(folder)
+backbone = AutoModel.from_pretrained(folder).eval()
+head = load_file(f"{folder}/dpfit_head.safetensors")
+pooling = backbone.config.dpfit_pooling
+enc = tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
+with torch.no_grad():
+    out = backbone(**enc)
+    h, m = out.last_hidden_state, enc["attention_mask"]
+    if pooling == "mean":
+        pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True)
+    elif pooling == "cls":
+        pooled = h[:, 0]
+    elif pooling == "pooler":
+        pooled = out.pooler_output
+    else:  # "last": the last token the attention mask keeps
+        pooled = h[torch.arange(len(h)), (m * torch.arange(m.shape[1])).argmax(1)]
+    logits = pooled @ head["weight"].T + head["bias"]
+"""
+
+
+@pytest.mark.parametrize("arch,pooling", [("bert", "auto"), ("bert", "mean"), ("gpt2", "auto")])
+def test_saved_model_reloads_with_identical_logits(tmp_path, arch, pooling):
+    """`dpfit evaluate`'s loader and the plain transformers code in docs/train.md give the
+    trained model's logits."""
+    from dpfit.models import load_classifier
+    from dpfit.train import evaluate
+
+    model = save_tiny_random_model(tmp_path / arch, arch=arch)
+    data = write_tiny_sentiment_csv(tmp_path / "d.csv", n=100)
+    out = tmp_path / "run"
+    res = train(TrainConfig(model=str(model), data=str(data), max_steps=3, batch_size=20,
+                            pooling=pooling, output=str(out)))  # fmt: skip
+    texts = ["the film was good", "bad plot", "a very dull movie and it was not fun"]
+    folder = str(out / "model")
+    trained = res.model.eval()
+    assert trained.head.weight.abs().sum() > 0  # trained away from its zero init
+    enc = res.tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = trained(**enc).logits
+    again = load_classifier(folder)
+    assert again.pooling == trained.pooling and again.model.config.id2label == {0: "neg", 1: "pos"}
+    with torch.no_grad():
+        assert torch.allclose(again.model.eval()(**enc).logits, expected, atol=1e-6)
+    scope = {"folder": folder, "texts": texts}
+    exec(PLAIN_TRANSFORMERS, scope)
+    assert torch.allclose(scope["logits"], expected, atol=1e-5)
+    test = dpfit.data.load_texts(str(data), label_names=("neg", "pos"))
+    assert evaluate(again.model, again.tokenizer, test).accuracy == pytest.approx(
+        evaluate(trained, res.tokenizer, test).accuracy
+    )
+
+
+def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monkeypatch):
+    """Head-first: the head phase computes features in one backbone pass (no backbone
+    forward per head step), and one noise multiplier covers head + bias steps on one ledger."""
+    from dpfit.tasks import classification
+
+    seen: list[int] = []  # examples through the backbone, per forward
+    marks: dict[str, int] = {}
+    real = classification.load_classifier
+
+    def counting(*a, **kw):
+        loaded = real(*a, **kw)
+        loaded.model.backbone.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append(int(kwargs["input_ids"].shape[0])),
+            with_kwargs=True,
+        )
+        return loaded
+
+    def on_note(msg):
+        if "private head steps" in msg:
+            marks["head_done"] = sum(seen)
+
+    monkeypatch.setattr(classification, "load_classifier", counting)
+    res = train(cfg(tiny, head_first=True, head_epochs=2, epochs=1, epsilon=3.0), on_note=on_note)
+    n = 180
+    steps_per_epoch = round(n / 30)
+    m = res.metrics
+    assert marks["head_done"] == n  # every example once, and nothing per head step
+    assert m["head_first_steps"] == 2 * steps_per_epoch and m["steps"] == steps_per_epoch
+    total = m["head_first_steps"] + m["steps"]
+    assert res.privacy["steps"] == total
+    assert m["epsilon"] == pytest.approx(
+        dpfit.epsilon_for(m["noise_multiplier"], 30 / n, total, 1e-5), rel=1e-9
+    )
+    assert 2.9 < m["epsilon"] <= 3.0 + 1e-6  # calibrated for the whole run, not one phase
+    assert res.model.head.weight.abs().sum() > 0

@@ -1,7 +1,8 @@
-"""Causal-LM fine-tuning with DP-BiTFiT-Add (the bundled SmolLM2 on the bundled Hamlet lines).
+"""Causal-LM building blocks: examples from lines, a per-example loss, perplexity, samples.
 
-Why this module: a bias-free LLaMA model is the case DP-BiTFiT-Add exists for, and language
-modelling needs a loss that DP can use. DP-SGD clips *per example*, so the batch loss must be
+The training itself runs in the one loop of :mod:`dpfit.train` (task plug-in
+:mod:`dpfit.tasks.causal_lm`). Why a loss of our own: language modelling needs a loss that
+DP can use. DP-SGD clips *per example*, so the batch loss must be
 a mean (or sum) of per-example losses: here each example's loss is the mean over its own
 tokens, and the batch loss the mean over examples. (transformers' default, the mean over all
 tokens in the batch, weights examples by their length and is not per-example decomposable with
@@ -13,61 +14,15 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpfit.biases import add_biases
-from dpfit.engine import PrivacyEngine
-from dpfit.params import make_bias_trainable
-
 log = logging.getLogger(__name__)
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class CausalLMConfig:
-    """A DP-BiTFiT-Add causal-LM run; defaults sized for a few minutes on a laptop CPU."""
-
-    train_examples: int = 512
-    eval_examples: int = 64
-    lines_per_example: int = 2
-    max_length: int = 48
-    expected_batch_size: int = 32
-    physical_batch_size: int = 16
-    epochs: float = 1.0
-    target_epsilon: float = 8.0
-    target_delta: float | None = None  # default 1 / n^1.1
-    max_grad_norm: float = 0.1
-    lr: float = 5e-3
-    seed: int = 0
-    sample_prompts: tuple[str, ...] = ("To be, or not", "My lord,", "O, what a")
-    sample_tokens: int = 20
-    check_gradients: bool = False
-
-
-@dataclass(frozen=True)
-class CausalLMResult:
-    perplexity_before: float
-    perplexity_after: float
-    epsilon: float
-    delta: float
-    steps: int
-    trainable: int
-    total: int
-    samples: tuple[tuple[str, str], ...]
-    seconds: float
-    history: tuple[float, ...] = field(default_factory=tuple)
-
-    @property
-    def trainable_fraction(self) -> float:
-        return self.trainable / self.total
 
 
 # --------------------------------------------------------------------------- data
@@ -175,145 +130,3 @@ def sample_lines(
         )
         out.append((prompt, tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)))
     return out
-
-
-# --------------------------------------------------------------------------- training
-def train_causal_lm(
-    model: nn.Module,
-    tokenizer,
-    lines: Sequence[str],
-    config: CausalLMConfig = CausalLMConfig(),
-    progress: Callable[[int, float], None] | None = None,
-) -> CausalLMResult:
-    """DP-BiTFiT-Add on `lines`: add zero biases, train only biases, report perplexity."""
-    t0 = time.perf_counter()
-    torch.manual_seed(config.seed)
-    examples = make_examples(lines, config.lines_per_example)
-    train_texts, eval_texts = split_examples(
-        examples, config.train_examples, config.eval_examples, config.seed
-    )
-    train = TokenizedLines(train_texts, tokenizer, config.max_length)
-    held = TokenizedLines(eval_texts, tokenizer, config.max_length)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    collate = make_collate(pad)
-
-    add_biases(model)
-    summary = make_bias_trainable(model)
-    log.info("causal LM, DP-BiTFiT-Add: %s", summary)
-    ppl_before = perplexity(model, held, collate)
-    delta = config.target_delta or 1.0 / len(train) ** 1.1
-    engine = PrivacyEngine(
-        model,
-        expected_batch_size=min(config.expected_batch_size, len(train)),
-        sample_size=len(train),
-        target_epsilon=config.target_epsilon,
-        target_delta=delta,
-        epochs=config.epochs,
-        max_grad_norm=config.max_grad_norm,
-        seed=config.seed,
-        check_gradients=config.check_gradients,
-    )
-    optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr, weight_decay=0.0)
-    loader = engine.data_loader(train, collate, physical_batch_size=config.physical_batch_size)
-    history = []
-    model.train()
-    try:
-        for _ in range(max(1, math.ceil(config.epochs))):
-            for batch in loader:
-                if engine.steps_taken >= (engine.config.planned_steps or 0):
-                    break
-                loss = causal_lm_loss(model, batch)
-                loss.backward()
-                if engine.step(optimizer):
-                    history.append(loss.item())
-                    if progress is not None:
-                        progress(engine.steps_taken, history[-1])
-    finally:
-        engine.detach()
-    ppl_after = perplexity(model, held, collate)
-    samples = sample_lines(model, tokenizer, config.sample_prompts, config.sample_tokens, 0)
-    return CausalLMResult(
-        perplexity_before=ppl_before,
-        perplexity_after=ppl_after,
-        epsilon=engine.epsilon(),
-        delta=delta,
-        steps=engine.steps_taken,
-        trainable=summary.trainable,
-        total=summary.total,
-        samples=tuple(samples),
-        seconds=time.perf_counter() - t0,
-        history=tuple(history),
-    )
-
-
-# --------------------------------------------------------------------------- CLI entry
-def train_from_config(config) -> Any:
-    """`dpfit train --task causal-lm`: DP-BiTFiT-Add on a text file's lines (default: Hamlet).
-
-    Takes the classification CLI's TrainConfig; sizes not given there keep this module's
-    defaults (512 training examples, logical batch at most 32). With `output`, writes
-    metrics.json and the model (a transformers folder; reload its added biases with
-    dpfit.load_pretrained_with_biases).
-    """
-    from pathlib import Path
-
-    from dpfit.data.bundled import hamlet_lines
-    from dpfit.errors import DPFitError
-    from dpfit.reporting import peak_memory_mb, write_json
-    from dpfit.train import TrainResult
-
-    if config.non_private or config.noise_multiplier is not None:
-        raise DPFitError("--task causal-lm takes --epsilon/--delta (no --noise-multiplier)")
-    if config.model is None:
-        from dpfit.data.smollm import load_smollm2
-
-        lm = load_smollm2()
-        model, tokenizer = lm.model, lm.tokenizer
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(config.model)
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
-    if config.data is None:
-        lines = hamlet_lines()
-    else:
-        path = Path(config.data)
-        if not path.is_file():
-            raise DPFitError(f"--data {path}: no such file (a text file, one line per row)")
-        lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    n_train = config.max_train_examples or CausalLMConfig.train_examples
-    cfg = CausalLMConfig(
-        train_examples=n_train,
-        max_length=config.max_length,
-        expected_batch_size=min(config.batch_size, CausalLMConfig.expected_batch_size),
-        physical_batch_size=config.physical_batch_size,
-        epochs=float(config.epochs),
-        target_epsilon=config.epsilon,
-        target_delta=config.delta,
-        max_grad_norm=config.max_grad_norm,
-        lr=config.lr,
-        seed=config.seed,
-    )
-    result = train_causal_lm(model, tokenizer, lines, cfg)
-    metrics = {
-        "task": "causal-lm",
-        "perplexity_before": result.perplexity_before,
-        "perplexity_after": result.perplexity_after,
-        "epsilon": result.epsilon,
-        "delta": result.delta,
-        "max_grad_norm": cfg.max_grad_norm,
-        "steps": result.steps,
-        "trainable_fraction": result.trainable_fraction,
-        "trainable_params": result.trainable,
-        "samples": [{"prompt": p, "continuation": c} for p, c in result.samples],
-        "wall_time_s": result.seconds,
-        "peak_memory_mb": peak_memory_mb(),
-    }
-    out = None
-    if config.output:
-        out = Path(config.output)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "metrics.json", metrics)
-        model.save_pretrained(out / "model")
-        tokenizer.save_pretrained(out / "model")
-    return TrainResult(metrics, [], model, tokenizer, None, [], out)

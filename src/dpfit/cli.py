@@ -54,9 +54,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
-    g.add_argument(
-        "--max-length", type=_positive_int, help="tokens per example (bundled job 32, else 48)"
-    )
+    g.add_argument("--max-length", type=_positive_int, help="tokens per example (recipe: 128)")
     g.add_argument(
         "--full-data",
         action="store_true",
@@ -66,6 +64,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--max-train-examples", type=_positive_int, help="random subset of the training data"
     )
     g.add_argument("--task", choices=("classification", "causal-lm"), default="classification")
+    g.add_argument(
+        "--labels",
+        help="comma-separated public label names, e.g. neg,pos (their order fixes the class "
+        "ids); label names are published in model/config.json and metrics.json",
+    )
+    g.add_argument(
+        "--public-labels",
+        action="store_true",
+        help="treat the label names read from the training data as public even if some are "
+        "rare (without --labels, each must otherwise appear >= 20 times)",
+    )
 
     g = p.add_argument_group("privacy")
     g.add_argument("--epsilon", type=_positive_float, default=8.0, help="target epsilon (8)")
@@ -73,32 +82,65 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--delta", type=_positive_float, help="target delta (default min(1e-5, 1/n^1.1))"
     )
     g.add_argument("--noise-multiplier", type=float, help="fixed sigma instead of a target epsilon")
+    g.add_argument("--max-grad-norm", type=_positive_float, help="clip norm R (recipe)")
     g.add_argument(
-        "--max-grad-norm", type=_positive_float, help="clip norm R (bundled job 4, else 1)"
+        "--clipping", choices=("flat", "automatic"), help="per-example clipping rule (recipe)"
     )
-    g.add_argument("--clipping", choices=("flat", "automatic"), default="flat")
     g.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
-    g.add_argument("--non-private", action="store_true", help="same loop without clipping or noise")
+    g.add_argument(
+        "--non-private",
+        action="store_true",
+        help="the non-private reference: same model and data, an ordinary fine-tuning recipe",
+    )
 
     g = p.add_argument_group("optimisation")
-    g.add_argument(
-        "--epochs", type=_positive_int, help="passes over the data (bundled job 6, else 3)"
-    )
+    g.add_argument("--epochs", type=_positive_int, help="passes over the data (recipe)")
     g.add_argument("--max-steps", type=_positive_int, help="stop after this many logical steps")
     g.add_argument(
         "--batch-size",
         type=_positive_int,
-        help="logical batch, the expected size under Poisson sampling (bundled job 1000, else 256)",
+        help="logical batch, the expected size under Poisson sampling (recipe)",
     )
     g.add_argument(
         "--physical-batch-size",
         type=_positive_int,
-        help="examples per forward/backward; bounds memory (bundled job 100, else 32)",
+        help="examples per forward/backward; bounds memory, not the result (recipe)",
     )
-    g.add_argument("--lr", type=_positive_float, help="learning rate (bundled job 5e-3, else 2e-3)")
+    g.add_argument("--lr", type=_positive_float, help="learning rate (recipe)")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="public randomness only: data split, head init, non-private shuffles "
+        "(DP noise and sampling use OS randomness)",
+    )
+    g.add_argument(
+        "--insecure-reproducible-noise",
+        action="store_true",
+        help="also seed the DP noise and Poisson sampling from --seed, to reproduce a run "
+        "exactly; the run is then NOT private against anyone who knows the seed",
+    )
     g.add_argument("--mode", choices=("bias", "full"), default="bias")
+    g.add_argument(
+        "--pooling",
+        choices=("auto", "cls", "pooler", "mean", "last"),
+        default="auto",
+        help="how the head reads the backbone: auto = the sentence-transformers pooling, the "
+        "last non-pad token for decoders, the trained pooler of other encoders, else mean",
+    )
+    g.add_argument(
+        "--head-first",
+        action="store_true",
+        help="first train the head privately on frozen features (one backbone pass), then "
+        "biases + head; both phases share one privacy budget",
+    )
+    g.add_argument(
+        "--head-epochs", type=_positive_int, help="epochs of the --head-first phase (recipe)"
+    )
+    g.add_argument(
+        "--head-lr", type=_positive_float, help="learning rate of the --head-first phase (recipe)"
+    )
     g.add_argument("--add-biases", action="store_true", help="BiTFiT-Add for models without biases")
     g.add_argument(
         "--full-epochs", type=int, default=0, help="two-phase: full fine-tuning epochs first"
@@ -122,27 +164,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-# The bundled job (MiniLM + Rotten Tomatoes): all 10,233 training examples, sized so that
-# DP-BiTFiT learns within about 10 minutes on 2 CPU cores (docs/train.md has the runs behind it).
-BUNDLED_RECIPE = dict(
-    epochs=6, batch_size=1000, physical_batch_size=100, max_length=32, max_grad_norm=4.0, lr=5e-3
-)
-GENERIC_DEFAULTS = dict(
-    epochs=3, batch_size=256, physical_batch_size=32, max_length=48, max_grad_norm=1.0, lr=2e-3
-)
-
-
-def is_bundled_job(args: argparse.Namespace) -> bool:
-    return args.data is None and args.model is None and args.task == "classification"
-
-
-def _resolved(args: argparse.Namespace, name: str):
-    given = getattr(args, name)
-    if given is not None:
-        return given
-    return (BUNDLED_RECIPE if is_bundled_job(args) else GENERIC_DEFAULTS)[name]
-
-
 def train_config_from_args(args: argparse.Namespace):
     from dpfit.train import TrainConfig
 
@@ -158,16 +179,23 @@ def train_config_from_args(args: argparse.Namespace):
         delta=args.delta,
         noise_multiplier=args.noise_multiplier,
         accountant=args.accountant,
-        epochs=_resolved(args, "epochs"),
+        epochs=args.epochs,
         max_steps=args.max_steps,
-        batch_size=_resolved(args, "batch_size"),
-        physical_batch_size=_resolved(args, "physical_batch_size"),
-        max_grad_norm=_resolved(args, "max_grad_norm"),
+        batch_size=args.batch_size,
+        physical_batch_size=args.physical_batch_size,
+        max_grad_norm=args.max_grad_norm,
         clipping=args.clipping,
-        lr=_resolved(args, "lr"),
+        lr=args.lr,
         optimizer=args.optimizer,
-        max_length=_resolved(args, "max_length"),
+        max_length=args.max_length,
+        pooling=args.pooling,
+        head_first=args.head_first,
+        head_epochs=args.head_epochs,
+        head_lr=args.head_lr,
         seed=args.seed,
+        insecure_reproducible_noise=args.insecure_reproducible_noise,
+        labels=tuple(x for x in args.labels.split(",") if x.strip()) if args.labels else None,
+        public_labels=args.public_labels,
         non_private=args.non_private,
         mode=args.mode,
         add_biases=args.add_biases,
@@ -210,6 +238,8 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
             ("clip norm", m.get("max_grad_norm")),
             ("clipping", m.get("clipping")),
         ]
+    if m.get("insecure_seed"):
+        rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
     rows += [
         ("logical steps", m["steps"]),
         ("training examples", m["train_examples"]),
@@ -256,13 +286,6 @@ def run_train(args: argparse.Namespace) -> int:
     def on_note(msg: str) -> None:
         (tqdm.write if bar is not None else _eprint)(f"note: {msg}", file=sys.stderr)
 
-    if is_bundled_job(args):
-        on_note(
-            f"bundled job recipe: max length {config.max_length} tokens, logical batch "
-            f"{config.batch_size}, {config.epochs} epochs, R={config.max_grad_norm}, "
-            f"lr={config.lr} (each flag overrides; docs/train.md)"
-        )
-
     def on_step(row, total: int) -> None:
         nonlocal bar
         if args.quiet:
@@ -272,7 +295,9 @@ def run_train(args: argparse.Namespace) -> int:
                 total=total, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
             )
             bar.update(row.step - 1)  # resumed runs start part-way
-        post = {"loss": f"{row.loss:.4f}" if not math.isnan(row.loss) else "-"}
+        post = {}
+        if row.loss is not None:  # non-private runs only: a private run's loss is not shown
+            post["loss"] = f"{row.loss:.4f}"
         if math.isfinite(row.epsilon):
             post["eps"] = f"{row.epsilon:.3f}"
         bar.set_postfix(post, refresh=False)

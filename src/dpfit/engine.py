@@ -120,7 +120,7 @@ class PrivacyEngine:
         accountant: str = "rdp",
         sampling: str = "poisson",
         secure_rng: bool = False,
-        seed: int | None = None,
+        insecure_seed: int | None = None,
         batch_first: bool = True,
         batch_dims: dict[str, int] | None = None,
         check_gradients: bool = True,
@@ -147,7 +147,7 @@ class PrivacyEngine:
             accountant=accountant,
             sampling=sampling,
             secure_rng=secure_rng,
-            seed=seed,
+            seed=insecure_seed,
             batch_first=batch_first,
             batch_dims=tuple(sorted((batch_dims or {}).items())),
             check_gradients=check_gradients,
@@ -164,7 +164,7 @@ class PrivacyEngine:
         self.noise_multiplier = self._resolve_noise_multiplier()
         self._max_steps = self._compute_max_steps()
         self._noise_rng = torch.Generator().manual_seed(
-            secure_seed() if seed is None or secure_rng else seed
+            secure_seed() if insecure_seed is None or secure_rng else insecure_seed
         )
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending_loader_state: dict | None = None
@@ -622,6 +622,7 @@ class PrivacyEngine:
             "trained_parameters": names,
             "trained_biases_only": all(is_bias(n) for n in names),
             "history": self.ledger.state_dict()["records"],
+            "insecure_seed": self.config.seed is not None and not self.config.secure_rng,
         }
 
     # ------------------------------------------------------------------ checkpoints

@@ -32,6 +32,8 @@ class LoadedModel:
     tokenizer: object
     source: str
     head_names: tuple[str, ...]
+    pooling: str = "native"  # cls | pooler | mean | last, or the folder's own head
+    pooling_reason: str = ""
 
 
 def hub_offline() -> bool:
@@ -114,17 +116,31 @@ def load_classifier(
     label_names: Sequence[str] | None = None,
     *,
     seed: int | None = None,
+    pooling: str = "auto",
 ) -> LoadedModel:
-    """A sequence-classification model + tokenizer; a new head when the labels differ.
+    """A classifier (backbone -> pooling -> zero-initialised linear head) + tokenizer.
 
     Args:
         name_or_path: local folder, a ``.gguf`` file, a hub id, or None for the bundled MiniLM.
-        label_names: the task's classes. None keeps the folder's own head (evaluation of a
-            saved model); otherwise the head is sized and named for these labels.
-        seed: seeds torch before the head is initialised so runs repeat exactly.
+        label_names: the task's classes. None keeps a saved model's own labels and head
+            (evaluation); a folder dpfit saved keeps its head when the labels are the same.
+        seed: seeds torch before the model is built (dropout-free parts are deterministic).
+        pooling: auto | cls | pooler | mean | last (dpfit.tasks.pooling.resolve_pooling).
+
+    A transformers ``*ForSequenceClassification`` folder that dpfit did not write is loaded
+    with its own head when `label_names` is None, so ``dpfit evaluate`` scores it as it is.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModel
+
+    from dpfit.tasks.pooling import (
+        CONFIG_KEY,
+        PooledClassifier,
+        has_trained_pooler,
+        is_pooled_classifier_folder,
+        load_head,
+        resolve_pooling,
+    )
 
     target, kwargs, local = _resolve(name_or_path)
     offline = local or hub_offline()
@@ -132,30 +148,59 @@ def load_classifier(
         config = AutoConfig.from_pretrained(target, local_files_only=offline, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error(target, local, "model config", e) from e
-    if label_names is not None:
-        names = list(label_names)
-        config.num_labels = len(names)
-        config.id2label = dict(enumerate(names))
-        config.label2id = {n: i for i, n in enumerate(names)}
+    saved_by_dpfit = local and is_pooled_classifier_folder(target)
+    if label_names is None and not saved_by_dpfit:
+        return _load_native_classifier(target, kwargs, local, config, name_or_path)
     tokenizer = load_tokenizer(name_or_path)
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
+    own = [str(config.id2label[i]) for i in range(config.num_labels)] if saved_by_dpfit else None
+    names = list(label_names) if label_names is not None else own
     if seed is not None:
         torch.manual_seed(seed)
     try:
+        backbone, info = AutoModel.from_pretrained(
+            target, config=config, local_files_only=offline, output_loading_info=True, **kwargs
+        )
+    except (OSError, ValueError) as e:
+        raise _load_error(target, local, "model", e) from e
+    _restore_added_biases(backbone, target, local)
+    if saved_by_dpfit:
+        how, why = getattr(config, CONFIG_KEY), "saved with the model"
+    else:
+        how, why = resolve_pooling(
+            pooling,
+            target if local else None,
+            config,
+            has_trained_pooler(backbone, info.get("missing_keys", ())),
+        )
+    config = backbone.config  # from_pretrained may have copied the one passed in
+    config.num_labels = len(names)
+    config.id2label = dict(enumerate(names))
+    config.label2id = {n: i for i, n in enumerate(names)}
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    model = PooledClassifier(backbone, len(names), how)
+    if saved_by_dpfit and names == own:
+        load_head(model, target)
+    logger.info("loaded %s (%s), pooling %s (%s)", target, type(backbone).__name__, how, why)
+    return LoadedModel(model, tokenizer, target, ("head",), how, why)
+
+
+def _load_native_classifier(target, kwargs, local, config, name_or_path) -> LoadedModel:
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = load_tokenizer(name_or_path)
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            target,
-            config=config,
-            local_files_only=offline,
-            ignore_mismatched_sizes=label_names is not None,
-            **kwargs,
+            target, config=config, local_files_only=local or hub_offline(), **kwargs
         )
     except (OSError, ValueError) as e:
         raise _load_error(target, local, "model", e) from e
     _restore_added_biases(model, target, local)
-    heads = head_module_names(model)
-    logger.info("loaded %s (%s) with head %s", target, type(model).__name__, heads)
-    return LoadedModel(model, tokenizer, target, heads)
+    return LoadedModel(model, tokenizer, target, head_module_names(model), "native", "its own head")
 
 
 def _restore_added_biases(model, folder: str, local: bool) -> None:
@@ -166,6 +211,23 @@ def _restore_added_biases(model, folder: str, local: bool) -> None:
         return
     if local and getattr(model.config, biases.CONFIG_KEY, None):
         biases.restore_added_biases(model, folder)
+
+
+def save_plain(model, folder: str | os.PathLike) -> None:
+    """``save_pretrained``, or for a model loaded from GGUF (transformers refuses to save a
+    "quantised" model) the dequantised tensors and a config without the quantisation entry."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if getattr(model, "hf_quantizer", None) is None:
+        model.save_pretrained(folder)
+        return
+    from safetensors.torch import save_model
+
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    type(model.config).from_dict(config).save_pretrained(folder)
+    logger.info("saved a dequantised copy of the GGUF model to %s", folder)
 
 
 def count_bias_parameters(model, exclude: Sequence[str] = ()) -> int:
@@ -185,11 +247,18 @@ TINY_WORDS = (
 ).split()
 
 
-def save_tiny_random_model(folder: str | os.PathLike, arch: str = "bert", seed: int = 0) -> Path:
+def save_tiny_random_model(
+    folder: str | os.PathLike,
+    arch: str = "bert",
+    seed: int = 0,
+    sentence_pooling: str | None = None,
+) -> Path:
     """Write a tiny random model + word-level tokenizer to `folder`, for fast smoke tests.
 
     Offline and in well under a second, so CLI and Trainer tests need no download. `arch`:
     "bert" (encoder with biases), "gpt2" (decoder, Conv1D, biases), "llama" (no biases).
+    `sentence_pooling` ("mean" or "cls") also writes the sentence-transformers files
+    (modules.json, 1_Pooling/config.json), like the bundled MiniLM.
     """
     import torch
     from transformers import (
@@ -257,7 +326,86 @@ def save_tiny_random_model(folder: str | os.PathLike, arch: str = "bert", seed: 
         raise ValueError(f"arch must be bert, gpt2 or llama, got {arch!r}")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if sentence_pooling is not None:
+        _write_sentence_transformers_files(folder, sentence_pooling)
     return folder
+
+
+def _write_sentence_transformers_files(folder: Path, pooling: str) -> None:
+    import json
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    flags = {
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_cls_token": pooling == "cls",
+    }
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(flags))
+
+
+def save_tiny_gguf_model(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a tiny random LLaMA as a ``.gguf`` file (float32 tensors, a SentencePiece-style
+    vocabulary of :data:`TINY_WORDS` and letters), for tests of the GGUF path. Needs `gguf`."""
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens = ["<unk>", "<s>", "</s>", *TINY_WORDS, *"abcdefghijklmnopqrstuvwxyz "]
+    vocab, width, ffn, layers, heads = len(tokens), 16, 32, 2, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(width)
+    w.add_feed_forward_length(ffn)
+    w.add_block_count(layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(width // heads)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    rng = np.random.default_rng(seed)
+
+    def rand(name: str, shape: tuple[int, ...]) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    rand("token_embd.weight", (vocab, width))
+    for i in range(layers):
+        for name, shape in (
+            ("attn_q", (width, width)),
+            ("attn_k", (width, width)),
+            ("attn_v", (width, width)),
+            ("attn_output", (width, width)),
+            ("ffn_gate", (ffn, width)),
+            ("ffn_up", (ffn, width)),
+            ("ffn_down", (width, ffn)),
+        ):
+            rand(f"blk.{i}.{name}.weight", shape)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(width, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(width, np.float32))
+    rand("output.weight", (vocab, width))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def write_tiny_sentiment_csv(

@@ -18,19 +18,25 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-STEP_FIELDS = ("step", "epoch", "loss", "epsilon", "batch_size", "elapsed_s")
+# A private run's per-step file holds only what the release already makes public: the
+# privacy spent so far and timings. The exact training loss and the exact Poisson batch size
+# of a step are functions of the private batch that no noise covers, so they are not kept.
+PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon", "elapsed_s")
+NON_PRIVATE_STEP_FIELDS = ("step", "epoch", "loss", "elapsed_s")
 
 
 @dataclass(frozen=True)
 class StepRow:
-    """One logical step: what the progress bar shows and the CSV keeps."""
+    """One logical step: what the progress bar shows and the CSV keeps.
+
+    `loss` is the training loss of the step for non-private runs and None for private ones.
+    """
 
     step: int
     epoch: int
-    loss: float
     epsilon: float
-    batch_size: int
     elapsed_s: float
+    loss: float | None = None
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -62,9 +68,14 @@ def write_json(path: str | Path, obj: Mapping) -> None:
     atomic_write_bytes(path, (to_json(obj) + "\n").encode())
 
 
-def write_steps_csv(path: str | Path, rows: Iterable[StepRow]) -> None:
+def step_fields(private: bool) -> tuple[str, ...]:
+    return PRIVATE_STEP_FIELDS if private else NON_PRIVATE_STEP_FIELDS
+
+
+def write_steps_csv(path: str | Path, rows: Iterable[StepRow], private: bool) -> None:
+    fields = step_fields(private)
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=STEP_FIELDS)
+    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     for r in rows:
         writer.writerow(asdict(r))
@@ -75,19 +86,22 @@ def read_steps_csv(path: str | Path) -> list[StepRow]:
     with open(path, newline="") as f:
         return [
             StepRow(
-                int(r["step"]),
-                int(r["epoch"]),
-                float(r["loss"]),
-                float(r["epsilon"]),
-                int(r["batch_size"]),
-                float(r["elapsed_s"]),
+                step=int(r["step"]),
+                epoch=int(r["epoch"]),
+                epsilon=float(r.get("epsilon") or "inf"),
+                elapsed_s=float(r["elapsed_s"]),
+                loss=float(r["loss"]) if r.get("loss") not in (None, "") else None,
             )
             for r in csv.DictReader(f)
         ]
 
 
 def plot_steps(rows: Sequence[StepRow], out_dir: str | Path) -> list[Path]:
-    """loss.png and epsilon.png over logical steps; needs matplotlib (skipped if absent)."""
+    """epsilon.png (private runs) or loss.png (non-private runs) over logical steps.
+
+    A private run has no per-step training loss to plot (see PRIVATE_STEP_FIELDS). Needs
+    matplotlib (skipped if absent).
+    """
     try:
         import matplotlib
 
@@ -102,8 +116,8 @@ def plot_steps(rows: Sequence[StepRow], out_dir: str | Path) -> list[Path]:
     written = []
     for field, ylabel in (("loss", "training loss"), ("epsilon", "epsilon spent")):
         values = [getattr(r, field) for r in rows]
-        if field == "epsilon" and not any(math.isfinite(v) for v in values):
-            continue  # non-private run: nothing to plot
+        if not any(v is not None and math.isfinite(v) for v in values):
+            continue  # private run: no loss; non-private run: no epsilon
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ax.plot(steps, values, lw=1.5)
         ax.set_xlabel("logical step")

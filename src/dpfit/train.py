@@ -1,9 +1,12 @@
-"""The training run behind ``dpfit train``: data -> model -> private (or plain) loop -> report.
+"""The training run behind ``dpfit train``: task -> recipe -> private (or plain) loop -> report.
 
 One function, :func:`train`, with one frozen :class:`TrainConfig`, so the CLI, the benchmarks
-and a user's script run exactly the same code. The private and non-private runs share the
-loop; only the stepper differs (the PrivacyEngine with Poisson sampling, or a plain optimizer
-over shuffled fixed-size batches), which is what makes their comparison meaningful.
+and a user's script run exactly the same code, for every task (:mod:`dpfit.tasks`: the task
+supplies data, model and head, loss and metric). Every default comes from
+:func:`dpfit.recipe.resolve_recipe`, a function of public quantities only. The private and
+non-private runs share the loop; only the stepper differs (the PrivacyEngine with Poisson
+sampling, or a plain optimizer over shuffled fixed-size batches), which is what makes their
+comparison meaningful.
 """
 
 from __future__ import annotations
@@ -19,18 +22,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from dpfit import checkpoint as ckpt
-from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
-from dpfit.models import count_bias_parameters, load_classifier
+from dpfit.models import count_bias_parameters
+from dpfit.recipe import Recipe, default_delta, resolve_recipe
 from dpfit.reporting import StepRow, peak_memory_mb, plot_steps, write_json, write_steps_csv
+from dpfit.tasks import Prepared, Task, get_task
+from dpfit.tasks.classification import (  # noqa: F401 - re-exported for scripts and benchmarks
+    MIN_PUBLIC_LABEL_COUNT,
+    EvalResult,
+    PreparedData,
+    RareLabelError,
+    encode,
+    evaluate,
+    make_collate,
+    prepare_data,
+)
+from dpfit.tasks.pooling import POOLINGS
 
 logger = logging.getLogger(__name__)
 
-# The defaults must finish in < 10 minutes on 2 CPU cores: a random subset of the bundled
-# training split and a short max length (95% of snippets are under 48 tokens).
-DEFAULT_DELTA = 1e-5
 CLIPPING = ("flat", "automatic")
 MODES = ("bias", "full")
 TASKS = ("classification", "causal-lm")
@@ -42,6 +55,10 @@ OPTIMIZERS = {
 
 class PhysicalBatchMemoryError(DPFitError, MemoryError):
     """A physical batch did not fit in memory."""
+
+
+class OutputError(DPFitError, OSError):
+    """Training finished (and its privacy was spent) but an output could not be written."""
 
 
 @dataclass(frozen=True)
@@ -58,17 +75,25 @@ class TrainConfig:
     delta: float | None = None  # None: min(1e-5, 1/n^1.1)
     noise_multiplier: float | None = None  # overrides epsilon
     accountant: str = "rdp"
-    epochs: int = 3
+    # None = the recipe's value (dpfit.recipe.resolve_recipe); a value overrides it
+    epochs: int | None = None
     max_steps: int | None = None  # stop after this many logical steps (privacy sized for it)
-    batch_size: int = 256  # logical; expected size under Poisson sampling
-    physical_batch_size: int = 32
-    max_grad_norm: float = 1.0
-    clipping: str = "flat"
-    lr: float = 2e-3
+    batch_size: int | None = None  # logical; expected size under Poisson sampling
+    physical_batch_size: int | None = None
+    max_grad_norm: float | None = None
+    clipping: str | None = None
+    lr: float | None = None
     optimizer: str = "adamw"  # adamw | sgd (momentum 0.9)
     weight_decay: float = 0.0
-    max_length: int = 48
-    seed: int = 0
+    max_length: int | None = None
+    pooling: str = "auto"  # auto | cls | pooler | mean | last
+    head_first: bool = False  # private linear probe on frozen features, then biases + head
+    head_epochs: int | None = None  # epochs of the head-first phase
+    head_lr: float | None = None  # learning rate of the head-first phase
+    seed: int = 0  # public randomness only: split, head init, non-private shuffles
+    insecure_reproducible_noise: bool = False  # also seed noise + sampling: NOT private
+    labels: tuple[str, ...] | None = None  # public label names given by the user
+    public_labels: bool = False  # declare label names read from the data public
     non_private: bool = False
     mode: str = "bias"
     add_biases: bool = False  # BiTFiT-Add (issue #5)
@@ -82,7 +107,7 @@ class TrainConfig:
     eval_batch_size: int = 64  # (resume)
 
     def __post_init__(self) -> None:
-        if self.clipping not in CLIPPING:
+        if self.clipping is not None and self.clipping not in CLIPPING:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -99,14 +124,28 @@ class TrainConfig:
             "max_length",
             "checkpoint_every",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.head_lr is not None and not self.head_lr > 0:
+            raise ValueError(f"head_lr must be > 0, got {self.head_lr}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1")
         if not self.non_private and self.noise_multiplier is None and self.epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier (or non_private)")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir")
+        if self.labels is not None:
+            object.__setattr__(self, "labels", tuple(str(x).strip() for x in self.labels))
+            if len(set(self.labels)) != len(self.labels) or len(self.labels) < 2:
+                raise ValueError(
+                    f"labels must name at least two distinct classes, got {list(self.labels)}"
+                )
 
     # Settings that may change between a run and its resumption without changing the result.
     RESUMABLE = (
@@ -118,19 +157,33 @@ class TrainConfig:
         "eval_batch_size",
     )
 
+    RECIPE_FIELDS = (
+        "batch_size",
+        "epochs",
+        "lr",
+        "max_grad_norm",
+        "clipping",
+        "max_length",
+        "physical_batch_size",
+        "head_epochs",
+        "head_lr",
+    )
+
+    def overrides(self) -> tuple[str, ...]:
+        """The recipe fields this config sets itself."""
+        return tuple(f for f in self.RECIPE_FIELDS if getattr(self, f) is not None)
+
+    def with_recipe(self, recipe: Recipe) -> TrainConfig:
+        """This config with every unset recipe field taken from `recipe`."""
+        filled = {f: getattr(recipe, f) for f in self.RECIPE_FIELDS if getattr(self, f) is None}
+        if not self.head_first:
+            filled["head_epochs"] = 0
+            filled["head_lr"] = None
+        return dataclasses.replace(self, **filled)
+
     def fingerprint(self) -> dict:
         d = dataclasses.asdict(self)
         return {k: v for k, v in d.items() if k not in self.RESUMABLE}
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    accuracy: float
-    n: int
-    per_class: dict[str, dict[str, int]]  # name -> {"n", "correct", "predicted"}
-
-    def as_dict(self) -> dict:
-        return {"accuracy": self.accuracy, "n": self.n, "per_class": self.per_class}
 
 
 @dataclass
@@ -142,123 +195,6 @@ class TrainResult:
     privacy: dict | None
     notes: list[str] = field(default_factory=list)
     output_dir: Path | None = None
-
-
-# -- data ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PreparedData:
-    train: LabeledTexts
-    test: LabeledTexts
-    notes: tuple[str, ...]
-
-
-def prepare_data(config: TrainConfig) -> PreparedData:
-    """Training and evaluation texts for `config`, with notes on any subsampling or split."""
-    notes: list[str] = []
-    if config.data is None:
-        splits = bundled_rotten_tomatoes(seed=config.seed)
-        train, test = splits.train, splits.test
-        notes.append(
-            f"data: bundled Rotten Tomatoes, split by movie (seed {config.seed}): "
-            f"{len(splits.train)} train / {len(splits.validation)} validation / {len(test)} test"
-        )
-    else:
-        train = load_texts(config.data, config.text_column, config.label_column)
-        if config.eval_data is None:
-            if len(train) < 10:
-                raise DPFitError(
-                    f"{config.data} has {len(train)} examples, too few to hold out a test "
-                    "set; pass --eval-data"
-                )
-            train, test = train.split(0.1, seed=config.seed)
-            notes.append(
-                f"no --eval-data: holding out a random 10% of {config.data} as the test set "
-                f"({len(test)} examples)"
-            )
-    if config.eval_data is not None:
-        test = load_texts(
-            config.eval_data, config.text_column, config.label_column, label_names=train.label_names
-        )
-    if config.max_train_examples is not None and config.max_train_examples < len(train):
-        notes.append(
-            f"training on a random {config.max_train_examples} of {len(train)} training examples "
-            "(--full-data or --max-train-examples to change)"
-        )
-        train = train.subsample(config.max_train_examples, seed=config.seed)
-    return PreparedData(train, test, tuple(notes))
-
-
-def encode(data: LabeledTexts, tokenizer, max_length: int) -> list[dict]:
-    """Tokenise once up front; items are unpadded so each batch pads only to its own length."""
-    enc = tokenizer(list(data.texts), truncation=True, max_length=max_length)
-    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
-    return [
-        {**{k: enc[k][i] for k in keys}, "labels": label} for i, label in enumerate(data.labels)
-    ]
-
-
-def make_collate(pad_token_id: int, position_ids: bool = False) -> Callable[[list[dict]], dict]:
-    """Pad a list of encoded examples. With `position_ids`, also pass them per example: full
-    mode needs every input with its batch axis (a broadcast (1, L) one mixes examples)."""
-
-    def collate(items: list[dict]) -> dict:
-        width = max((len(it["input_ids"]) for it in items), default=0)
-        out: dict[str, torch.Tensor] = {}
-        for key in items[0] if items else ():
-            if key == "labels":
-                out[key] = torch.tensor([it[key] for it in items], dtype=torch.long)
-                continue
-            pad = pad_token_id if key == "input_ids" else 0
-            out[key] = torch.tensor(
-                [it[key] + [pad] * (width - len(it[key])) for it in items], dtype=torch.long
-            )
-        if position_ids and items:
-            out["position_ids"] = torch.arange(width).expand(len(items), width).clone()
-        return out
-
-    return collate
-
-
-# -- evaluation ------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(
-    model,
-    tokenizer,
-    data: LabeledTexts,
-    max_length: int = 128,
-    batch_size: int = 64,
-    device: str | torch.device = "cpu",
-) -> EvalResult:
-    """Accuracy and per-class counts; batches sorted by length so padding costs little."""
-    items = encode(data, tokenizer, max_length)
-    order = sorted(range(len(items)), key=lambda i: len(items[i]["input_ids"]))
-    collate = make_collate(tokenizer.pad_token_id)
-    was_training = model.training
-    model.eval()
-    preds = [0] * len(items)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        batch = collate([items[i] for i in idx])
-        batch.pop("labels")
-        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        for i, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
-            preds[i] = p
-    model.train(was_training)
-    per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
-    correct = 0
-    names = data.label_names
-    for p, y in zip(preds, data.labels, strict=True):
-        per_class[names[y]]["n"] += 1
-        if 0 <= p < len(names):
-            per_class[names[p]]["predicted"] += 1
-        if p == y:
-            per_class[names[y]]["correct"] += 1
-            correct += 1
-    return EvalResult(correct / len(items) if items else float("nan"), len(items), per_class)
 
 
 # -- the non-private stepper: same loop, no clipping or noise ---------------------------------
@@ -293,6 +229,7 @@ class ShuffledBatches:
             idx = perm[self.position * self.batch_size : (self.position + 1) * self.batch_size]
             self.position += 1
             self.logical_size = len(idx)
+            idx = sorted(idx)  # the data is sorted by length: chunks pad little
             chunks = [
                 idx[i : i + self.physical_batch_size]
                 for i in range(0, len(idx), self.physical_batch_size)
@@ -376,55 +313,52 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
-def _task_hook(config: TrainConfig):
-    """Hooks for issue #5's features: other tasks and two-phase schedules run elsewhere.
+def _insecure_seed(config: TrainConfig, offset: int = 0) -> int | None:
+    """--seed is public: noise and sampling use OS randomness unless the user opts out."""
+    if not config.insecure_reproducible_noise:
+        return None
+    return config.seed + offset
 
-    `--task causal-lm` is delegated to ``dpfit.causal_lm.train_from_config(config)`` when that
-    module provides it; `--full-epochs` needs the phase switch of ``dpfit.schedule`` wired into
-    this loop. Until then both stop with a message instead of silently training something else.
-    """
-    if config.task != "classification":
-        try:
-            from dpfit import causal_lm
-        except ImportError as e:
-            raise DPFitError(f"--task {config.task} needs dpfit.causal_lm (issue #5): {e}") from e
-        run = getattr(causal_lm, "train_from_config", None)
-        if run is None:
-            raise DPFitError(
-                f"--task {config.task} is not wired into `dpfit train` yet; use "
-                "dpfit.causal_lm.train_causal_lm(model, tokenizer, lines, CausalLMConfig(...)) "
-                "from Python (issue #5)"
-            )
-        return run(config)
+
+def _check_options(config: TrainConfig) -> None:
+    """Combinations that cannot run, found before any data is read."""
     if config.full_epochs:
         if config.non_private:
             raise DPFitError("--full-epochs schedules a private run; drop --non-private")
         if config.mode != "bias":
             raise DPFitError("--full-epochs X already runs X epochs in full mode; drop --mode")
-        if not 0 < config.full_epochs < config.epochs:
-            raise DPFitError(
-                f"--full-epochs must be between 1 and --epochs - 1 ({config.epochs - 1}), "
-                f"got {config.full_epochs}"
-            )
-    return None
+    if config.head_first:
+        if config.task != "classification":
+            raise DPFitError("--head-first trains a classification head; drop it for this task")
+        if config.full_epochs:
+            raise DPFitError("--head-first and --full-epochs are separate schedules; pick one")
+    if config.task != "classification" and config.non_private:
+        raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
 
 
-def _prepare_trainables(model, heads: tuple[str, ...], config: TrainConfig):
-    """Select what trains; returns a TrainableSummary-like object."""
+def _check_phases(config: TrainConfig) -> None:
+    if config.full_epochs and not 0 < config.full_epochs < config.epochs:
+        raise DPFitError(
+            f"--full-epochs must be between 1 and --epochs - 1 ({config.epochs - 1}), "
+            f"got {config.full_epochs}"
+        )
+
+
+def _prepare_trainables(
+    model, heads: tuple[str, ...], config: TrainConfig, biases_added: bool = False
+):
+    """Select what trains; returns a TrainableSummary."""
     import dpfit
+    from dpfit.params import summarize
 
-    if config.add_biases:
-        add = getattr(dpfit, "add_biases", None)
-        if add is None:
-            raise DPFitError("--add-biases needs dpfit.add_biases (issue #5), not in this build")
-        add(model)
+    if config.add_biases and not biases_added:
+        # on the backbone, so the saved record reloads with the backbone alone
+        dpfit.add_biases(getattr(model, "backbone", model))
     if config.mode == "full":
         for p in model.parameters():
             p.requires_grad_(True)
-        from dpfit.params import summarize
-
         return summarize(model)
-    if not config.add_biases and count_bias_parameters(model, exclude=heads) == 0:
+    if count_bias_parameters(model, exclude=heads) == 0:
         raise NoTrainableParametersError(
             f"{config.model or 'the model'} has no bias terms outside its head, so bias-only "
             "training would train the head alone; add zero-initialised biases with --add-biases "
@@ -444,10 +378,11 @@ def _enter_bias_phase(engine, optimizer, note: Callable[[str], None]):
     return optimizer
 
 
-def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
+def _make_engine(
+    model, config: TrainConfig, n: int, total_steps: int, delta: float, sigma: float | None
+):
     import dpfit
 
-    delta = config.delta if config.delta is not None else min(DEFAULT_DELTA, n**-1.1)
     kwargs = dict(
         expected_batch_size=min(config.batch_size, n),
         sample_size=n,
@@ -456,7 +391,7 @@ def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
         clipping=config.clipping,
         loss_reduction="mean",
         accountant=config.accountant,
-        seed=config.seed,
+        insecure_seed=_insecure_seed(config),
     )
     if config.full_epochs:  # two-phase X+BiTFiT: one accountant across both phases
         kwargs["schedule"] = [
@@ -465,28 +400,124 @@ def _make_engine(model, config: TrainConfig, n: int, total_steps: int):
         ]
     else:
         kwargs["mode"] = config.mode
-    if config.noise_multiplier is not None:
-        kwargs["noise_multiplier"] = config.noise_multiplier
+    if sigma is None:
+        sigma = config.noise_multiplier
+    if sigma is not None:
+        kwargs["noise_multiplier"] = sigma
     else:
         kwargs["target_epsilon"] = config.epsilon
         kwargs["steps"] = total_steps
     return dpfit.PrivacyEngine(model, **kwargs)
 
 
+# -- head-first: a private linear probe on frozen features, then biases + head -----------------
+
+
+@torch.no_grad()
+def frozen_features(model, items: Sequence[dict], collate, batch_size: int, device) -> torch.Tensor:
+    """Pooled features of every training example: one backbone pass, without dropout."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(items), batch_size):
+        batch = collate(list(items[start : start + batch_size]))
+        batch.pop("labels", None)
+        batch.pop("position_ids", None)
+        out.append(model.features(**{k: v.to(device) for k, v in batch.items()}).float().cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def _collate_features(items: list[tuple[torch.Tensor, int]]) -> dict:
+    if not items:
+        return {"x": torch.zeros(0), "y": torch.zeros(0, dtype=torch.long)}
+    return {
+        "x": torch.stack([x for x, _ in items]),
+        "y": torch.tensor([y for _, y in items], dtype=torch.long),
+    }
+
+
+def _head_phase(
+    model, items, collate, config: TrainConfig, n: int, delta: float, sigma: float, steps: int,
+    device, note: Callable[[str], None],
+) -> dict | None:  # fmt: skip
+    """Train the head alone on frozen features for `steps` logical steps; returns the
+    engine state (ledger, generator) to carry into the main phase (None if non-private)."""
+    import dpfit
+
+    feats = frozen_features(model, items, collate, config.physical_batch_size, device)
+    data = [(feats[i], int(items[i]["labels"])) for i in range(len(items))]
+    note(f"head-first: features of {len(data)} examples computed once with the frozen backbone")
+    head = model.head
+    engine = None
+    if config.non_private:
+        loader = ShuffledBatches(data, config.batch_size, len(data), _collate_features, config.seed)
+        stepper = PlainStepper(loader)
+        params = list(head.parameters())
+    else:
+        engine = dpfit.PrivacyEngine(
+            head,
+            expected_batch_size=min(config.batch_size, n),
+            sample_size=n,
+            noise_multiplier=sigma,
+            target_delta=delta,
+            max_grad_norm=config.max_grad_norm,
+            clipping=config.clipping,
+            loss_reduction="mean",
+            accountant=config.accountant,
+            insecure_seed=_insecure_seed(config, offset=1_000_003),
+        )
+        loader = engine.data_loader(data, _collate_features, physical_batch_size=len(data))
+        stepper = engine
+        params = engine.parameters()
+    optimizer = OPTIMIZERS[config.optimizer](params, config.head_lr, config.weight_decay)
+    try:
+        while stepper.steps_taken < steps:
+            for batch in loader:
+                x, y = batch["x"].to(device), batch["y"].to(device)
+                loss = F.cross_entropy(head(x), y)
+                loss.backward()
+                if stepper.step(optimizer) and stepper.steps_taken >= steps:
+                    break
+    finally:
+        if engine is not None:
+            engine.detach()
+    if engine is None:
+        return None
+    state = engine.state_dict()
+    state.pop("loader", None)  # the main phase has a loader of its own
+    note(f"head-first: {steps} private head steps, epsilon so far {engine.epsilon():.3f}")
+    return state
+
+
+def _resolve_sigma(config: TrainConfig, q: float, steps: int, delta: float) -> float:
+    """One noise multiplier for all the run's steps (head-first phase included)."""
+    from dpfit.accounting import noise_multiplier_for
+
+    if config.noise_multiplier is not None:
+        return float(config.noise_multiplier)
+    return noise_multiplier_for(config.epsilon, delta, q, steps, config.accountant)
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
 def train(
     config: TrainConfig,
     on_step: Callable[[StepRow, int], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    *,
+    prepared: Prepared | None = None,
+    task: Task | None = None,
 ) -> TrainResult:
     """Run one training job as configured; see module docstring.
 
     Args:
         on_step: called after every logical step with (row, total logical steps).
-        on_note: called with human-readable notes (subsampling, held-out split, resume).
+        on_note: called with human-readable notes (recipe, subsampling, split, resume).
+        prepared, task: a task and its already built model and data (Python callers that
+            hold a model object); by default the task named in `config` prepares them.
     """
-    hooked = _task_hook(config)
-    if hooked is not None:
-        return hooked
     t_start = time.perf_counter()
     notes: list[str] = []
 
@@ -496,76 +527,114 @@ def train(
         if on_note is not None:
             on_note(msg)
 
+    _check_options(config)
+    if config.insecure_reproducible_noise and not config.non_private:
+        msg = (
+            f"WARNING: --insecure-reproducible-noise: the DP noise and the Poisson sampling are "
+            f"seeded from --seed {config.seed}. Anyone who knows the seed can regenerate every "
+            "noise vector and batch, so the run is NOT private against them (metrics.json "
+            'records "insecure_seed": true). Use it only to debug or reproduce a run.'
+        )
+        logger.warning(msg)
+        note(msg)
     device = _device(config.device)
     _seed_everything(config.seed)
-    data = prepare_data(config)
-    for n_ in data.notes:
+    task = task if task is not None else get_task(config.task)
+    prep = prepared if prepared is not None else task.prepare(config)
+    for n_ in prep.notes:
         note(n_)
-    loaded = load_classifier(config.model, data.train.label_names, seed=config.seed)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    summary = _prepare_trainables(model, loaded.head_names, config)
+    model = prep.model
+    summary = _prepare_trainables(model, prep.head_names, config, prep.biases_added)
+
+    # the recipe: a function of public quantities only; each flag overrides its field
+    n = prep.n
+    delta = config.delta if config.delta is not None else default_delta(n)
+    recipe = resolve_recipe(
+        n, prep.num_classes, config.epsilon, delta, summary.total, config.mode,
+        private=not config.non_private, head_first=config.head_first,
+    )  # fmt: skip
+    overrides = config.overrides()
+    config = config.with_recipe(recipe)
+    _check_phases(config)
+    note(
+        f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
+        f"{delta:.3g}, {summary.total:,} parameters): {recipe.describe()}"
+        + (f"; overridden by flags: {', '.join(overrides)}" if overrides else "")
+    )
     model.to(device)
     model.train()
 
-    items = encode(data.train, tokenizer, config.max_length)
+    items = task.items(prep, config.max_length)
+    if len(items) != n:
+        raise DPFitError(f"the task encoded {len(items)} of {n} training examples")
     full_phase = not config.non_private and (config.mode == "full" or config.full_epochs > 0)
-    collate = make_collate(
-        tokenizer.pad_token_id,
-        position_ids=full_phase and "position_ids" in inspect.signature(model.forward).parameters,
+    backbone = getattr(model, "backbone", model)
+    collate = task.collate(
+        prep,
+        position_ids=full_phase
+        and "position_ids" in inspect.signature(backbone.forward).parameters,
     )
-    n = len(items)
+    batch_size = min(config.batch_size, n)
     steps_per_epoch = (
-        math.ceil(n / config.batch_size)
-        if config.non_private
-        else max(1, round(n / min(config.batch_size, n)))
+        math.ceil(n / batch_size) if config.non_private else max(1, round(n / batch_size))
     )
     total_steps = config.epochs * steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
+    head_steps = config.head_epochs * steps_per_epoch
+
+    rows: list[StepRow] = []
+    epoch = 0
+    elapsed_before = 0.0
+    resume_path = ckpt.latest_checkpoint(config.checkpoint_dir) if config.resume else None
+    if config.resume and resume_path is None:
+        note(f"--resume: no checkpoint in {config.checkpoint_dir}; starting from scratch")
 
     engine = None
+    sigma = None
+    head_state = None
+    t_loop = time.perf_counter()
     if config.non_private:
+        if head_steps and resume_path is None:
+            _head_phase(model, items, collate, config, n, delta, 0.0, head_steps, device, note)
         loader = ShuffledBatches(
-            items, config.batch_size, config.physical_batch_size, collate, config.seed
+            items, batch_size, config.physical_batch_size, collate, config.seed
         )
         stepper = PlainStepper(loader)
         params = [p for p in model.parameters() if p.requires_grad]
     else:
-        engine = _make_engine(model, config, n, total_steps)
+        if head_steps:
+            sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
+            if resume_path is None:
+                head_state = _head_phase(
+                    model, items, collate, config, n, delta, sigma, head_steps, device, note
+                )
+        engine = _make_engine(model, config, n, total_steps, delta, sigma)
+        if head_state is not None:
+            engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
         loader = engine.data_loader(
             items, collate_fn=collate, physical_batch_size=config.physical_batch_size
         )
         stepper = engine
         params = list(engine.parameters())
     optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
+    first_step = stepper.steps_taken  # head-first steps already on the ledger
 
-    rows: list[StepRow] = []
-    epoch = 0
-    elapsed_before = 0.0
-    if config.resume:
-        path = ckpt.latest_checkpoint(config.checkpoint_dir)
-        if path is None:
-            note(f"--resume: no checkpoint in {config.checkpoint_dir}; starting from scratch")
-        else:
-            state = ckpt.load_checkpoint(path)
-            ckpt.check_compatible(
-                state["config"], config.fingerprint(), tuple(config.fingerprint())
-            )
-            ckpt.load_trainable_state(model, state["trainable"])
-            if (
-                engine is not None
-                and config.full_epochs
-                and int(state["epoch"]) >= config.full_epochs
-            ):
-                optimizer = _enter_bias_phase(engine, optimizer, note)
-            optimizer.load_state_dict(state["optimizer"])
-            stepper.load_state_dict(state["stepper"])
-            loader.load_state_dict(state["loader"])
-            ckpt.set_rng_state(state["rng"])
-            rows = [StepRow(**r) for r in state["rows"]]
-            epoch = int(state["epoch"])
-            elapsed_before = float(state["elapsed_s"])
-            note(f"resumed from {path.name}: logical step {len(rows)}, epoch {epoch + 1}")
+    if resume_path is not None:
+        state = ckpt.load_checkpoint(resume_path)
+        ckpt.check_compatible(state["config"], config.fingerprint(), tuple(config.fingerprint()))
+        ckpt.load_trainable_state(model, state["trainable"])
+        if engine is not None and config.full_epochs and int(state["epoch"]) >= config.full_epochs:
+            optimizer = _enter_bias_phase(engine, optimizer, note)
+        optimizer.load_state_dict(state["optimizer"])
+        stepper.load_state_dict(state["stepper"])
+        loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        rows = [StepRow(**r) for r in state["rows"]]
+        epoch = int(state["epoch"])
+        elapsed_before = float(state["elapsed_s"])
+        first_step = int(state.get("first_step", 0))
+        note(f"resumed from {resume_path.name}: logical step {len(rows)}, epoch {epoch + 1}")
 
     def save(epoch_now: int) -> None:
         if not config.checkpoint_dir:
@@ -583,25 +652,27 @@ def train(
                 "rows": [dataclasses.asdict(r) for r in rows],
                 "epoch": epoch_now,
                 "elapsed_s": elapsed_before + time.perf_counter() - t_loop,
+                "first_step": first_step,
             },
         )
 
-    t_loop = time.perf_counter()
     acc_loss, acc_n = 0.0, 0
 
     def record(epoch_now: int) -> None:
+        # Private runs keep no per-step loss or batch size: both are exact functions of the
+        # private batch (see dpfit.reporting.PRIVATE_STEP_FIELDS).
         nonlocal acc_loss, acc_n
         eps = stepper.epsilon()
-        while len(rows) < stepper.steps_taken:
-            current = len(rows) == stepper.steps_taken - 1  # the step this batch finished
+        while len(rows) < stepper.steps_taken - first_step:
+            current = len(rows) == stepper.steps_taken - first_step - 1
+            loss = acc_loss / acc_n if (config.non_private and current and acc_n) else None
             rows.append(
                 StepRow(
                     step=len(rows) + 1,
                     epoch=epoch_now + 1,
-                    loss=acc_loss / acc_n if (current and acc_n) else float("nan"),
                     epsilon=eps,
-                    batch_size=acc_n if current else 0,  # earlier ones: empty Poisson batches
                     elapsed_s=elapsed_before + time.perf_counter() - t_loop,
+                    loss=loss,
                 )
             )
             if on_step is not None:
@@ -615,17 +686,18 @@ def train(
                 optimizer = _enter_bias_phase(engine, optimizer, note)
             for batch in loader:
                 weight = batch.pop("_weight", 1.0)
-                bsz = int(batch["labels"].shape[0])
                 batch = {k: v.to(device) for k, v in batch.items()}
                 try:
-                    loss = model(**batch).loss
+                    loss = task.loss(model, batch)
                     (loss * weight).backward()
                 except (RuntimeError, MemoryError) as e:
                     if _is_oom(e):
                         raise _oom_error(config, e) from e
                     raise
-                acc_loss += float(loss.detach()) * bsz
-                acc_n += bsz
+                if config.non_private:
+                    bsz = int(next(iter(batch.values())).shape[0])
+                    acc_loss += float(loss.detach()) * bsz
+                    acc_n += bsz
                 if stepper.step(optimizer):
                     # empty Poisson batches are noise-only steps the engine takes on its own
                     record(epoch)
@@ -643,72 +715,126 @@ def train(
         note(f"stopped early: {e}")
     train_time = elapsed_before + time.perf_counter() - t_loop
 
+    # From here on the privacy is spent: nothing may be lost to an error (metrics.json first).
     privacy = None
     if engine is not None:
         privacy = dict(engine.privacy_record())
+        privacy["insecure_seed"] = bool(config.insecure_reproducible_noise)
         engine.detach()
-    accuracy = evaluate(
-        model, tokenizer, data.test, config.max_length, config.eval_batch_size, device
-    )
-    metrics = _metrics(config, data, summary, accuracy, privacy, rows, train_time, t_start, device)
-    result = TrainResult(metrics, rows, model, tokenizer, privacy, notes)
+    errors: list[str] = []
+    try:
+        scores = task.evaluate(prep, model, config, device)
+    except Exception as e:  # noqa: BLE001 - reported in metrics.json, re-raised below
+        logger.exception("evaluation failed after training")
+        scores = {}
+        errors.append(f"evaluation: {type(e).__name__}: {e}")
+    metrics = _metrics(
+        config, recipe, overrides, summary, scores, privacy, rows, train_time, t_start, device,
+        head_steps, delta,
+    )  # fmt: skip
+    result = TrainResult(metrics, rows, model, prep.tokenizer, privacy, notes)
     if config.output:
-        result.output_dir = save_outputs(result, config)
+        result.output_dir = save_outputs(result, config, task, prep, errors)
+    elif errors:
+        raise OutputError("; ".join(errors))
     return result
 
 
-def _metrics(config, data, summary, accuracy, privacy, rows, train_time, t_start, device) -> dict:
-    last_eps = rows[-1].epsilon if rows else 0.0
+def _metrics(
+    config, recipe, overrides, summary, scores, privacy, rows, train_time, t_start, device,
+    head_steps, delta,
+) -> dict:  # fmt: skip
+    private = not config.non_private
     m = {
-        "accuracy": accuracy.accuracy,
-        "eval_n": accuracy.n,
-        "per_class": accuracy.per_class,
-        "eval_source": data.test.source,
-        "private": not config.non_private,
-        "epsilon": (privacy or {}).get("epsilon", last_eps) if privacy else math.inf,
-        "delta": (privacy or {}).get("delta"),
-        "noise_multiplier": (privacy or {}).get("noise_multiplier"),
-        "sample_rate": (privacy or {}).get("sample_rate"),
-        "max_grad_norm": None if config.non_private else config.max_grad_norm,
-        "clipping": None if config.non_private else config.clipping,
+        "task": config.task,
+        **scores,
+        "private": private,
+        "epsilon": privacy["epsilon"] if privacy else math.inf,
+        "delta": privacy["delta"] if privacy else None,
+        "noise_multiplier": privacy["noise_multiplier"] if privacy else None,
+        "sample_rate": privacy["sample_rate"] if privacy else None,
+        "max_grad_norm": config.max_grad_norm if private else None,
+        "clipping": config.clipping if private else None,
         "steps": len(rows),
+        "head_first_steps": head_steps,
         "epochs": config.epochs,
         "batch_size": config.batch_size,
-        "train_examples": len(data.train),
+        "lr": config.lr,
+        "max_length": config.max_length,
         "trainable_params": summary.trainable,
         "total_params": summary.total,
         "trainable_fraction": summary.fraction,
         "mode": config.mode,
+        "recipe": recipe.as_dict(),
+        "overridden_by_flags": list(overrides),
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
         "peak_memory_mb": peak_memory_mb(device.type),
-        "final_loss": next((r.loss for r in reversed(rows) if not math.isnan(r.loss)), None),
+        "final_train_loss": (
+            None  # a private run's training loss is not released
+            if private
+            else next((r.loss for r in reversed(rows) if r.loss is not None), None)
+        ),
+        "insecure_seed": bool(private and config.insecure_reproducible_noise),
         "config": dataclasses.asdict(config),
     }
+    if private and privacy is None:  # pragma: no cover - defensive
+        m["delta"] = delta
     return m
 
 
-def save_outputs(result: TrainResult, config: TrainConfig) -> Path:
-    """DIR/metrics.json, DIR/steps.csv, DIR/{loss,epsilon}.png and DIR/model (+ dpfit.json)."""
+def save_outputs(
+    result: TrainResult, config: TrainConfig, task: Task, prep: Prepared, errors: list[str]
+) -> Path:
+    """DIR/metrics.json first (the record of what was spent), then steps.csv, the plot and
+    DIR/model (+ dpfit.json). An error while writing any of them is recorded in
+    metrics.json and raised as OutputError after the rest are written."""
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
-    save_model(result.model, result.tokenizer, out / "model", result.privacy, result.metrics)
-    write_steps_csv(out / "steps.csv", result.steps)
-    plot_steps(result.steps, out)
     write_json(out / "metrics.json", result.metrics)
+    private = not config.non_private
+    try:
+        write_steps_csv(out / "steps.csv", result.steps, private=private)
+        plot_steps(result.steps, out)
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"steps.csv/plots: {type(e).__name__}: {e}")
+    try:
+        task.save(prep, result.model, out / "model")
+        write_json(out / "model" / "dpfit.json", _privacy_file(result))
+    except Exception as e:  # noqa: BLE001
+        logger.exception("saving the model failed")
+        errors.append(f"model: {type(e).__name__}: {e}")
+    if errors:
+        result.metrics["output_errors"] = list(errors)
+        write_json(out / "metrics.json", result.metrics)
+        raise OutputError(
+            f"training finished and {out / 'metrics.json'} records what it spent, but: "
+            + "; ".join(errors)
+        )
     return out
+
+
+def _privacy_file(result: TrainResult) -> dict:
+    m = result.metrics
+    record = {"private": result.privacy is not None, **(result.privacy or {})}
+    record.setdefault("trainable_fraction", m.get("trainable_fraction"))
+    record.setdefault("steps", m.get("steps"))
+    record["mode"] = m.get("mode")
+    record["insecure_seed"] = m.get("insecure_seed", False)
+    return record
 
 
 def save_model(
     model, tokenizer, folder: str | Path, privacy: dict | None, metrics: dict | None = None
 ) -> None:
-    """A normal transformers folder plus dpfit.json with the privacy record."""
+    """A classifier folder (see dpfit.tasks.pooling) plus dpfit.json with the privacy record."""
+    from dpfit.tasks.pooling import PooledClassifier, save_pooled_classifier
+
     folder = Path(folder)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    record = {"private": privacy is not None, **(privacy or {})}
-    if metrics is not None:
-        record.setdefault("trainable_fraction", metrics.get("trainable_fraction"))
-        record.setdefault("steps", metrics.get("steps"))
-        record["mode"] = metrics.get("mode")
-    write_json(folder / "dpfit.json", record)
+    if isinstance(model, PooledClassifier):
+        save_pooled_classifier(model, tokenizer, folder)
+    else:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    result = TrainResult(metrics or {}, [], model, tokenizer, privacy)
+    write_json(folder / "dpfit.json", _privacy_file(result))

@@ -1,0 +1,188 @@
+"""The training recipe: every default of a run from what is public before it starts.
+
+Why a module of its own: defaults tuned on one data set do not transfer, and defaults read
+off the private data leak it. :func:`resolve_recipe` is a pure function of public quantities
+only (the number of training examples n, the number of classes, epsilon, delta, the model's
+size, the training mode): no text, label or length of the training data enters it, so the
+recipe itself reveals nothing beyond n. Every value can still be overridden by a flag.
+
+The rule for private runs follows the DP fine-tuning literature:
+
+* **Large logical batches.** Li et al. 2022 ("Large language models can be strong
+  differentially private learners") and De et al. 2022 show that the signal-to-noise ratio
+  of a DP-SGD step grows with the batch: the noise std on the *mean* gradient is
+  sigma R / B while sigma grows only slowly with the sampling rate. We take
+  B = BATCH_PER_SQRT_N * sqrt(n) (1,000 for n = 10,000), capped at n / MIN_STEPS_PER_EPOCH
+  so that an epoch still has a few steps.
+* **Enough steps, few epochs.** Epochs are the fewest that give MIN_STEPS logical steps,
+  between MIN_EPOCHS and MAX_EPOCHS: each extra epoch raises sigma (about as sqrt(epochs)),
+  so more passes only pay while there are too few steps to converge.
+* **Automatic clipping** (Bu et al., R / (||g|| + gamma)): every example contributes a
+  gradient of norm about R, so there is no per-task clip norm to tune; with Adam the scale R
+  cancels, R = 1.
+* **Learning rate by what trains.** Bias terms and a zero-initialised head need a large step
+  (Bu et al. BiTFiT: 5e-3 with Adam); all weights a small one (Li et al.: 5e-4).
+* **Max length** is a fixed default (no length statistic of the private data is used);
+  examples are sorted by length into physical batches, so short texts pay only for their
+  own length.
+
+Non-private reference runs use what a practitioner would use without privacy: shuffled
+batches of 32, 3 epochs (more on small data sets, for at least 250 steps), lr 1e-3 for
+bias-only (BitFit) and 5e-5 for all weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+DEFAULT_DELTA = 1e-5
+
+# -- the constants of the private rule (see the module docstring) ----------------------------
+BATCH_PER_SQRT_N = 10.0
+MIN_BATCH = 16
+MIN_STEPS_PER_EPOCH = 4
+MIN_STEPS = 50
+MIN_EPOCHS = 3
+MAX_EPOCHS = 20
+PRIVATE_LR = {"bias": 5e-3, "full": 5e-4}
+PRIVATE_CLIPPING = "automatic"
+PRIVATE_MAX_GRAD_NORM = 1.0
+# head-first: epochs of the private linear probe on frozen features, as a fraction of the
+# bias epochs (rounded, at least 1). Cheap in time (no backbone pass per step) but not free
+# in privacy: its steps share the budget.
+HEAD_FIRST_EPOCH_FRACTION = 0.5
+# A linear probe on fixed features takes a much larger step than biases inside the network:
+# under DP noise with automatic clipping and Adam, lr 0.1 reaches the non-private probe's
+# accuracy in 3 epochs where 0.01 is still near the majority class
+# (benchmarks/results/dp_probe.jsonl of the utility suite).
+HEAD_FIRST_LR = 0.1
+# -- non-private reference ---------------------------------------------------------------------
+NON_PRIVATE_BATCH = 32
+NON_PRIVATE_MIN_EPOCHS = 3
+NON_PRIVATE_MIN_STEPS = 250  # small data sets get more passes (at most MAX_EPOCHS)
+NON_PRIVATE_LR = {"bias": 1e-3, "full": 5e-5}
+# -- compute only (no effect on the result or the guarantee) -----------------------------------
+MAX_LENGTH = 128
+PHYSICAL_TOKENS = 8192  # tokens per physical batch at max length for a ~20M-parameter model
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The resolved defaults of one run; see :func:`resolve_recipe`."""
+
+    batch_size: int  # logical; the expected batch under Poisson sampling when private
+    epochs: int
+    lr: float
+    max_grad_norm: float | None  # None: non-private (no clipping)
+    clipping: str | None
+    max_length: int
+    physical_batch_size: int
+    optimizer: str = "adamw"
+    head_epochs: int = 0  # head-first phase (private linear probe), 0 = off
+    head_lr: float = HEAD_FIRST_LR  # its learning rate
+    rule: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        parts = [
+            f"logical batch {self.batch_size}",
+            f"{self.epochs} epochs",
+            f"lr {self.lr:g} ({self.optimizer})",
+            f"max length {self.max_length}",
+        ]
+        if self.clipping is not None:
+            parts.insert(2, f"{self.clipping} clipping, R={self.max_grad_norm:g}")
+        if self.head_epochs:
+            parts.append(f"head-first {self.head_epochs} epochs at lr {self.head_lr:g}")
+        return ", ".join(parts)
+
+
+def default_delta(n: int) -> float:
+    """delta = min(1e-5, 1/n^1.1): below 1/n for every n, so "release one example" is not
+    within the guarantee; the same rule for every task."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return min(DEFAULT_DELTA, float(n) ** -1.1)
+
+
+def physical_batch_for(model_params: int, max_length: int) -> int:
+    """Examples per forward/backward: a fixed token budget scaled down for larger models."""
+    scale = max(1.0, model_params / 20e6)
+    return max(1, min(256, int(PHYSICAL_TOKENS / (max_length * scale))))
+
+
+def resolve_recipe(
+    n: int,
+    num_classes: int,
+    epsilon: float | None,
+    delta: float | None,
+    model_params: int,
+    mode: str = "bias",
+    *,
+    private: bool = True,
+    head_first: bool = False,
+) -> Recipe:
+    """Every default of a run from public quantities; pure (same inputs, same recipe).
+
+    Args:
+        n: training examples. num_classes: classes (1 for language modelling).
+        epsilon, delta: the target (None with a fixed noise multiplier); they do not change
+            the current rule but are part of its signature so that a rule that uses them
+            stays a function of public inputs.
+        model_params: total parameters of the model (compute sizing only).
+        mode: "bias" (biases + head) or "full".
+        private: False for the non-private reference.
+        head_first: add a private linear-probe phase before the bias phase.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if mode not in PRIVATE_LR:
+        raise ValueError(f"mode must be one of {sorted(PRIVATE_LR)}, got {mode!r}")
+    del num_classes, epsilon, delta  # public, and (for now) not needed by the rule
+    max_length = MAX_LENGTH
+    physical = physical_batch_for(model_params, max_length)
+    if not private:
+        batch = min(NON_PRIVATE_BATCH, n)
+        per_epoch = math.ceil(n / batch)
+        epochs = min(
+            MAX_EPOCHS, max(NON_PRIVATE_MIN_EPOCHS, math.ceil(NON_PRIVATE_MIN_STEPS / per_epoch))
+        )
+        return Recipe(
+            batch_size=batch,
+            epochs=epochs,
+            lr=NON_PRIVATE_LR[mode],
+            max_grad_norm=None,
+            clipping=None,
+            max_length=max_length,
+            physical_batch_size=min(physical, batch),
+            rule=(
+                f"non-private reference: batch {NON_PRIVATE_BATCH}, epochs for >= "
+                f"{NON_PRIVATE_MIN_STEPS} steps in [{NON_PRIVATE_MIN_EPOCHS}, {MAX_EPOCHS}], "
+                "lr by mode"
+            ),
+        )
+    cap = max(1, n // MIN_STEPS_PER_EPOCH)
+    batch = max(min(MIN_BATCH, n), min(cap, round(BATCH_PER_SQRT_N * math.sqrt(n))))
+    batch = min(batch, n)
+    steps_per_epoch = max(1, round(n / batch))
+    epochs = min(MAX_EPOCHS, max(MIN_EPOCHS, math.ceil(MIN_STEPS / steps_per_epoch)))
+    head_epochs = max(1, round(HEAD_FIRST_EPOCH_FRACTION * epochs)) if head_first else 0
+    return Recipe(
+        batch_size=batch,
+        epochs=epochs,
+        lr=PRIVATE_LR[mode],
+        max_grad_norm=PRIVATE_MAX_GRAD_NORM,
+        clipping=PRIVATE_CLIPPING,
+        max_length=max_length,
+        physical_batch_size=min(physical, batch),
+        head_epochs=head_epochs,
+        rule=(
+            f"private: B = {BATCH_PER_SQRT_N:g} sqrt(n) (<= n/{MIN_STEPS_PER_EPOCH}), "
+            f"epochs for >= {MIN_STEPS} steps in [{MIN_EPOCHS}, {MAX_EPOCHS}], "
+            f"{PRIVATE_CLIPPING} clipping R={PRIVATE_MAX_GRAD_NORM:g}, lr by mode"
+        ),
+    )

@@ -1,0 +1,59 @@
+"""Task plug-ins for the one training loop in :mod:`dpfit.train`.
+
+A task says how to read its data and build its model (with its head), how to encode and batch
+examples, the loss (a mean of per-example losses, as DP-SGD's per-example clipping needs), how
+to score the trained model and how to save it. The loop, the privacy engine, checkpoints and
+reporting are the same for every task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class Prepared:
+    """What a task hands the loop before training: data read, model built."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    n: int  # training examples (public)
+    num_classes: int  # 0 for language modelling
+    head_names: tuple[str, ...]  # modules that train beside the biases
+    notes: list[str] = field(default_factory=list)
+    state: dict = field(default_factory=dict)  # task-private: data splits, baselines
+    biases_added: bool = False  # the task already added biases (DP-BiTFiT-Add)
+
+
+class Task(Protocol):
+    name: str
+
+    def prepare(self, config) -> Prepared: ...
+
+    def items(self, prep: Prepared, max_length: int) -> list: ...
+
+    def collate(self, prep: Prepared, position_ids: bool) -> Callable[[list], dict]: ...
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor: ...
+
+    def evaluate(self, prep: Prepared, model: torch.nn.Module, config, device) -> dict: ...
+
+    def save(self, prep: Prepared, model: torch.nn.Module, folder) -> None: ...
+
+
+def get_task(name: str) -> Task:
+    """The registered task plug-in called `name`."""
+    from dpfit.tasks.causal_lm import CausalLMTask
+    from dpfit.tasks.classification import ClassificationTask
+
+    tasks: dict[str, Callable[[], Task]] = {
+        "classification": ClassificationTask,
+        "causal-lm": CausalLMTask,
+    }
+    if name not in tasks:
+        raise ValueError(f"task must be one of {sorted(tasks)}, got {name!r}")
+    return tasks[name]()

@@ -1,0 +1,256 @@
+"""Sequence classification as a task plug-in: labelled texts, a pooled head, accuracy.
+
+Label names are published (model/config.json, metrics.json), so they come from the user
+(``labels``), from the bundled data, or from the training file only when every name is
+frequent (or the user declares them public): see docs/threat-model.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from dpfit.data.text import DataError, LabeledTexts, bundled_rotten_tomatoes, load_texts
+from dpfit.errors import DPFitError
+from dpfit.models import load_classifier
+from dpfit.tasks import Prepared
+
+if TYPE_CHECKING:
+    from dpfit.train import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RareLabelError(DataError):
+    """Label names read from the data would be published, and some are rare."""
+
+
+# Label names inferred from the training file are published. A name carried by many
+# examples is not evidence about any one of them; 20 is about the count a noisy
+# (stability-based) histogram at epsilon 1, delta 1e-5 needs before it releases a key
+# (1 + 2 ln(1/(2 delta)) / epsilon = 22.6), and a class with fewer examples cannot be learned
+# under DP noise anyway. It is a heuristic guard, not a DP release: --labels is the guarantee.
+MIN_PUBLIC_LABEL_COUNT = 20
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float
+    n: int
+    per_class: dict[str, dict[str, int]]  # name -> {"n", "correct", "predicted"}
+
+    def as_dict(self) -> dict:
+        return {"accuracy": self.accuracy, "n": self.n, "per_class": self.per_class}
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    train: LabeledTexts
+    test: LabeledTexts
+    notes: tuple[str, ...]
+
+
+def prepare_data(config: TrainConfig) -> PreparedData:
+    """Training and evaluation texts for `config`, with notes on any subsampling or split."""
+    notes: list[str] = []
+    if config.data is None:
+        splits = bundled_rotten_tomatoes(seed=config.seed)
+        train, test = splits.train, splits.test
+        notes.append(
+            f"data: bundled Rotten Tomatoes, split by movie (seed {config.seed}): "
+            f"{len(splits.train)} train / {len(splits.validation)} validation / {len(test)} test"
+        )
+        notes.append("label names: the bundled data's own (rotten, fresh), public")
+    else:
+        train = load_texts(
+            config.data, config.text_column, config.label_column, label_names=config.labels
+        )
+        notes.append(_public_label_note(train, config))
+        if config.eval_data is None:
+            if len(train) < 10:
+                raise DPFitError(
+                    f"{config.data} has {len(train)} examples, too few to hold out a test "
+                    "set; pass --eval-data"
+                )
+            train, test = train.split(0.1, seed=config.seed)
+            notes.append(
+                f"no --eval-data: holding out a random 10% of {config.data} as the test set "
+                f"({len(test)} examples)"
+            )
+    if config.eval_data is not None:
+        test = load_texts(
+            config.eval_data, config.text_column, config.label_column, label_names=train.label_names
+        )
+    if config.max_train_examples is not None and config.max_train_examples < len(train):
+        notes.append(
+            f"training on a random {config.max_train_examples} of {len(train)} training examples "
+            "(--full-data or --max-train-examples to change)"
+        )
+        train = train.subsample(config.max_train_examples, seed=config.seed)
+    return PreparedData(train, test, tuple(notes))
+
+
+def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
+    """Label names are released (model/config.json id2label, metrics.json per_class): say
+    where they came from, and refuse names read from the data that few examples carry."""
+    names = ", ".join(train.label_names)
+    if config.labels is not None:
+        return f"label names (public, from --labels): {names}"
+    rare = {k: c for k, c in train.class_counts().items() if c < MIN_PUBLIC_LABEL_COUNT}
+    if rare and not config.public_labels:
+        raise RareLabelError(
+            f"{config.data}: {len(rare)} label name(s) appear in fewer than "
+            f"{MIN_PUBLIC_LABEL_COUNT} training examples ({', '.join(sorted(rare))}). Label "
+            "names are written un-noised into model/config.json and metrics.json, so a rare "
+            "one can reveal who is in the data. Pass the public label set with --labels "
+            "a,b,c, or declare the names in the data public with --public-labels"
+        )
+    how = (
+        "declared public with --public-labels"
+        if config.public_labels
+        else (f"each seen >= {MIN_PUBLIC_LABEL_COUNT} times")
+    )
+    return (
+        f"label names read from the training data are treated as PUBLIC ({how}): {names}; "
+        "pass --labels to give them yourself"
+    )
+
+
+def encode(data: LabeledTexts, tokenizer, max_length: int) -> list[dict]:
+    """Tokenise once up front; items are unpadded so each batch pads only to its own length."""
+    enc = tokenizer(list(data.texts), truncation=True, max_length=max_length)
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    return [
+        {**{k: enc[k][i] for k in keys}, "labels": label} for i, label in enumerate(data.labels)
+    ]
+
+
+def make_collate(pad_token_id: int, position_ids: bool = False) -> Callable[[list[dict]], dict]:
+    """Pad a list of encoded examples. With `position_ids`, also pass them per example: full
+    mode needs every input with its batch axis (a broadcast (1, L) one mixes examples)."""
+
+    def collate(items: list[dict]) -> dict:
+        width = max((len(it["input_ids"]) for it in items), default=0)
+        out: dict[str, torch.Tensor] = {}
+        for key in items[0] if items else ():
+            if key == "labels":
+                out[key] = torch.tensor([it[key] for it in items], dtype=torch.long)
+                continue
+            pad = pad_token_id if key == "input_ids" else 0
+            out[key] = torch.tensor(
+                [it[key] + [pad] * (width - len(it[key])) for it in items], dtype=torch.long
+            )
+        if position_ids and items:
+            out["position_ids"] = torch.arange(width).expand(len(items), width).clone()
+        return out
+
+    return collate
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    data: LabeledTexts,
+    max_length: int = 128,
+    batch_size: int = 64,
+    device: str | torch.device = "cpu",
+) -> EvalResult:
+    """Accuracy and per-class counts; batches sorted by length so padding costs little."""
+    items = encode(data, tokenizer, max_length)
+    order = sorted(range(len(items)), key=lambda i: len(items[i]["input_ids"]))
+    collate = make_collate(tokenizer.pad_token_id)
+    was_training = model.training
+    model.eval()
+    preds = [0] * len(items)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = collate([items[i] for i in idx])
+        batch.pop("labels")
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+        for i, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
+            preds[i] = p
+    model.train(was_training)
+    per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
+    correct = 0
+    names = data.label_names
+    for p, y in zip(preds, data.labels, strict=True):
+        per_class[names[y]]["n"] += 1
+        if 0 <= p < len(names):
+            per_class[names[p]]["predicted"] += 1
+        if p == y:
+            per_class[names[y]]["correct"] += 1
+            correct += 1
+    return EvalResult(correct / len(items) if items else float("nan"), len(items), per_class)
+
+
+def label_source(config) -> str:
+    if config.data is None:
+        return "bundled"
+    if config.labels is not None:
+        return "--labels"
+    return "--public-labels" if config.public_labels else "training data (each name frequent)"
+
+
+class ClassificationTask:
+    """Texts -> backbone -> pooling -> linear head; cross-entropy; accuracy."""
+
+    name = "classification"
+
+    def prepare(self, config) -> Prepared:
+        data = prepare_data(config)
+        loaded = load_classifier(
+            config.model, data.train.label_names, seed=config.seed, pooling=config.pooling
+        )
+        notes = [
+            *data.notes,
+            f"head: {loaded.pooling} pooling ({loaded.pooling_reason}), zero-initialised linear layer",
+        ]
+        return Prepared(
+            model=loaded.model,
+            tokenizer=loaded.tokenizer,
+            n=len(data.train),
+            num_classes=data.train.num_labels,
+            head_names=loaded.head_names,
+            notes=notes,
+            state={"data": data, "pooling": loaded.pooling},
+        )
+
+    def items(self, prep: Prepared, max_length: int) -> list[dict]:
+        return encode(prep.state["data"].train, prep.tokenizer, max_length)
+
+    def collate(self, prep: Prepared, position_ids: bool) -> Callable[[list[dict]], dict]:
+        return make_collate(prep.tokenizer.pad_token_id, position_ids=position_ids)
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        return model(**batch).loss
+
+    def evaluate(self, prep: Prepared, model, config, device) -> dict:
+        data = prep.state["data"]
+        res = evaluate(
+            model, prep.tokenizer, data.test, config.max_length, config.eval_batch_size, device
+        )
+        return {
+            "accuracy": res.accuracy,
+            "eval_n": res.n,
+            "per_class": res.per_class,
+            "eval_source": data.test.source,
+            "train_examples": len(data.train),
+            "pooling": prep.state["pooling"],
+            "label_names_public": True,
+            "label_names_source": label_source(config),
+        }
+
+    def save(self, prep: Prepared, model, folder: Path) -> None:
+        from dpfit.tasks.pooling import PooledClassifier, save_pooled_classifier
+
+        if isinstance(model, PooledClassifier):
+            save_pooled_classifier(model, prep.tokenizer, folder)
+        else:  # pragma: no cover - the loop always builds a PooledClassifier
+            model.save_pretrained(folder)
+            prep.tokenizer.save_pretrained(folder)
