@@ -1,34 +1,38 @@
-"""Privacy-utility on the bundled model and data: is DP-BiTFiT as good as the paper says?
+"""The utility suite: does `dpfit train` with its defaults learn on tasks it was not tuned on?
 
-Test accuracy of the bundled all-MiniLM-L6-v2 + a new classification head on the bundled
-Rotten Tomatoes snippets (split by movie), for:
-  non-private full fine-tuning, non-private bias-only (BiTFiT),
-  DP-BiTFiT at epsilon in {1, 2, 4, 8}, and DP full fine-tuning at epsilon 8,
-all on the same split, the same training subset, the same seeds and the same step budget.
-delta = 1e-5 (smaller than 1/n^1.1 for every n used here).
+Tasks (dpfit.data.tasks, all from bundled data, split by movie / speaker / corpus group):
+rotten-tomatoes (2 classes), convention-party (2), text-source (6). Rows per task:
 
-DP full fine-tuning uses dpfit's `mode="full"` when it works for BERT, else Opacus (hooks mode,
-Poisson sampling, embeddings frozen: Opacus cannot give per-example gradients for the
-broadcast position/token-type embeddings, and the 11.7M-entry word embedding would dominate
-the cost). Which one ran is recorded per row.
+  majority class             always the training split's most frequent label
+  TF-IDF + LR                1-2 gram TF-IDF + logistic regression, C by CV on train
+  frozen probe (pooling)     frozen MiniLM features + LR; pooler output, [CLS], token mean
+  non-private bias-only      `dpfit train --non-private`            (defaults only)
+  non-private full           `dpfit train --non-private --mode full`
+  DP-BiTFiT eps=E            `dpfit train --epsilon E`  for E in 1, 3, 8
+  DP-BiTFiT head-first eps=8 `dpfit train --head-first` (when this build has it)
+  DP full eps=8              `dpfit train --mode full`
 
-CPU note: on a shared 2-core machine the full data takes hours; the default uses a random
-subset of the training split and a short max length, and says so in the table header.
+dpfit rows pass NO recipe flags (batch, lr, epochs, clip norm, clipping, max length): the
+defaults are what is measured. Every finished run is appended to a JSONL log and skipped when
+the suite is run again, so an interrupted suite resumes, and the table is rebuilt from
+whatever has finished (`--table-only`). `--quick` trains on a random subset of each training
+split and scores a random subset of each test split (the table header says so).
 
-    python benchmarks/utility.py                       # default subset, seed 0
-    python benchmarks/utility.py --train-examples 0    # all training data
-    python benchmarks/utility.py --seeds 0 1 2
+    python benchmarks/utility.py --quick --seeds 0            # a first pass
+    python benchmarks/utility.py --seeds 0 1 2                # the full suite
+    python benchmarks/utility.py --rows dp-8 np-bias --tasks convention-party
+    python benchmarks/utility.py --table-only                 # rebuild md/json/png
 """
 
 from __future__ import annotations
 
 import os
 
-# Must precede the torch import: OpenMP threads spin-wait by default, which on a shared machine
-# makes two threads many times slower than one.
+# Before torch: OpenMP threads spin-wait by default, which on a shared machine is ruinous.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
@@ -36,276 +40,329 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dpfit.train import TrainConfig, evaluate, prepare_data, train  # noqa: E402
+import baselines  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DELTA = 1e-5
+from dpfit.data.tasks import TASKS, TaskSplits, load_task, write_csv  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+CACHE = HERE / ".cache"
+logger = logging.getLogger("utility")
 
 
 @dataclass(frozen=True)
-class Setting:
-    name: str
-    private: bool
-    mode: str  # bias | full
-    epsilon: float | None
-    lr: float
+class Row:
+    key: str  # short name for --rows
+    name: str  # table label
+    kind: str  # majority | tfidf | probe | dpfit
+    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig fields (no recipe!)
 
 
-def settings(
-    epsilons: list[float], lr_bias: float, lr_full: float, lr_dp_full: float
-) -> list[Setting]:
-    out = [
-        Setting("non-private full FT", False, "full", None, lr_full),
-        Setting("non-private bias-only", False, "bias", None, lr_bias),
-    ]
-    out += [Setting(f"DP-BiTFiT eps={e:g}", True, "bias", e, lr_bias) for e in epsilons]
-    out.append(Setting("DP full FT eps=8", True, "full", 8.0, lr_dp_full))
-    return out
+ROWS = (
+    Row("majority", "majority class", "majority"),
+    Row("tfidf", "TF-IDF + LR", "tfidf"),
+    Row("probe", "frozen probe (pooler / cls / mean)", "probe"),
+    Row("np-bias", "non-private bias-only", "dpfit", {"non_private": True}),
+    Row("dp-8", "DP-BiTFiT eps=8", "dpfit", {"epsilon": 8.0}),
+    Row("dp-1", "DP-BiTFiT eps=1", "dpfit", {"epsilon": 1.0}),
+    Row("dp-3", "DP-BiTFiT eps=3", "dpfit", {"epsilon": 3.0}),
+    Row("dp-8-head", "DP-BiTFiT head-first eps=8", "dpfit", {"epsilon": 8.0, "head_first": True}),
+    Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
+    Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
+)
+ROW_BY_KEY = {r.key: r for r in ROWS}
+QUICK_TRAIN, QUICK_TEST = 1000, 500
 
 
-def run_dpfit(s: Setting, args, seed: int) -> dict:
+@dataclass(frozen=True)
+class Scale:
+    max_train: int | None
+    max_test: int | None
+
+    def tag(self) -> str:
+        return f"train{self.max_train or 'all'}_test{self.max_test or 'all'}"
+
+
+def task_data(name: str, seed: int, scale: Scale) -> tuple[TaskSplits, Path, Path]:
+    """The task at this scale, and CSVs of (full train, scored test) for `dpfit train`.
+
+    The training subset is drawn by `train` itself (max_train_examples, same seed), so the
+    baselines use `LabeledTexts.subsample` with the same seed and get the same examples.
+    """
+    task = load_task(name, seed)
+    test = task.test
+    if scale.max_test:
+        test = test.subsample(scale.max_test, seed=seed)
+    train = task.train.subsample(scale.max_train, seed=seed) if scale.max_train else task.train
+    folder = CACHE / "tasks" / f"{name}_s{seed}_{scale.tag()}"
+    if not (folder / "test.csv").exists():
+        write_csv(task.train, folder / "train.csv")
+        write_csv(test, folder / "test.csv")
+    return (
+        dataclasses.replace(task, train=train, test=test),
+        folder / "train.csv",
+        folder / "test.csv",
+    )
+
+
+def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale) -> dict:
+    from dpfit.train import TrainConfig, train
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    missing = [k for k in row.train if k not in fields]
+    if missing:
+        raise NotImplementedError(f"this build's TrainConfig has no {missing}")
     cfg = TrainConfig(
-        max_train_examples=args.train_examples or None,
-        epsilon=s.epsilon if s.private else 8.0,
-        delta=DELTA,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        physical_batch_size=args.physical_batch_size,
-        lr=s.lr,
-        max_length=args.max_length,
+        data=str(train_csv),
+        eval_data=str(test_csv),
         seed=seed,
-        non_private=not s.private,
-        mode=s.mode,
-        clipping=args.clipping,
+        max_train_examples=scale.max_train,
+        **row.train,
     )
-    res = train(cfg)
-    m = res.metrics
-    return {
-        "accuracy": m["accuracy"],
-        "epsilon": m["epsilon"] if s.private else None,
-        "noise_multiplier": m["noise_multiplier"],
-        "steps": m["steps"],
-        "trainable_fraction": m["trainable_fraction"],
-        "train_time_s": m["train_time_s"],
-        "engine": "dpfit",
-    }
-
-
-def run_opacus_full(s: Setting, args, seed: int) -> dict:
-    """DP full fine-tuning with Opacus (Poisson sampling, virtual steps), embeddings frozen."""
-    import random
-
-    from opacus import PrivacyEngine as OpacusEngine
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
-
-    from dpfit.models import load_classifier
-    from dpfit.train import encode, make_collate
-
-    cfg = TrainConfig(
-        max_train_examples=args.train_examples or None, max_length=args.max_length, seed=seed
-    )
-    data = prepare_data(cfg)
-    random.seed(seed)
-    torch.manual_seed(seed)
-    loaded = load_classifier(None, data.train.label_names, seed=seed)
-    model, tok = loaded.model, loaded.tokenizer
-    for n, p in model.named_parameters():
-        p.requires_grad_(not n.startswith("bert.embeddings."))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    items = encode(data.train, tok, args.max_length)
-    collate = make_collate(tok.pad_token_id)
-    loader = torch.utils.data.DataLoader(items, batch_size=args.batch_size, collate_fn=collate)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
-    engine = OpacusEngine(accountant="rdp")
-    model.train()
-    model, optimizer, loader = engine.make_private_with_epsilon(
-        module=model,
-        optimizer=optimizer,
-        data_loader=loader,
-        target_epsilon=s.epsilon,
-        target_delta=DELTA,
-        epochs=args.epochs,
-        max_grad_norm=1.0,
-        poisson_sampling=True,
-    )
-    t0 = time.perf_counter()
-    steps = 0
-    for _ in range(args.epochs):
-        with BatchMemoryManager(
-            data_loader=loader,
-            max_physical_batch_size=args.physical_batch_size,
-            optimizer=optimizer,
-        ) as mem_loader:
-            for batch in mem_loader:
-                if batch["input_ids"].shape[0] == 0:
-                    optimizer.zero_grad()
-                    optimizer.step()
-                    continue
-                loss = model(**batch).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                if not optimizer._is_last_step_skipped:
-                    steps += 1
-    train_time = time.perf_counter() - t0
-    base = model._module
-    acc = evaluate(base, tok, data.test, args.max_length, 64).accuracy
-    return {
-        "accuracy": acc,
-        "epsilon": engine.get_epsilon(DELTA),
-        "noise_multiplier": optimizer.noise_multiplier,
-        "steps": steps,
-        "trainable_fraction": trainable / total,
-        "train_time_s": train_time,
-        "engine": "opacus (embeddings frozen)",
-    }
-
-
-def dp_full(s: Setting, args, seed: int) -> dict:
-    try:
-        return run_dpfit(s, args, seed)
-    except Exception as e:  # dpfit full mode may not support this model yet
-        logging.warning(
-            "dpfit mode='full' failed (%s: %s); falling back to Opacus", type(e).__name__, e
-        )
-    return run_opacus_full(s, args, seed)
-
-
-def summarize(rows: list[dict]) -> dict[str, dict]:
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        if "accuracy" in r:
-            by.setdefault(r["setting"], []).append(r)
-    out = {}
-    for name, rs in by.items():
-        accs = [r["accuracy"] for r in rs]
-        out[name] = {
-            "mean": statistics.fmean(accs),
-            "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-            "n_seeds": len(accs),
-            "epsilon": rs[0].get("epsilon"),
-            "steps": rs[0]["steps"],
-            "sigma": rs[0].get("noise_multiplier"),
-            "trainable_fraction": rs[0]["trainable_fraction"],
-            "train_time_s": statistics.fmean(r["train_time_s"] for r in rs),
-            "engine": rs[0]["engine"],
-        }
+    m = train(cfg).metrics
+    keep = (
+        "accuracy epsilon delta noise_multiplier steps head_first_steps epochs batch_size lr "
+        "max_length train_examples trainable_fraction train_time_s recipe clipping max_grad_norm"
+    ).split()
+    out = {k: m.get(k) for k in keep if k in m}
+    for k in ("lr", "max_length", "pooling"):  # older builds keep these only in the config
+        out.setdefault(k, m.get("config", {}).get(k))
     return out
 
 
-def majority_baseline(seed: int = 0) -> float:
-    """Accuracy of always predicting the test split's most common class: the floor to beat."""
-    test = prepare_data(TrainConfig(seed=seed)).test
-    return max(test.class_counts().values()) / len(test)
+def run_row(row: Row, task_name: str, seed: int, scale: Scale) -> list[dict]:
+    """One or more result records (the probe gives one per pooling)."""
+    task, train_csv, test_csv = task_data(task_name, seed, scale)
+    sizes = {"n_train": len(task.train), "n_test": len(task.test)}
+    if row.kind == "majority":
+        return [{"row": row.name, "accuracy": task.majority_rate(), **sizes}]
+    if row.kind == "tfidf":
+        return [{"row": row.name, **baselines.tfidf_lr(task, seed), **sizes}]
+    if row.kind == "probe":
+        res = baselines.probe(task, baselines.PROBE_MAX_LENGTH, seed, load_task(task_name, seed))
+        return [{"row": f"frozen probe, {p}", **r, **sizes} for p, r in res.items()]
+    return [{"row": row.name, **sizes, **run_dpfit(row, train_csv, test_csv, seed, scale)}]
 
 
-def markdown(
-    summary: dict[str, dict], header: str, failures: list[dict], majority: float | None = None
-) -> str:
+# -- the log, the table, the plot ---------------------------------------------------------------
+
+
+def run_key(row: Row, task: str, seed: int, scale: Scale) -> str:
+    return f"{task}|{row.key}|{seed}|{scale.tag()}"
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "key" in r]  # older formats of this log are ignored
+
+
+def summarize(records: list[dict], scale: Scale) -> dict:
+    """{task: {row label: {mean, sd, seeds, wall_s, ...}}} over finished runs at `scale`."""
+    out: dict[str, dict] = {}
+    for r in records:
+        if r.get("scale") != scale.tag() or "accuracy" not in r:
+            continue
+        out.setdefault(r["task"], {}).setdefault(r["row"], []).append(r)
+    summary: dict[str, dict] = {}
+    for task, rows in out.items():
+        summary[task] = {}
+        for name, rs in rows.items():
+            accs = [100 * r["accuracy"] for r in rs]
+            summary[task][name] = {
+                "mean": statistics.fmean(accs),
+                "sd": statistics.stdev(accs) if len(accs) > 1 else None,
+                "seeds": sorted(r["seed"] for r in rs),
+                "wall_s": statistics.fmean(r.get("wall_s", 0.0) for r in rs),
+                "epsilon": rs[0].get("epsilon"),
+                "steps": rs[0].get("steps"),
+                "batch_size": rs[0].get("batch_size"),
+                "epochs": rs[0].get("epochs"),
+                "lr": rs[0].get("lr"),
+                "n_train": rs[0].get("n_train"),
+                "n_test": rs[0].get("n_test"),
+            }
+    return summary
+
+
+def row_order(summary: dict) -> list[str]:
+    names: list[str] = []
+    for rows in summary.values():
+        names += [n for n in rows if n not in names]
+    rank = {r.name: i for i, r in enumerate(ROWS)}
+
+    def key(n: str) -> tuple[int, str]:
+        return (rank.get(n, rank[ROW_BY_KEY["probe"].name]), n)
+
+    return sorted(names, key=key)
+
+
+def _cell(s: dict | None) -> str:
+    if s is None:
+        return "not run"
+    sd = f" ± {s['sd']:.1f}" if s["sd"] is not None else ""
+    return f"{s['mean']:.1f}{sd} ({len(s['seeds'])}) {s['wall_s']:.0f} s"
+
+
+def targets(summary: dict) -> list[str]:
+    """The suite's targets, checked on what has finished."""
+    lines = []
+    for task, rows in summary.items():
+        np_bias = rows.get("non-private bias-only")
+        probes = {n: s for n, s in rows.items() if n.startswith("frozen probe")}
+        if np_bias and probes:
+            best_name, best = max(probes.items(), key=lambda kv: kv[1]["mean"])
+            gap = np_bias["mean"] - best["mean"]
+            ok = "met" if gap >= 0 else "MISSED"
+            lines.append(
+                f"- {task}: non-private bias-only {np_bias['mean']:.1f} vs best {best_name} "
+                f"{best['mean']:.1f} ({gap:+.1f}): {ok}"
+            )
+        dp8 = rows.get("DP-BiTFiT eps=8")
+        if np_bias and dp8:
+            gap = dp8["mean"] - np_bias["mean"]
+            n = np_bias.get("n_train") or 0
+            need = "target" if n >= 5000 else f"reported only (n={n} < 5000)"
+            ok = "met" if gap >= -3 else "MISSED"
+            lines.append(
+                f"- {task}: DP-BiTFiT eps=8 {dp8['mean']:.1f} vs non-private bias-only "
+                f"{np_bias['mean']:.1f} ({gap:+.1f} points, {need}): {ok}"
+            )
+        dp1, maj = rows.get("DP-BiTFiT eps=1"), rows.get("majority class")
+        if dp1 and maj:
+            gap = dp1["mean"] - maj["mean"]
+            ok = "met" if gap >= 3 else "MISSED"
+            lines.append(
+                f"- {task}: DP-BiTFiT eps=1 {dp1['mean']:.1f} vs majority {maj['mean']:.1f} "
+                f"({gap:+.1f}; 'clearly' read as >= 3 points): {ok}"
+            )
+    return lines
+
+
+def markdown(summary: dict, header: str, failures: list[dict]) -> str:
+    tasks = list(summary)
+    names = row_order(summary)
     lines = [
         header,
         "",
-        *(
-            [
-                f"Majority-class baseline (always 'fresh') on this test split: {100 * majority:.1f}%.",
-                "",
-            ]
-            if majority is not None
-            else []
-        ),
-        "| setting | test accuracy | seeds | epsilon (delta=1e-5) | sigma | steps | trained | train time | engine |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Test accuracy (%), mean ± sd over seeds (number of seeds), then wall time per run "
+        "(load, train, evaluate; the three probe rows share one run).",
+        "",
     ]
-    for name, s in summary.items():
-        acc = f"{100 * s['mean']:.1f}" + (f" ± {100 * s['std']:.1f}" if s["n_seeds"] > 1 else "")
-        eps = "∞" if s["epsilon"] is None else f"{s['epsilon']:.2f}"
-        sigma = "-" if s["sigma"] is None else f"{s['sigma']:.3f}"
-        lines.append(
-            f"| {name} | {acc} | {s['n_seeds']} | {eps} | {sigma} | {s['steps']} | "
-            f"{100 * s['trainable_fraction']:.2f}% | {s['train_time_s']:.0f} s | {s['engine']} |"
-        )
-    for f in failures:
-        lines.append(f"| {f['setting']} | failed: {f['error'][:80]} | | | | | | | |")
+    lines.append("| row | " + " | ".join(tasks) + " |")
+    lines.append("|---|" + "---|" * len(tasks))
+    for name in names:
+        cells = [_cell(summary[t].get(name)) for t in tasks]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Training sizes and resolved defaults of the dpfit rows (seed 0 run):", ""]
+    lines.append("| task | row | n train | n test | batch | epochs | steps | lr | epsilon |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for t in tasks:
+        for name in names:
+            s = summary[t].get(name)
+            if s is None or s.get("steps") is None:
+                continue
+            eps = "∞" if s["epsilon"] in (None, float("inf")) else f"{s['epsilon']:.2f}"
+            lines.append(
+                f"| {t} | {name} | {s['n_train']} | {s['n_test']} | {s['batch_size']} | "
+                f"{s['epochs']} | {s['steps']} | {s['lr']} | {eps} |"
+            )
+    lines += ["", "Targets on what has finished:", "", *(targets(summary) or ["- (none yet)"])]
+    if failures:
+        lines += ["", "Runs that failed:", ""]
+        lines += [
+            f"- {f['task']} / {f['row']} / seed {f['seed']}: {f['error'][:160]}" for f in failures
+        ]
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict[str, dict], path: Path, title: str, majority: float | None = None) -> None:
+def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bitfit = sorted(
-        (s["epsilon"], s["mean"], s["std"]) for n, s in summary.items() if n.startswith("DP-BiTFiT")
-    )
-    if bitfit:
-        e, m, sd = zip(*bitfit, strict=True)
-        ax.errorbar(
-            e,
-            [100 * x for x in m],
-            yerr=[100 * x for x in sd],
-            marker="o",
-            label="DP-BiTFiT",
-            capsize=3,
-        )
-    styles = {"non-private full FT": "k--", "non-private bias-only": "g:"}
-    for name, style in styles.items():
-        if name in summary:
-            ax.axhline(100 * summary[name]["mean"], ls=style[1:], color=style[0], label=name)
-    if majority is not None:
-        ax.axhline(100 * majority, ls="-.", color="gray", label="majority class")
-    full = summary.get("DP full FT eps=8")
-    if full is not None:
-        ax.plot([full["epsilon"]], [100 * full["mean"]], "rs", label="DP full FT")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("epsilon (delta = 1e-5)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    tasks = list(summary)
+    names = row_order(summary)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 0.32 * len(names) + 1.6))
+    if len(tasks) == 1:
+        axes = [axes]
+    for ax, t in zip(axes, tasks, strict=True):
+        ys, ms, sds, colors = [], [], [], []
+        for i, n in enumerate(names):
+            s = summary[t].get(n)
+            if s is None:
+                continue
+            ys.append(i)
+            ms.append(s["mean"])
+            sds.append(s["sd"] or 0.0)
+            colors.append("tab:red" if "DP" in n else "tab:blue" if "private" in n else "gray")
+        ax.barh(ys, ms, xerr=sds, color=colors, capsize=2)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names if ax is axes[0] else [""] * len(names), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("test accuracy (%)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_outputs(records: list[dict], scale: Scale, out: Path, tag: str, seeds) -> str:
+    import torch
+
+    summary = summarize(records, scale)
+    failures = [r for r in records if r.get("scale") == scale.tag() and "error" in r]
+    size = (
+        f"quick mode: a random {scale.max_train} training examples per task (seeded) and a "
+        f"random {scale.max_test} test examples"
+        if scale.max_train
+        else "full training and test splits"
+    )
+    header = (
+        f"# Utility suite: bundled all-MiniLM-L6-v2, dpfit defaults only\n\n{size}; seeds run: "
+        f"{sorted({r['seed'] for r in records if r.get('scale') == scale.tag()})} (asked: "
+        f"{list(seeds)}). delta = dpfit's default min(1e-5, 1/n^1.1). {platform.machine()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, shared CPU: wall times "
+        "are upper bounds."
+    )
+    md = markdown(summary, header, failures)
+    (out / f"{tag}.md").write_text(md)
+    payload = {"scale": scale.tag(), "summary": summary, "runs": records, "header": header}
+    (out / f"{tag}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    if summary:
+        plot(summary, out / f"{tag}.png", f"dpfit defaults, {size}")
+    return md
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--train-examples", type=int, default=2000, help="random subset size (0 = all)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--physical-batch-size", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=48)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--epsilons", type=float, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--lr-bias", type=float, default=5e-3)
-    p.add_argument("--lr-full", type=float, default=1e-4)
-    p.add_argument("--lr-dp-full", type=float, default=5e-4)
-    p.add_argument("--clipping", default="flat")
-    p.add_argument("--only", nargs="*", help="run only settings whose name contains one of these")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--rows", nargs="+", default=[r.key for r in ROWS], choices=list(ROW_BY_KEY))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_TRAIN} train / {QUICK_TEST} test")
+    p.add_argument("--max-train", type=int, help="random training subset per task")
+    p.add_argument("--max-test", type=int, help="random test subset per task")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="utility")
-    p.add_argument("--from-json", type=Path, help="rewrite the table and plot from a saved JSON")
+    p.add_argument("--table-only", action="store_true", help="rebuild outputs from the log")
     args = p.parse_args(argv)
-    if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        maj = majority_baseline(saved["runs"][0]["seed"] if saved["runs"] else 0)
-        md = markdown(saved["summary"], saved["header"], saved["failures"], maj)
-        (args.out / f"{args.tag}.md").write_text(md)
-        if saved["summary"]:
-            title = saved.get("title", "MiniLM on Rotten Tomatoes")
-            plot(saved["summary"], args.out / f"{args.tag}.png", title, maj)
-        print(md)
-        return 0
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    max_train = args.max_train or (QUICK_TRAIN if args.quick else None)
+    max_test = args.max_test or (QUICK_TEST if args.quick else None)
+    scale = Scale(max_train, max_test)
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.ERROR)
     import transformers
 
@@ -313,63 +370,35 @@ def main(argv=None) -> int:
     transformers.logging.disable_progress_bar()
 
     args.out.mkdir(parents=True, exist_ok=True)
-    jsonl = args.out / f"{args.tag}_runs.jsonl"
-    all_settings = settings(args.epsilons, args.lr_bias, args.lr_full, args.lr_dp_full)
-    if args.only:
-        all_settings = [s for s in all_settings if any(k in s.name for k in args.only)]
-    rows, failures = [], []
-    for seed in args.seeds:
-        for s in all_settings:
-            t0 = time.perf_counter()
-            print(
-                f"[{time.strftime('%H:%M:%S')}] {s.name}, seed {seed} ...",
-                file=sys.stderr,
-                flush=True,
-            )
-            try:
-                fn = dp_full if (s.private and s.mode == "full") else run_dpfit
-                r = {"setting": s.name, "seed": seed, **asdict(s), **fn(s, args, seed)}
-                rows.append(r)
-            except Exception as e:
-                traceback.print_exc()
-                r = {"setting": s.name, "seed": seed, "error": f"{type(e).__name__}: {e}"}
-                failures.append(r)
-            r["wall_s"] = time.perf_counter() - t0
-            with open(jsonl, "a") as f:
-                f.write(json.dumps(r) + "\n")
-            print(
-                f"    -> {r.get('accuracy', r.get('error'))} ({r['wall_s']:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    summary = summarize(rows)
-    n_train = args.train_examples or "all"
-    header = (
-        f"Bundled all-MiniLM-L6-v2 + new head, bundled Rotten Tomatoes (split by movie, test "
-        f"split scored in full). Training on a random {n_train} training examples, "
-        f"{args.epochs} epochs, logical batch {args.batch_size} (Poisson for DP), max length "
-        f"{args.max_length}, clipping {args.clipping}, R=1, AdamW lr bias {args.lr_bias:g} / "
-        f"full {args.lr_full:g} / DP full {args.lr_dp_full:g}; seeds {args.seeds}; "
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads."
-    )
-    maj = majority_baseline(args.seeds[0])
-    md = markdown(summary, header, failures, maj)
-    (args.out / f"{args.tag}.md").write_text(md)
-    (args.out / f"{args.tag}.json").write_text(
-        json.dumps(
-            {"header": header, "summary": summary, "runs": rows, "failures": failures}, indent=2
-        )
-    )
-    if summary:
-        plot(
-            summary,
-            args.out / f"{args.tag}.png",
-            f"MiniLM on Rotten Tomatoes, {n_train} train examples",
-        )
-    print(md)
-    return 0 if not failures else 1
+    log = args.out / f"{args.tag}_runs.jsonl"
+    if not args.table_only:
+        done = {r["key"] for r in read_log(log) if "error" not in r}
+        # seed-major, then row priority, then task: a partial run covers every task first
+        for seed in args.seeds:
+            for rk in [r.key for r in ROWS if r.key in args.rows]:
+                for task in args.tasks:
+                    row = ROW_BY_KEY[rk]
+                    key = run_key(row, task, seed, scale)
+                    if key in done:
+                        continue
+                    logger.info("run %s", key)
+                    t0 = time.perf_counter()
+                    base = {"key": key, "task": task, "seed": seed, "scale": scale.tag()}
+                    try:
+                        recs = run_row(row, task, seed, scale)
+                    except Exception as e:
+                        logger.warning("%s failed: %s", key, traceback.format_exc(limit=3))
+                        recs = [{"row": row.name, "error": f"{type(e).__name__}: {e}"}]
+                    wall = time.perf_counter() - t0
+                    with open(log, "a") as f:
+                        for r in recs:
+                            f.write(json.dumps({**base, "wall_s": wall, **r}, default=str) + "\n")
+                    logger.info(
+                        "done %s in %.0f s: %s", key, wall, [r.get("accuracy") for r in recs]
+                    )
+                    write_outputs(read_log(log), scale, args.out, args.tag, args.seeds)
+    print(write_outputs(read_log(log), scale, args.out, args.tag, args.seeds))
+    return 0
 
 
 if __name__ == "__main__":
