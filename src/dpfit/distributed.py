@@ -162,6 +162,24 @@ def init_from_env(backend: str | None = None) -> bool:
     return True
 
 
+def launched_by_torchrun() -> bool:
+    """True inside a process that torchrun (torch.distributed.run) started."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """argv without `option VALUE` / `option=VALUE` (the launcher's own option)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
 def launch_command(nproc_per_node: int, argv: list[str]) -> list[str]:
     """torchrun's argument list running `python -m dpfit <argv>` on nproc_per_node processes
     (single node; for several machines run torchrun yourself with --nnodes/--rdzv-*)."""

@@ -476,8 +476,14 @@ class PrivacyEngine:
         dataset: Sequence,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         physical_batch_size: int | None = None,
+        max_steps: int | None = None,
     ) -> PoissonDataLoader:
-        """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size."""
+        """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size.
+
+        max_steps: stop drawing once the engine has taken that many logical steps. Stopping
+        training this way (not by breaking out on this rank's step count alone) keeps every
+        rank of a distributed job at the same number of collective steps.
+        """
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise SamplingError(
                 "got a torch DataLoader: its shuffled fixed-size batches are not the Poisson "
@@ -509,6 +515,7 @@ class PrivacyEngine:
             collate_fn,
             physical_batch_size,
             batch_context=no_sync_context(self._ddp),
+            stop=None if max_steps is None else (lambda: self.ledger.steps >= max_steps),
         )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)

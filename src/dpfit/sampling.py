@@ -191,6 +191,7 @@ class PoissonDataLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         physical_batch_size: int | None = None,
         batch_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         if physical_batch_size is not None and physical_batch_size < 1:
             raise ValueError("physical_batch_size must be >= 1")
@@ -201,6 +202,9 @@ class PoissonDataLoader:
         self.physical_batch_size = physical_batch_size
         # held while the caller runs forward+backward on each physical batch (DDP's no_sync)
         self.batch_context = batch_context or contextlib.nullcontext
+        # asked before each logical batch: ranks of a distributed job stop at the same step
+        # even when the last ones are empty on some ranks (which step inside this loader)
+        self.stop = stop
 
     def __len__(self) -> int:
         """Logical steps per pass (the number of physical batches varies)."""
@@ -212,6 +216,8 @@ class PoissonDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         for idx in self.sampler:
+            if self.stop is not None and self.stop():
+                break
             if not idx:
                 self.events.empty()
                 continue

@@ -22,6 +22,7 @@ import torch
 
 from dpfit import checkpoint as ckpt
 from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
+from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.models import count_bias_parameters, load_classifier
 from dpfit.reporting import StepRow, peak_memory_mb, plot_steps, write_json, write_steps_csv
@@ -533,7 +534,10 @@ def train(
     else:
         engine = _make_engine(model, config, n, total_steps)
         loader = engine.data_loader(
-            items, collate_fn=collate, physical_batch_size=config.physical_batch_size
+            items,
+            collate_fn=collate,
+            physical_batch_size=config.physical_batch_size,
+            max_steps=total_steps,  # distributed: every rank stops at the same logical step
         )
         stepper = engine
         params = list(engine.parameters())
@@ -568,7 +572,7 @@ def train(
             note(f"resumed from {path.name}: logical step {len(rows)}, epoch {epoch + 1}")
 
     def save(epoch_now: int) -> None:
-        if not config.checkpoint_dir:
+        if not config.checkpoint_dir or not is_main_process():  # distributed: rank 0 writes
             return
         ckpt.save_checkpoint(
             config.checkpoint_dir,
@@ -652,7 +656,7 @@ def train(
     )
     metrics = _metrics(config, data, summary, accuracy, privacy, rows, train_time, t_start, device)
     result = TrainResult(metrics, rows, model, tokenizer, privacy, notes)
-    if config.output:
+    if config.output and is_main_process():  # distributed: rank 0 writes
         result.output_dir = save_outputs(result, config)
     return result
 
