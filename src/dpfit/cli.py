@@ -274,6 +274,8 @@ def run_train(args: argparse.Namespace) -> int:
     bar = None
 
     def on_note(msg: str) -> None:
+        if not distributed.is_main_process():
+            return
         (tqdm.write if bar is not None else _eprint)(f"note: {msg}", file=sys.stderr)
 
     if is_bundled_job(args):
