@@ -85,10 +85,11 @@ def run_dp(world: int, steps: int) -> list[tuple[int, float]]:
         nn.functional.cross_entropy(model(x), y).backward()
         n += len(x)
         if engine.step(opt):
+            dt = time.perf_counter() - t
             total = torch.tensor([n])
             if world > 1:
-                dist.all_reduce(total)  # examples in the step, all ranks (not timed apart)
-            out.append((int(total), time.perf_counter() - t))
+                dist.all_reduce(total)  # examples in the step, all ranks (not timed)
+            out.append((int(total), dt))
             n, t = 0, time.perf_counter()
             if len(out) >= steps:
                 break
