@@ -126,12 +126,13 @@ def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     if not isinstance(model, DistributedDataParallel):
         return model, None
     inner = model.module
-    if model.broadcast_buffers and any(True for _ in inner.buffers()):
+    syncs = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", True))
+    if syncs and any(True for _ in inner.buffers()):
         raise DistributedError(
             "the DistributedDataParallel model broadcasts buffers in every forward, a "
             "collective that ranks with different numbers of physical batches would call a "
-            "different number of times; wrap it with broadcast_buffers=False (buffers of a "
-            "fine-tuned model do not change)"
+            "different number of times; wrap it with broadcast_buffers=False (or "
+            "forward_sync_buffers=False; buffers of a fine-tuned model do not change)"
         )
     return inner, model
 
