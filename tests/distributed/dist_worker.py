@@ -122,6 +122,15 @@ def noise(world: int, epochs: int = 12) -> dict:
     }
 
 
+def streams(world: int) -> dict:
+    """insecure_seed=5 on every rank: 20 draws of this rank's shard (positions within it)."""
+    engine = dpfit.PrivacyEngine(
+        make_model(), expected_batch_size=32, sample_size=64, noise_multiplier=1.0, insecure_seed=5
+    )
+    sampler = engine.data_loader(Points(64)).sampler
+    return {"positions": [[i // world for i in sampler.draw()] for _ in range(20)]}
+
+
 def run_until(world: int, ckdir: str, total: int, die_at: int | None = None) -> dict:
     """q=1, sigma=1: checkpoint (rank 0, atomic) after every logical step; resume from the
     newest checkpoint if there is one; rank 1 dies (os._exit) after step `die_at`."""
@@ -174,6 +183,8 @@ def main(argv: list[str]) -> None:
         name, *args = spec.split(":")
         if name == "update":
             results[spec] = update(world, args[0], args[1] == "ddp")
+        elif name == "streams":
+            results[spec] = streams(world)
         elif name == "noise":
             results[spec] = noise(world)
         elif name == "kill":

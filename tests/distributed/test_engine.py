@@ -20,7 +20,7 @@ UPDATES = ["update:bias:plain", "update:bias:ddp", "update:full:plain", "update:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    codes = launch(out, 2, *UPDATES, "noise")
+    codes = launch(out, 2, *UPDATES, "noise", "streams")
     assert codes == [0, 0], launch.logs
     return results(out, 2)
 
@@ -88,3 +88,10 @@ def test_the_union_of_rank_samples_is_poisson_at_q(job):
             stats.binom.ppf(1 - ALPHA / 2, trials // 2, q),
         )
         assert lo <= k <= hi, (k, lo, hi)
+
+
+def test_ranks_sample_from_distinct_streams_even_with_one_insecure_seed(job):
+    """Shared draws would put position k of every shard in or out together: the shards'
+    inclusions would be dependent, not a Poisson sample of the whole."""
+    a, b = job[0]["streams"]["positions"], job[1]["streams"]["positions"]
+    assert sum(x == y for x, y in zip(a, b, strict=True)) <= 1
