@@ -243,3 +243,15 @@ def test_parameter_without_gradient_still_gets_noise():
         engine.step(opt, batch_size=B)
         draws.append(opt.grads[model.b.bias].clone())
     assert_std(torch.stack(draws), sigma * R / B)
+
+
+def test_loader_stops_at_max_steps_even_mid_pass():
+    """Every rank of a distributed job stops at the same logical step (empty ones count)."""
+    model = make_model()
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=2, sample_size=40, noise_multiplier=1.0)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.0)
+    loader = engine.data_loader(Points(40), max_steps=7)
+    for x, y, _ in loader:
+        loss_of(model, x, y).backward()
+        engine.step(opt)
+    assert engine.steps_taken == 7 < len(loader)

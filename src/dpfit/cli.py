@@ -173,6 +173,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     vision_cli.add_train_arguments(p)
 
+    # -- distributed (dpfit.distributed; docs/distributed.md)
+    g = p.add_argument_group("distributed")
+    g.add_argument(
+        "--nproc-per-node",
+        type=_positive_int,
+        help="data-parallel DP on N processes of this machine, launched through "
+        "torch.distributed.run (for several machines run torchrun -m dpfit train ... yourself)",
+    )
+
 
 def train_config_from_args(args: argparse.Namespace):
     from dpfit.train import TrainConfig
@@ -291,6 +300,17 @@ def run_train(args: argparse.Namespace) -> int:
         return vision_cli.run_train(args)
     from tqdm.auto import tqdm
 
+    # -- distributed: re-run through torchrun, or join its process group; rank 0 alone talks
+    from dpfit import distributed
+
+    if args.nproc_per_node and not distributed.launched_by_torchrun():
+        argv = distributed.strip_option(args._argv, "--nproc-per-node")
+        return distributed.launch(args.nproc_per_node, argv)
+    distributed.init_from_env()
+    if not distributed.is_main_process():
+        args.quiet = True
+    # -- end distributed
+
     _set_threads(args.threads)
 
     from dpfit.reporting import format_table, to_json
@@ -300,6 +320,8 @@ def run_train(args: argparse.Namespace) -> int:
     bar = None
 
     def on_note(msg: str) -> None:
+        if not distributed.is_main_process():
+            return
         (tqdm.write if bar is not None else _eprint)(f"note: {msg}", file=sys.stderr)
 
     def on_step(row, total: int) -> None:
@@ -325,6 +347,8 @@ def run_train(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     m = result.metrics
+    if not distributed.is_main_process():
+        return 0
     if args.json:
         print(to_json({k: v for k, v in m.items() if k != "config"}, indent=None))
     else:
@@ -543,6 +567,7 @@ def _setup_logging(verbosity: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # re-launched by --nproc-per-node
     _setup_logging(args.verbose)
     t0 = time.perf_counter()
     try:

@@ -28,10 +28,20 @@ from dpfit.accounting import (
 )
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
+from dpfit.distributed import (
+    DistContext,
+    all_reduce_sum,
+    check_identical,
+    no_sync_context,
+    resolve,
+    shard_indices,
+    unwrap_ddp,
+)
 from dpfit.errors import (
     BatchAxisError,
     BatchNormError,
     BudgetExhaustedError,
+    DistributedError,
     GradientMismatchError,
     NoTrainableParametersError,
     SamplingError,
@@ -138,7 +148,12 @@ class PrivacyEngine:
         batch_dims: dict[str, int] | None = None,
         check_gradients: bool = True,
         schedule: Sequence[PhaseSpec] | None = None,
+        process_group: Any = None,
     ) -> None:
+        # data parallel (dpfit.distributed): a process group with >1 rank, given or the
+        # initialised default one; a DDP wrapper is looked through (its own sync is kept off)
+        model, self._ddp = unwrap_ddp(model)
+        self._dist: DistContext | None = resolve(process_group)
         # two-phase X+BiTFiT (dpfit.schedule): noise calibrated for all phases together
         self._phases = parse_schedule(schedule) if schedule is not None else ()
         if self._phases:
@@ -178,6 +193,10 @@ class PrivacyEngine:
         self._max_steps = self._compute_max_steps()
         self._insecure_seed = insecure_seed is not None
         self._noise_rng, self._sample_rng = self._make_generators()
+        if self._dist is not None:
+            check_identical(self._params, self._dist)
+        # noised updates of empty logical batches reduced before any optimizer was seen
+        self._early_updates: list[dict[nn.Parameter, torch.Tensor]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending_loader_state: dict | None = None
         self._register_hooks()
@@ -211,7 +230,17 @@ class PrivacyEngine:
                 "so the run is NOT differentially private against anyone who knows it",
                 seed,
             )
-        return make_generator(seed, "noise"), make_generator(seed, "sampling")
+        return make_generator(seed, "noise"), make_generator(seed, self._sampling_stream())
+
+    def _sampling_stream(self, resumed_at: int | None = None) -> str:
+        """Each rank samples its shard from its own stream: shared draws would make the
+        inclusions of examples on different ranks dependent (not Poisson)."""
+        name = "sampling"
+        if self._dist is not None and self._dist.rank > 0:
+            name += f":rank{self._dist.rank}"
+        if resumed_at is not None:
+            name += f":resumed{resumed_at}"
+        return name
 
     @property
     def sample_rate(self) -> float:
@@ -447,8 +476,14 @@ class PrivacyEngine:
         dataset: Sequence,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         physical_batch_size: int | None = None,
+        max_steps: int | None = None,
     ) -> PoissonDataLoader:
-        """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size."""
+        """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size.
+
+        max_steps: stop drawing once the engine has taken that many logical steps. Stopping
+        training this way (not by breaking out on this rank's step count alone) keeps every
+        rank of a distributed job at the same number of collective steps.
+        """
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise SamplingError(
                 "got a torch DataLoader: its shuffled fixed-size batches are not the Poisson "
@@ -461,15 +496,26 @@ class PrivacyEngine:
                 f"dataset has {len(dataset)} examples but the engine was built with "
                 f"sample_size={self.config.sample_size}; the sampling rate would be wrong"
             )
+        # distributed: this rank's shard, sampled at the same q (the union is Poisson at q)
+        shard = None
+        if self._dist is not None:
+            shard = shard_indices(len(dataset), self._dist.rank, self._dist.world_size)
         sampler = PoissonBatchSampler(
-            len(dataset),
+            len(dataset) if shard is None else len(shard),
             self.sample_rate,
             self.config.steps_per_epoch,
             generator=self._sample_rng,
             secure=self.config.secure_rng,
+            indices=shard,
         )
         self._loader = PoissonDataLoader(
-            self._steps, dataset, sampler, collate_fn, physical_batch_size
+            self._steps,
+            dataset,
+            sampler,
+            collate_fn,
+            physical_batch_size,
+            batch_context=no_sync_context(self._ddp),
+            stop=None if max_steps is None else (lambda: self.ledger.steps >= max_steps),
         )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
@@ -479,7 +525,11 @@ class PrivacyEngine:
     def _empty_logical_step(self) -> bool:
         """An empty logical batch: a noise-only step, once an optimizer is known."""
         if self._optimizer is None:
-            return False
+            if self._dist is None:
+                return False
+            # the reduce is collective: take part now, apply once the optimizer is known
+            self._early_updates.append(self._noised_update())
+            return True
         self._finish_logical_step(self._optimizer)
         return True
 
@@ -568,6 +618,14 @@ class PrivacyEngine:
                 "draw Poisson batches at rate q yourself, build the engine with "
                 "sampling='user-poisson'."
             )
+        if self._ddp is not None and self._ddp.require_backward_grad_sync:
+            self._per_example.clear()
+            raise DistributedError(
+                "the backward pass ran with DistributedDataParallel's gradient all-reduce on: "
+                "it averages unclipped gradients across ranks. Use engine.data_loader (it runs "
+                "each physical batch under model.no_sync()), or wrap forward and backward in "
+                "`with model.no_sync():`; the engine reduces the clipped sums itself"
+            )
         self._optimizer = optimizer
         per_ex = self._collect()
         if not per_ex:
@@ -592,6 +650,9 @@ class PrivacyEngine:
         self._check_batch_axis(n, self._expected_rows(batch_size))
         if self.config.check_gradients:
             self._check_against_autograd(per_ex)
+        for update in self._early_updates:  # reduced before the first step (distributed)
+            self._apply(optimizer, update)
+        self._early_updates.clear()
         while self._steps.pending_empty:  # empty batches drawn before the first step
             self._steps.pending_empty -= 1
             self._release(optimizer)
@@ -630,6 +691,23 @@ class PrivacyEngine:
 
     def _release(self, optimizer: torch.optim.Optimizer) -> None:
         """Noise the clipped sum, divide by the expected batch size, step, account."""
+        self._apply(optimizer, self._noised_update())
+
+    def _apply(
+        self, optimizer: torch.optim.Optimizer, update: dict[nn.Parameter, torch.Tensor]
+    ) -> None:
+        for p, g in update.items():
+            p.grad = g
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _noised_update(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The released gradient of one logical step: (sum of clipped + noise) / B, accounted.
+
+        Distributed: rank 0 adds the noise to its local sum and one all-reduce (SUM) adds
+        every rank's, so the global sum carries the noise exactly once and every rank gets
+        the same tensor. Empty local batches take part with zeros.
+        """
         if self._max_steps is not None and self.ledger.steps + 1 > self._max_steps:
             self._summed.clear()
             raise BudgetExhaustedError(
@@ -640,16 +718,21 @@ class PrivacyEngine:
             )
         std = self.noise_multiplier * self.max_grad_norm
         denom = float(self.config.expected_batch_size)
+        if self._dist is not None and not self._dist.is_main:
+            std = 0.0  # the noise is added exactly once, by rank 0
+        totals = []
         for p in self._params:
             summed = self._summed.get(p)
             if summed is None:
                 summed = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             noise = gaussian_noise(p.shape, std, self._noise_rng, self.config.secure_rng, summed)
-            p.grad = ((summed + noise) / denom).to(p.dtype)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            totals.append(summed + noise)
+        if self._dist is not None:
+            totals = all_reduce_sum(totals, self._dist)
+        update = {p: (t / denom).to(p.dtype) for p, t in zip(self._params, totals, strict=True)}
         self._summed.clear()
         self.ledger.record(self.noise_multiplier, self.sample_rate)
+        return update
 
     # ------------------------------------------------------------------ reporting
     def epsilon(self, delta: float | None = None) -> float:
@@ -692,6 +775,7 @@ class PrivacyEngine:
             "sample_rng": None if self._sample_rng is None else self._sample_rng.get_state(),
             "insecure_seed": self._insecure_seed,
             "pending_empty": self._steps.pending_empty,
+            "world_size": 1 if self._dist is None else self._dist.world_size,
         }
         if self._loader is not None:
             sd["loader"] = self._loader.state_dict()
@@ -705,11 +789,18 @@ class PrivacyEngine:
             )
         self.ledger = PrivacyLedger.from_state_dict(sd["ledger"])
         self.noise_multiplier = float(sd["noise_multiplier"])
+        # a run that was once reproducible from a seed stays marked so
+        self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))
         for gen, key in ((self._noise_rng, "noise_rng"), (self._sample_rng, "sample_rng")):
             if gen is not None and sd.get(key) is not None:
                 gen.set_state(sd[key])
-        # a run that was once reproducible from a seed stays marked so
-        self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))
+        if self._dist is not None and self._dist.rank > 0 and self._sample_rng is not None:
+            # the checkpoint holds rank 0's sampling stream; copying it would make this shard's
+            # draws equal rank 0's. Poisson steps are independent, so a fresh stream is exact.
+            seed = self.config.insecure_seed
+            self._sample_rng.set_state(
+                make_generator(seed, self._sampling_stream(self.ledger.steps)).get_state()
+            )
         self._steps.pending_empty = int(sd.get("pending_empty", 0))
         self._eps_cache.clear()
         self._max_steps = self._compute_max_steps()

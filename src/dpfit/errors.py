@@ -44,3 +44,7 @@ class BatchAxisError(GradientMismatchError):
 
 class LossReductionError(DPFitError):
     """The loss reduction is not one dpfit can turn into per-example gradients."""
+
+
+class DistributedError(DPFitError):
+    """The process group or the DistributedDataParallel wrapper cannot give the guarantee."""

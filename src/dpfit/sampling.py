@@ -10,6 +10,7 @@ The loader knows nothing of the engine: it reports where logical batches begin a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,6 +45,7 @@ class PoissonBatchSampler:
         steps_per_epoch: int | None = None,
         generator: torch.Generator | None = None,
         secure: bool = False,
+        indices: Sequence[int] | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty")
@@ -57,6 +59,10 @@ class PoissonBatchSampler:
             generator = torch.Generator().manual_seed(secure_seed())
         self.generator = None if secure else generator
         self.position = 0  # logical steps completed in the current pass
+        # a shard (this rank's examples): draws are over the shard, reported as its indices
+        if indices is not None and len(indices) != num_samples:
+            raise ValueError("indices must have num_samples entries")
+        self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -66,7 +72,10 @@ class PoissonBatchSampler:
             mask = os_uniform(self.num_samples) < self.sample_rate
         else:
             mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-        return mask.nonzero().flatten().tolist()
+        chosen = mask.nonzero().flatten()
+        if self.indices is not None:
+            chosen = self.indices[chosen]
+        return chosen.tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         while self.position < self.steps_per_epoch:
@@ -181,6 +190,8 @@ class PoissonDataLoader:
         sampler: PoissonBatchSampler,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         physical_batch_size: int | None = None,
+        batch_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         if physical_batch_size is not None and physical_batch_size < 1:
             raise ValueError("physical_batch_size must be >= 1")
@@ -189,6 +200,11 @@ class PoissonDataLoader:
         self.sampler = sampler
         self.collate_fn = collate_fn or default_collate
         self.physical_batch_size = physical_batch_size
+        # held while the caller runs forward+backward on each physical batch (DDP's no_sync)
+        self.batch_context = batch_context or contextlib.nullcontext
+        # asked before each logical batch: ranks of a distributed job stop at the same step
+        # even when the last ones are empty on some ranks (which step inside this loader)
+        self.stop = stop
 
     def __len__(self) -> int:
         """Logical steps per pass (the number of physical batches varies)."""
@@ -200,13 +216,16 @@ class PoissonDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         for idx in self.sampler:
+            if self.stop is not None and self.stop():
+                break
             if not idx:
                 self.events.empty()
                 continue
             chunks = self._chunks(idx)
             self.events.begin(LogicalBatch(len(idx), len(chunks), tuple(len(c) for c in chunks)))
             for chunk in chunks:
-                yield self.collate_fn([self.dataset[i] for i in chunk])
+                with self.batch_context():
+                    yield self.collate_fn([self.dataset[i] for i in chunk])
             self.events.end()
 
     def state_dict(self) -> dict:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfit import checkpoint as ckpt
+from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.models import count_bias_parameters
 from dpfit.recipe import Recipe, default_delta, resolve_recipe
@@ -633,7 +634,10 @@ def train(
         if head_state is not None:
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
         loader = engine.data_loader(
-            items, collate_fn=collate, physical_batch_size=config.physical_batch_size
+            items,
+            collate_fn=collate,
+            physical_batch_size=config.physical_batch_size,
+            max_steps=total_steps,  # distributed: every rank stops at the same logical step
         )
         stepper = engine
         params = list(engine.parameters())
@@ -657,7 +661,7 @@ def train(
         note(f"resumed from {resume_path.name}: logical step {len(rows)}, epoch {epoch + 1}")
 
     def save(epoch_now: int) -> None:
-        if not config.checkpoint_dir:
+        if not config.checkpoint_dir or not is_main_process():  # distributed: rank 0 writes
             return
         ckpt.save_checkpoint(
             config.checkpoint_dir,
@@ -749,7 +753,7 @@ def train(
         head_steps, delta,
     )  # fmt: skip
     result = TrainResult(metrics, rows, model, prep.tokenizer, privacy, notes)
-    if config.output:
+    if config.output and is_main_process():  # distributed: rank 0 writes
         result.output_dir = save_outputs(result, config, task, prep, errors)
     elif errors:
         raise OutputError("; ".join(errors))

@@ -1,0 +1,201 @@
+"""Data-parallel DP-SGD over torch.distributed: what the engine needs from a process group.
+
+One logical batch is the union of every rank's Poisson sample of its own shard (each example
+still joins with probability q, independently), each rank clips into a local sum, and ONE
+all-reduce (SUM) per logical step adds the ranks' sums. The Gaussian noise is drawn on rank 0
+only and added to rank 0's local sum before that reduce, so the global sum carries it exactly
+once, and every rank receives the same reduced tensor (hence bit-identical parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpfit.errors import DistributedError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DistContext",
+    "all_reduce_sum",
+    "check_identical",
+    "init_from_env",
+    "is_main_process",
+    "launch_command",
+    "resolve",
+    "shard_indices",
+    "unwrap_ddp",
+]
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if _active() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if _active() else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and when torch.distributed is not in use): the one that prints/writes."""
+    return get_rank() == 0
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The process group the engine reduces over, and this process's place in it."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve(process_group: dist.ProcessGroup | None) -> DistContext | None:
+    """The group to use: the given one, else the default one when initialised with >1 rank."""
+    if process_group is None and not _active():
+        return None
+    if not _active():
+        raise DistributedError(
+            "process_group= was given but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first (torchrun does the rendezvous)"
+        )
+    world = dist.get_world_size(process_group)
+    if world == 1:
+        return None
+    return DistContext(process_group, dist.get_rank(process_group), world)
+
+
+def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
+    """Rank r's examples: r, r+W, r+2W, ... (a partition of range(num_samples))."""
+    return list(range(rank, num_samples, world_size))
+
+
+def all_reduce_sum(tensors: list[torch.Tensor], ctx: DistContext) -> list[torch.Tensor]:
+    """Sum each tensor over the ranks in ONE collective (flattened into one float buffer)."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
+    out, offset = [], 0
+    for t in tensors:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+def check_identical(params: list[torch.Tensor], ctx: DistContext) -> None:
+    """Refuse to start when ranks hold different trainable parameters (e.g. a head initialised
+    from different seeds): their updates would silently diverge."""
+    if not params:
+        return
+    flat = torch.cat([p.detach().reshape(-1).double() for p in params])
+    ref = flat.clone()
+    dist.broadcast(ref, src=dist.get_global_rank(ctx.group, 0) if ctx.group else 0, group=ctx.group)
+    bad = torch.tensor([float(not torch.equal(flat, ref))], device=flat.device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=ctx.group)
+    if bad.item():
+        raise DistributedError(
+            "the trainable parameters differ between ranks; initialise them identically (same "
+            "seed for the head, or wrap the model in DistributedDataParallel, which broadcasts "
+            "rank 0's parameters) before building the PrivacyEngine"
+        )
+
+
+def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """(the inner module, the DDP wrapper or None). DDP buffers broadcast in every forward is a
+    collective the ranks would call a different number of times, so it is refused."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return model, None
+    inner = model.module
+    syncs = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", True))
+    if syncs and any(True for _ in inner.buffers()):
+        raise DistributedError(
+            "the DistributedDataParallel model broadcasts buffers in every forward, a "
+            "collective that ranks with different numbers of physical batches would call a "
+            "different number of times; wrap it with broadcast_buffers=False (or "
+            "forward_sync_buffers=False; buffers of a fine-tuned model do not change)"
+        )
+    return inner, model
+
+
+def no_sync_context(ddp: nn.Module | None) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context for each physical batch's forward+backward: DDP's own gradient all-reduce
+    off (the engine reduces clipped sums itself), a no-op without DDP."""
+    if ddp is None:
+        return contextlib.nullcontext
+    return ddp.no_sync  # type: ignore[return-value]
+
+
+def init_from_env(backend: str | None = None) -> bool:
+    """Initialise the default group from torchrun's environment (WORLD_SIZE > 1); returns
+    whether this process is part of a multi-process job."""
+    if _active():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    log.info(
+        "torch.distributed: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend
+    )
+    return True
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a process that torchrun (torch.distributed.run) started."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """argv without `option VALUE` / `option=VALUE` (the launcher's own option)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def launch_command(nproc_per_node: int, argv: list[str]) -> list[str]:
+    """torchrun's argument list running `python -m dpfit <argv>` on nproc_per_node processes
+    (single node; for several machines run torchrun yourself with --nnodes/--rdzv-*)."""
+    return [f"--nproc-per-node={nproc_per_node}", "-m", "dpfit", *argv]
+
+
+def launch(nproc_per_node: int, argv: list[str]) -> int:
+    """Re-run this command through torch.distributed.run (torchrun) and return its status."""
+    from torch.distributed import run as torchrun
+
+    args = launch_command(nproc_per_node, argv)
+    log.info("launching: %s -m torch.distributed.run %s", sys.executable, " ".join(args))
+    try:
+        torchrun.main(args)
+    except Exception as e:  # torchrun's ChildFailedError carries the failing rank's trace
+        log.error("distributed run failed: %s", e)
+        return 1
+    return 0

@@ -1,0 +1,97 @@
+"""The engine on a gloo process group of 2 ranks (one OS process each) against 1 process.
+
+One job runs every scenario once per rank (see dist_worker.py); the world-size-1 references
+run in this process.
+"""
+
+from __future__ import annotations
+
+import dist_worker
+import dp_accounting
+import pytest
+import torch
+from conftest import launch, results
+from noise_check import ALPHA, assert_std
+from scipy import stats
+
+UPDATES = ["update:bias:plain", "update:bias:ddp", "update:full:plain", "update:full:ddp"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    codes = launch(out, 2, *UPDATES, "noise", "streams")
+    assert codes == [0, 0], launch.logs
+    return results(out, 2)
+
+
+@pytest.mark.parametrize("spec", UPDATES)
+def test_two_ranks_give_the_one_rank_update(job, spec):
+    """sigma=0, a fixed logical batch split unevenly (3 vs 2 physical batches per rank)."""
+    _, mode, wrap = spec.split(":")
+    start = dist_worker.flat_params(dist_worker.make_model(mode))
+    ref = dist_worker.update(1, mode, False)["params"] - start
+    assert ref.norm() > 0
+    for rank in (0, 1):
+        got = job[rank][spec]
+        assert got["steps"] == 3
+        delta = got["params"] - start
+        assert (delta - ref).norm() <= 1e-6 * ref.norm(), (rank, spec)
+
+
+def test_noise_is_added_exactly_once_across_ranks(job):
+    """Zero gradients: each update is N(0, (sigma R / B)^2) per coordinate, for 1 and 2 ranks
+    (noise on every rank would show sqrt(2) too much)."""
+    std = 1.0 * 1.0 / 16
+    assert_std(job[0]["noise"]["deltas"], std)
+    assert_std(dist_worker.noise(1, epochs=6)["deltas"], std)
+
+
+def test_parameters_are_identical_on_every_rank_after_noisy_steps(job):
+    a, b = job[0]["noise"], job[1]["noise"]
+    assert a["steps"] == b["steps"] == 48
+    assert torch.equal(a["params"], b["params"])
+    assert torch.equal(a["deltas"], b["deltas"])
+    assert a["deltas"].abs().sum() > 0
+
+
+def test_epsilon_is_the_single_process_figure(job):
+    a, b = job[0]["noise"], job[1]["noise"]
+    acc = dp_accounting.rdp.RdpAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(1.0))
+    acc.compose(event, 48)
+    expected = acc.get_epsilon(1e-5)
+    assert a["epsilon"] == b["epsilon"]
+    assert a["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert a["record"]["history"] == b["record"]["history"]
+
+
+def test_the_union_of_rank_samples_is_poisson_at_q(job):
+    """Shards are disjoint, no example twice in one logical batch, each drawn w.p. q."""
+    n, q, steps = 64, 0.25, 48
+    d0, d1 = job[0]["noise"]["drawn"], job[1]["noise"]["drawn"]
+    assert all(i % 2 == 0 for s in d0.values() for i in s)
+    assert all(i % 2 == 1 for s in d1.values() for i in s)
+    total = 0
+    for t in range(1, steps + 1):
+        union = d0.get(t, []) + d1.get(t, [])
+        assert len(union) == len(set(union)), f"an example drawn twice in step {t}"
+        total += len(union)
+    trials = n * steps
+    lo, hi = stats.binom.ppf(ALPHA / 2, trials, q), stats.binom.ppf(1 - ALPHA / 2, trials, q)
+    assert lo <= total <= hi, (total, lo, hi)
+    # per rank too: each shard is sampled at q, not q/world or q*world
+    for d in (d0, d1):
+        k = sum(len(s) for s in d.values())
+        lo, hi = (
+            stats.binom.ppf(ALPHA / 2, trials // 2, q),
+            stats.binom.ppf(1 - ALPHA / 2, trials // 2, q),
+        )
+        assert lo <= k <= hi, (k, lo, hi)
+
+
+def test_ranks_sample_from_distinct_streams_even_with_one_insecure_seed(job):
+    """Shared draws would put position k of every shard in or out together: the shards'
+    inclusions would be dependent, not a Poisson sample of the whole."""
+    a, b = job[0]["streams"]["positions"], job[1]["streams"]["positions"]
+    assert sum(x == y for x, y in zip(a, b, strict=True)) <= 1
