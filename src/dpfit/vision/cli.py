@@ -15,7 +15,9 @@ from dpfit.errors import DPFitError
 
 TASK = "image-classification"
 # Image defaults (each flag overrides); sized for FashionMNIST-scale data on a few CPU cores.
-IMAGE_DEFAULTS = dict(epochs=3, batch_size=256, physical_batch_size=64, max_grad_norm=1.0, lr=5e-3)
+IMAGE_DEFAULTS = dict(
+    epochs=3, batch_size=256, physical_batch_size=64, max_grad_norm=1.0, lr=5e-3, clipping="flat"
+)
 PRETRAIN_DEFAULTS = dict(epochs=3, batch_size=128, physical_batch_size=128, lr=2e-3)
 
 
@@ -150,7 +152,7 @@ def train_config_from_args(args: argparse.Namespace):
         batch_size=_value(args, "batch_size", d),
         physical_batch_size=_value(args, "physical_batch_size", d),
         max_grad_norm=_value(args, "max_grad_norm", d),
-        clipping=args.clipping,
+        clipping=_value(args, "clipping", d),
         lr=_value(args, "lr", d),
         optimizer=args.optimizer,
         seed=args.seed,
@@ -245,7 +247,10 @@ def _run(config, args: argparse.Namespace, title: str) -> int:
         if bar is None:
             bar = tqdm(total=total, unit="step", desc=title, file=sys.stderr, dynamic_ncols=True)
             bar.update(row.step - 1)
-        post = {"loss": f"{row.loss:.4f}" if not math.isnan(row.loss) else "-"}
+        # private runs carry no per-step loss: it is an un-noised statistic of private data
+        post = (
+            {"loss": f"{row.loss:.4f}"} if row.loss is not None and math.isfinite(row.loss) else {}
+        )
         if math.isfinite(row.epsilon):
             post["eps"] = f"{row.epsilon:.3f}"
         bar.set_postfix(post, refresh=False)

@@ -459,9 +459,10 @@ def train_images(
                 StepRow(
                     step=len(rows) + 1,
                     epoch=epoch_now + 1,
-                    loss=acc_loss / acc_n if (current and acc_n) else float("nan"),
+                    # the exact loss and batch size of a private step are un-noised
+                    # statistics of private data: written for non-private runs only
+                    loss=acc_loss / acc_n if (config.non_private and current and acc_n) else None,
                     epsilon=eps,
-                    batch_size=acc_n if current else 0,
                     elapsed_s=elapsed_before + time.perf_counter() - t_loop,
                 )
             )
@@ -534,7 +535,9 @@ def train_images(
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
         "peak_memory_mb": peak_memory_mb(device.type),
-        "final_loss": next((r.loss for r in reversed(rows) if not math.isnan(r.loss)), None),
+        "final_loss": next(
+            (r.loss for r in reversed(rows) if r.loss is not None and not math.isnan(r.loss)), None
+        ),
         "config": dataclasses.asdict(config),
     }
     result = VisionResult(metrics, rows, model, privacy, notes)
@@ -567,7 +570,7 @@ def _save_outputs(result: VisionResult, config: VisionConfig, data: PreparedImag
     elif previous.get("pretrained_on"):
         record["pretrained_on"] = previous["pretrained_on"]
     save_image_model(result.model, out / "model", record)
-    write_steps_csv(out / "steps.csv", result.steps)
+    write_steps_csv(out / "steps.csv", result.steps, private=not config.non_private)
     plot_steps(result.steps, out)
     write_json(out / "metrics.json", result.metrics)
     return out
