@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 # Names transformers gives the newly initialised classification head, per architecture
 # family (BERT/RoBERTa/ELECTRA: classifier; DistilBERT adds pre_classifier; GPT-2/LLaMA: score).
-HEAD_NAMES = ("pre_classifier", "classifier", "score")
+HEAD_NAMES = ("pre_classifier", "classifier", "score", "head")  # "head": dpfit's PooledClassifier
 
 
 class ModelLoadError(DPFitError, OSError):

@@ -637,7 +637,9 @@ def train(
             items,
             collate_fn=collate,
             physical_batch_size=config.physical_batch_size,
-            max_steps=total_steps,  # distributed: every rank stops at the same logical step
+            # distributed: every rank stops at the same logical step (the ledger counts the
+            # head-first steps too)
+            max_steps=head_steps + total_steps,
         )
         stepper = engine
         params = list(engine.parameters())

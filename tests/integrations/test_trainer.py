@@ -73,8 +73,8 @@ def same(a, b, atol=0.0):
 
 def test_dp_trainer_trains_biases_privately(make, tmp_path):
     model, ds, collator = make()
-    frozen_before = model.bert.encoder.layer[0].attention.self.query.weight.detach().clone()
-    bias_before = model.bert.encoder.layer[0].attention.self.query.bias.detach().clone()
+    frozen_before = model.backbone.encoder.layer[0].attention.self.query.weight.detach().clone()
+    bias_before = model.backbone.encoder.layer[0].attention.self.query.bias.detach().clone()
     args = targs(tmp_path)
     trainer = DPTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
                         privacy=PrivacyArguments(target_epsilon=3.0, target_delta=1e-4))  # fmt: skip
@@ -82,7 +82,7 @@ def test_dp_trainer_trains_biases_privately(make, tmp_path):
     engine = trainer.privacy_engine
     assert engine.steps_taken == 2 * round(len(ds) / 16)
     assert 2.9 < engine.epsilon() <= 3.0 + 1e-6
-    layer = model.bert.encoder.layer[0].attention.self.query
+    layer = model.backbone.encoder.layer[0].attention.self.query
     assert torch.equal(layer.weight, frozen_before)  # only biases (and the head) train
     assert not torch.equal(layer.bias, bias_before)
     logged = [h for h in trainer.state.log_history if "epsilon" in h]

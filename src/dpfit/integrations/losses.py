@@ -123,6 +123,11 @@ def _auto_tables() -> dict[str, str]:
     return out
 
 
+# dpfit's own classifier (dpfit.models.load_classifier: backbone -> pooling -> linear head)
+# computes the single-label cross-entropy of a sequence classifier.
+_DPFIT_MODELS = {"PooledClassifier": "sequence-classification"}
+
+
 def register_per_example_loss(model_class: type | str, fn: PerExampleLoss) -> None:
     """Teach DPTrainer the per-example loss of a model class (and its subclasses).
 
@@ -140,7 +145,7 @@ def base_model(model: Any) -> Any:
 def per_example_loss_for(model: Any) -> tuple[str, PerExampleLoss]:
     """(task, loss) for this model, or LossReductionError if it has no known decomposition."""
     model = base_model(model)
-    auto = _auto_tables()
+    auto = {**_auto_tables(), **_DPFIT_MODELS}
     for cls in type(model).__mro__:
         if cls.__name__ in _USER_CLASSES:
             return cls.__name__, _USER_CLASSES[cls.__name__]
