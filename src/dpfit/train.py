@@ -99,8 +99,8 @@ class TrainConfig:
     public_labels: bool = False  # declare label names read from the data public
     non_private: bool = False
     mode: str = "bias"
-    add_biases: bool = False  # BiTFiT-Add (issue #5)
-    full_epochs: int = 0  # two-phase: full fine-tuning first (issue #5)
+    add_biases: bool = False  # BiTFiT-Add: zero biases where the model has none
+    full_epochs: int = 0  # two-phase X+BiTFiT: X epochs of full fine-tuning first
     task: str = "classification"
     output: str | None = None  # (resume)
     checkpoint_dir: str | None = None  # (resume)
