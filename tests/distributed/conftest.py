@@ -26,7 +26,8 @@ def free_port() -> int:
 def launch(out: Path, world: int, *scenarios: str, timeout: float = 240) -> list[int]:
     """Run every rank to completion (or the timeout: then kill and fail); return exit codes."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{SRC}{os.pathsep}{HERE}"}
+    paths = os.pathsep.join(map(str, (SRC, HERE, HERE.parent)))  # HERE.parent: shared test data
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": paths}
     procs = [
         subprocess.Popen(
             [

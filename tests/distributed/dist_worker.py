@@ -14,25 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from toy_data import Points
 
 import dpfit
 from dpfit import checkpoint as ckpt
 from dpfit.distributed import is_main_process
-
-
-class Points(torch.utils.data.Dataset):
-    """x_i in R^4, y_i a class; item i also returns i so tests see which examples were drawn."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i], i
 
 
 def make_model(mode: str = "bias", width: int = 6) -> nn.Module:

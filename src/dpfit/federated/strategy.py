@@ -17,7 +17,7 @@ import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,16 +74,17 @@ class ServerConfig:
     round_timeout: float = 600.0
     node_wait_timeout: float = 120.0
     checkpoint_dir: str | None = None
-    target_quantile: float = 0.5
-    quantile_lr: float = 0.2
-    count_budget_share: float = 0.1
-    vote_factors: tuple[float, ...] = (0.25, 0.5, 1.0)
-    vote_noise_std: float = 10.0
-    loss_bound: float = 2.0
-    loss_budget_share: float = 0.1
-    auto_gamma: float = 0.01
-    clip_decay: float = 0.5
-    noise_decay: float = 0.5
+    # clip-rule settings: same names and defaults as ClipConfig, copied into it by name
+    target_quantile: float = ClipConfig.target_quantile
+    quantile_lr: float = ClipConfig.quantile_lr
+    count_budget_share: float = ClipConfig.count_budget_share
+    vote_factors: tuple[float, ...] = ClipConfig.vote_factors
+    vote_noise_std: float = ClipConfig.vote_noise_std
+    loss_bound: float = ClipConfig.loss_bound
+    loss_budget_share: float = ClipConfig.loss_budget_share
+    auto_gamma: float = ClipConfig.auto_gamma
+    clip_decay: float = ClipConfig.clip_decay
+    noise_decay: float = ClipConfig.noise_decay
 
     def __post_init__(self) -> None:
         clip_rule_class(self.method)  # fail early with the list of names
@@ -101,22 +102,14 @@ class ServerConfig:
         return self.clients_per_round / self.num_clients
 
     def clip_config(self, noise_multiplier: float) -> ClipConfig:
-        return ClipConfig(
-            initial_clip=self.initial_clip,
-            noise_multiplier=noise_multiplier,
-            expected_clients=self.clients_per_round,
-            target_quantile=self.target_quantile,
-            quantile_lr=self.quantile_lr,
-            count_budget_share=self.count_budget_share,
-            vote_factors=self.vote_factors,
-            vote_noise_std=self.vote_noise_std if noise_multiplier > 0 else 0.0,
-            loss_bound=self.loss_bound,
-            loss_budget_share=self.loss_budget_share,
-            total_rounds=max(1, self.rounds),
-            auto_gamma=self.auto_gamma,
-            clip_decay=self.clip_decay,
-            noise_decay=self.noise_decay,
-        )
+        derived = {
+            "noise_multiplier": noise_multiplier,
+            "expected_clients": self.clients_per_round,
+            "vote_noise_std": self.vote_noise_std if noise_multiplier > 0 else 0.0,
+            "total_rounds": max(1, self.rounds),
+        }
+        shared = {f.name for f in fields(ClipConfig)} & {f.name for f in fields(self)}
+        return ClipConfig(**{n: getattr(self, n) for n in shared - derived.keys()}, **derived)
 
 
 @dataclass(frozen=True)

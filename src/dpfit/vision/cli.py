@@ -41,36 +41,30 @@ def _has(p: argparse.ArgumentParser, flag: str) -> bool:
 
 def _image_options(g, p: argparse.ArgumentParser) -> None:
     """Options shared by pretrain and train (added only where the parser lacks them)."""
-    if not _has(p, "--public-fraction"):
-        g.add_argument(
-            "--public-fraction",
+    options: dict[str, dict] = {
+        "--public-fraction": dict(
             type=_fraction,
             help="share of the training data declared public (pretrain trains on it, train on "
             "the rest); default: as recorded by a pretrained --model, else none",
-        )
-    if not _has(p, "--split-seed"):
-        g.add_argument(
-            "--split-seed",
+        ),
+        "--split-seed": dict(
             type=int,
             help="seed of the public/private split (default: as recorded by a pretrained "
             "--model, else 0)",
-        )
-    if not _has(p, "--image-size"):
-        g.add_argument(
-            "--image-size",
+        ),
+        "--image-size": dict(
             type=_positive_int,
             help="square input size; images are resized (upsampled) to it",
-        )
-    if not _has(p, "--max-eval-examples"):
-        g.add_argument(
-            "--max-eval-examples", type=_positive_int, help="random subset of the test images"
-        )
-    if not _has(p, "--replace-batchnorm"):
-        g.add_argument(
-            "--replace-batchnorm",
+        ),
+        "--max-eval-examples": dict(type=_positive_int, help="random subset of the test images"),
+        "--replace-batchnorm": dict(
             action="store_true",
             help="turn a user model's BatchNorm into GroupNorm (changes the architecture)",
-        )
+        ),
+    }
+    for flag, kwargs in options.items():
+        if not _has(p, flag):
+            g.add_argument(flag, **kwargs)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
