@@ -107,6 +107,20 @@ def test_loader_reports_logical_batches_and_their_chunks():
         assert all(c <= 4 for c in b.chunk_sizes)
 
 
+def test_logical_batch_comes_in_index_order_across_its_chunks():
+    """Tasks sort their items by length and rely on this order for cheap padding."""
+    sampler = PoissonBatchSampler(100, 0.3, steps_per_epoch=10, indices=torch.arange(1, 200, 2))
+    events = Recorder()
+    loader = PoissonDataLoader(events, Points(200), sampler, physical_batch_size=7)
+    chunks = [idx.tolist() for _, _, idx in loader]
+    sizes = [b.size for kind, b in events.log if kind == "begin"]
+    assert sum(sizes) == sum(len(c) for c in chunks) > 50
+    flat = [i for c in chunks for i in c]
+    for size in sizes:
+        batch, flat = flat[:size], flat[size:]
+        assert batch == sorted(batch) and len(set(batch)) == size
+
+
 def test_sampling_does_not_import_the_engine():
     import ast
     import inspect
