@@ -114,29 +114,6 @@ def _calibrate_rdp(
         ) from e
 
 
-def _root(
-    gap: Callable[[float], float], lo: float, hi: float, g_lo: float, g_hi: float, tol: float
-) -> float:
-    """Smallest sigma in [lo, hi] (to tol) with gap(sigma) <= 0, given g_lo > 0 >= g_hi;
-    Illinois (regula falsi that halves the stale end), as eps is smooth and monotone."""
-    side = 0
-    while hi - lo > tol:
-        mid = hi - g_hi * (hi - lo) / (g_hi - g_lo)
-        mid = min(max(mid, lo + tol / 3), hi - tol / 3)
-        g_mid = gap(mid)
-        if g_mid <= 0:
-            hi, g_hi = mid, g_mid
-            if side == -1:
-                g_lo /= 2
-            side = -1
-        else:
-            lo, g_lo = mid, g_mid
-            if side == 1:
-                g_hi /= 2
-            side = 1
-    return hi
-
-
 def _calibrate_pld(
     make_event: Callable[[float], dp_accounting.DpEvent],
     target_epsilon: float,
@@ -164,8 +141,17 @@ def _calibrate_pld(
     for _ in range(4):  # down to hi * 0.8^4 = 0.41 hi
         lo *= 0.8
         g_lo = coarse(lo)
-        if g_lo > 0:
-            hi = _root(coarse, lo, hi, g_lo, g_hi, tolerance)
+        if g_lo > 0:  # bracketed: dp-accounting's own search, on the coarse grid
+            hi = float(
+                dp_accounting.calibrate_dp_mechanism(
+                    lambda: make_accountant("pld", PLD_SEARCH_DISCRETIZATION),
+                    make_event,
+                    target_epsilon,
+                    delta,
+                    bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
+                    tol=tolerance,
+                )
+            )
             break
         hi, g_hi = lo, g_lo
     else:
