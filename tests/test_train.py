@@ -390,9 +390,9 @@ def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monke
 def test_classification_items_are_sorted_by_length_for_cheap_padding(tiny, tmp_path):
     """The Poisson loader keeps index order inside a logical batch, so length-sorted items
     give physical batches of similar length (about half the padded tokens on short texts)."""
-    from dpfit.tasks import get_task
-
     import csv
+
+    from dpfit.tasks import get_task
 
     data = tmp_path / "varied.csv"
     with open(data, "w", newline="") as f:
