@@ -143,7 +143,10 @@ class LocalModel:
             cols = slice(width - len(x), width) if left else slice(0, len(x))
             input_ids[row, cols] = torch.as_tensor(x, dtype=torch.long)
             mask[row, cols] = 1
-        return {"input_ids": input_ids, "attention_mask": mask}
+        out = {"input_ids": input_ids, "attention_mask": mask}
+        if left:  # positions count real tokens only, as with right padding
+            out["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        return out
 
 
 def _trainable(name: str, local_mode: str) -> bool:
@@ -287,6 +290,29 @@ def evaluate(
     return loss_sum / len(texts), correct / len(texts)
 
 
+def backward_batch(
+    lm: LocalModel,
+    texts: Sequence[str],
+    ids: Sequence[Sequence[int]],
+    y: torch.Tensor,
+    idx: np.ndarray,
+    max_length: int,
+) -> float:
+    """Accumulate the gradient of the batch's mean cross-entropy; returns that mean.
+
+    The batch runs in chunks of similar lengths (``_length_chunks``): the same gradient as
+    one forward over the batch padded to its longest text, with less padding to compute.
+    """
+    chunks = _length_chunks(ids, idx) if lm.local_mode != "head" else [idx]
+    total = 0.0
+    for chunk in chunks:
+        logits = _logits(lm, texts, chunk, max_length)
+        loss = torch.nn.functional.cross_entropy(logits, y[chunk], reduction="sum") / len(idx)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def local_train(
     lm: LocalModel,
     start: Sequence[np.ndarray],
@@ -310,17 +336,8 @@ def local_train(
     for _ in range(task.local_epochs):
         for idx in _batches(len(texts), task.local_batch_size, rng):
             opt.zero_grad(set_to_none=True)
-            total = 0.0
-            # the batch's mean loss, accumulated over chunks of similar lengths: the same
-            # gradient as one padded forward, with less padding to compute
-            for chunk in _length_chunks(ids, idx) if lm.local_mode != "head" else [idx]:
-                loss = torch.nn.functional.cross_entropy(
-                    _logits(lm, texts, chunk, task.max_length), y[chunk], reduction="sum"
-                ) / len(idx)
-                loss.backward()
-                total += loss.item()
+            losses.append(backward_batch(lm, texts, ids, y, idx, task.max_length))
             opt.step()
-            losses.append(total)
     new = lm.get_arrays()
     lm.set_arrays(start)
     update = [n - np.asarray(s, dtype=n.dtype) for n, s in zip(new, start, strict=True)]
