@@ -183,8 +183,14 @@ def test_length_chunks_give_the_gradient_of_one_padded_batch(llama):
     lm.set_arrays(lm.initial)
 
 
-def test_last_token_head_reads_the_same_logits_with_left_or_right_padding(llama):
-    lm = load_local_model(llama, "lora", RANK, 0)
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return str(save_tiny_random_model(tmp_path_factory.mktemp("gpt2"), arch="gpt2"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary and absolute positions
+def test_last_token_head_reads_the_same_logits_with_left_or_right_padding(arch, request):
+    lm = load_local_model(request.getfixturevalue(arch), "lora", RANK, 0)
     texts, labels = _texts(6, seed=5)
     rng = np.random.default_rng(0)
     lm.set_arrays([rng.normal(0, 0.3, a.shape).astype(a.dtype) for a in lm.initial])
