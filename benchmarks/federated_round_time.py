@@ -17,7 +17,8 @@ Client sampling is seeded (``--insecure-reproducible-noise``) so that every row 
 same clients: times compare the same work. The machine's load average is recorded next to
 each row, since other jobs on shared cores slow every row.
 
-Writes benchmarks/results/federated_round_time.{json,md}; ``--from-json`` re-renders the md.
+Writes benchmarks/results/federated_round_time.{json,md} and the table between the markers in
+docs/federated.md; ``--from-json`` re-renders both from the recorded runs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+DOCS = Path(__file__).parent.parent / "docs" / "federated.md"
+MARKERS = ("<!-- federated_round_time:begin -->", "<!-- federated_round_time:end -->")
 
 ROWS = {
     "minilm-bias-local": ("minilm", "bias", "local"),
@@ -129,20 +132,21 @@ def render(data: dict) -> str:
         "",
         f"Machine: {s['cpus']} CPUs ({s['platform']}), torch {s['torch']}, shared with other "
         "jobs (load average recorded per row). Settings: the CLI's defaults, `--method fixed "
-        f"--noise-multiplier 1`, {s['rounds']} rounds, `--num-cpus {s['num_cpus']}` "
+        f"--noise-multiplier 1`, `--num-cpus {s['num_cpus']}` "
         "(simulation: that many single-thread Ray workers; local: clients in turn, "
         "with that many torch threads).",
         "",
         "| model | local mode | engine | trainable values | round 1: wall s (CPU s) | "
-        "later rounds: wall s (CPU s), mean | clients per round | load avg |",
-        "|---|---|---|---|---|---|---|---|",
+        "later rounds: wall s (CPU s), mean | rounds | clients per round | load avg |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         sampled = ", ".join(str(c) for c in r["clients_sampled"]) or "-"
         lines.append(
             f"| {r['model']} | {r['local_mode']} | {r['engine']} | {r['trainable_values']:,} "
             f"| {r['first_round_s']:.0f} ({r['first_round_cpu_s']:.0f}) "
-            f"| {r['steady_round_s']:.0f} ({r['steady_round_cpu_s']:.0f}) | {sampled} "
+            f"| {r['steady_round_s']:.0f} ({r['steady_round_cpu_s']:.0f}) | {r['rounds']} "
+            f"| {sampled} "
             f"| {r['load_avg_before']:.1f} -> {r['load_avg_after']:.1f} |"
         )
     lines += [
@@ -154,7 +158,7 @@ def render(data: dict) -> str:
         "",
         "A round: the sampled clients each train one local epoch on their examples, the "
         "server clips, noises and averages, then evaluates the new model on its validation "
-        "examples. Command: `" + s["command"] + "`.",
+        "examples. Command(s): `" + s["command"] + "`.",
         "",
     ]
     return "\n".join(lines)
@@ -167,11 +171,24 @@ def main() -> None:
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more CLI flags")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--from-json", type=Path, default=None)
+    p.add_argument(
+        "--from-json", type=Path, nargs="+", default=None, help="recorded runs (rows merged)"
+    )
+    p.add_argument(
+        "--docs", type=Path, default=DOCS, help="also write the table into this page's markers"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.from_json:
-        data = json.loads(args.from_json.read_text())
+        runs = [json.loads(f.read_text()) for f in args.from_json]
+        data = {
+            "setup": dict(
+                runs[0]["setup"], command=" ; ".join(r["setup"]["command"] for r in runs)
+            ),
+            "rows": [row for r in runs for row in r["rows"]],
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "federated_round_time.json").write_text(json.dumps(data, indent=2))
     else:
         import torch
 
@@ -195,7 +212,21 @@ def main() -> None:
             (args.out / "federated_round_time.json").write_text(json.dumps(data, indent=2))
     text = render(data)
     (args.out / "federated_round_time.md").write_text(text)
+    if args.docs is not None:
+        write_into_docs(text, args.docs)
     print(text)
+
+
+def write_into_docs(text: str, docs: Path) -> None:
+    """Replace the table between the markers in docs/federated.md with this rendering."""
+    body = docs.read_text()
+    begin, end = MARKERS
+    if begin not in body or end not in body:
+        raise SystemExit(f"{docs} has no {begin} ... {end} markers")
+    table = "\n".join(line for line in text.splitlines() if not line.startswith("# "))
+    head, rest = body.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    docs.write_text(f"{head}{begin}\n{table.strip()}\n{end}{tail}")
 
 
 if __name__ == "__main__":
