@@ -133,8 +133,8 @@ def render(data: dict) -> str:
         f"Machine: {s['cpus']} CPUs ({s['platform']}), torch {s['torch']}, shared with other "
         "jobs (load average recorded per row). Settings: the CLI's defaults, `--method fixed "
         f"--noise-multiplier 1`, `--num-cpus {s['num_cpus']}` "
-        "(simulation: that many single-thread Ray workers; local: clients in turn, "
-        "with that many torch threads).",
+        "(simulation: that many single-thread Ray workers; local: one client at a time, "
+        "single-threaded).",
         "",
         "| model | local mode | engine | trainable values | round 1: wall s (CPU s) | "
         "later rounds: wall s (CPU s), mean | rounds | clients per round | load avg |",
@@ -153,8 +153,8 @@ def render(data: dict) -> str:
         "",
         "Wall seconds are what a user waits on this shared machine; CPU seconds (this process "
         "and its Ray workers, user + system) are much less sensitive to other jobs: on an idle "
-        f"machine a round takes about CPU s / {s['num_cpus']} where the work runs in parallel "
-        "(simulation engine, or the local engine's threads).",
+        f"machine a round takes about CPU s / {s['num_cpus']} on the simulation engine and "
+        "CPU s on the local engine.",
         "",
         "A round: the sampled clients each train one local epoch on their examples, the "
         "server clips, noises and averages, then evaluates the new model on its validation "

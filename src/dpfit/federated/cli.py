@@ -107,12 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="simulation",
         help="Flower simulation engine (Ray), or in-process (no Ray)",
     )
-    p.add_argument(
-        "--num-cpus",
-        type=int,
-        default=2,
-        help="CPUs for the simulation engine's clients, or torch threads of the local engine",
-    )
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs for the simulation engine")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint each round; resume")
     p.add_argument("--output", default=None, help="write metrics.json, rounds.csv, plots")
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
@@ -136,8 +131,6 @@ def configs(args: argparse.Namespace):
         examples_per_client=args.examples_per_client,
         eval_examples=args.eval_examples,
         seed=args.seed,
-        # in-process clients run one after another: give each all the CPUs
-        threads=args.num_cpus if args.engine == "local" else 1,
     )
     no_target = args.noise_multiplier is not None
     server = ServerConfig(
