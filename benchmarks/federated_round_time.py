@@ -153,8 +153,10 @@ def render(data: dict) -> str:
         "",
         "Wall seconds are what a user waits on this shared machine; CPU seconds (this process "
         "and its Ray workers, user + system) are much less sensitive to other jobs: on an idle "
-        f"machine a round takes about CPU s / {s['num_cpus']} on the simulation engine and "
-        "CPU s on the local engine.",
+        "machine a round takes about its CPU s on the local engine, and between CPU s / "
+        f"{s['num_cpus']} and CPU s on the simulation engine (clients in parallel, the "
+        "server's evaluation not). Round 1 of the simulation engine includes starting Ray and "
+        "loading the model in each worker.",
         "",
         "A round: the sampled clients each train one local epoch on their examples, the "
         "server clips, noises and averages, then evaluates the new model on its validation "
