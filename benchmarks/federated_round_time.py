@@ -1,0 +1,235 @@
+"""Seconds per federated round with clients that fine-tune the model, on this machine.
+
+Runs ``dpfit federated`` exactly as the CLI builds it (its argument parser and ``configs``),
+for BiTFiT clients of the bundled MiniLM and LoRA clients of the bundled SmolLM2-135M, on
+the in-process engine and on Flower's simulation engine (Ray), and times each round from the
+server's per-round callback. Round 1 also pays for loading the model in every process that
+runs clients (the Ray workers); later rounds are the steady cost. The default settings are
+the CLI's (20 clients, 5 expected per round, 32 examples per client, sequences cut at 48
+tokens, 200 server validation examples per round) with the ``fixed`` rule: every rule's round
+costs about the same (DP-CLAC adds one client-side evaluation, DP-LAC a one-off vote before
+round 1 in which every client trains once and evaluates three candidates).
+
+    python benchmarks/federated_round_time.py                      # all four rows, ~30 min
+    python benchmarks/federated_round_time.py --rows minilm-bias-local --rounds 2
+
+Client sampling is seeded (``--insecure-reproducible-noise``) so that every row samples the
+same clients: times compare the same work. The machine's load average is recorded next to
+each row, since other jobs on shared cores slow every row.
+
+Writes benchmarks/results/federated_round_time.{json,md} and the table between the markers in
+docs/federated.md; ``--from-json`` re-renders both from the recorded runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+DOCS = Path(__file__).parent.parent / "docs" / "federated.md"
+MARKERS = ("<!-- federated_round_time:begin -->", "<!-- federated_round_time:end -->")
+
+ROWS = {
+    "minilm-bias-local": ("minilm", "bias", "local"),
+    "minilm-bias-simulation": ("minilm", "bias", "simulation"),
+    "smollm2-lora-local": ("smollm2", "lora", "local"),
+    "smollm2-lora-simulation": ("smollm2", "lora", "simulation"),
+}
+
+
+def run_row(name: str, args: argparse.Namespace) -> dict:
+    from dpfit.federated.app import run_local, run_simulation
+    from dpfit.federated.cli import add_arguments, configs
+    from dpfit.federated.client import load_local_model
+
+    model, mode, engine = ROWS[name]
+    argv = [
+        "--model", model, "--local-mode", mode, "--engine", engine,
+        "--method", "fixed", "--noise-multiplier", "1.0", "--initial-clip", "1.0",
+        "--rounds", str(args.rounds), "--num-cpus", str(args.num_cpus),
+        "--insecure-reproducible-noise", *args.extra,
+    ]  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cli_args = parser.parse_args(argv)
+    server_cfg, task = configs(cli_args)
+    lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)  # here: setup
+    trainable = sum(a.size for a in lm.initial)
+    stamps: list[float] = []
+    cpu: list[float] = []
+    load_before = os.getloadavg()[0]
+
+    def on_round(record) -> None:
+        stamps.append(time.perf_counter())
+        cpu.append(cpu_seconds())
+
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    if engine == "local":
+        run_local(server_cfg, task, on_round=on_round)
+    else:
+        run_simulation(server_cfg, task, on_round=on_round, num_cpus=args.num_cpus)
+    total = time.perf_counter() - t0
+    rounds = [b - a for a, b in zip([t0, *stamps[:-1]], stamps, strict=True)]
+    cpu_rounds = [b - a for a, b in zip([c0, *cpu[:-1]], cpu, strict=True)]
+    steady = rounds[1:] or rounds
+    cpu_steady = cpu_rounds[1:] or cpu_rounds
+    return {
+        "row": name,
+        "model": model,
+        "local_mode": mode,
+        "engine": engine,
+        "trainable_values": int(trainable),
+        "rounds": len(rounds),
+        "first_round_s": rounds[0],
+        "steady_round_s": statistics.mean(steady),
+        "round_s": rounds,
+        "first_round_cpu_s": cpu_rounds[0],
+        "steady_round_cpu_s": statistics.mean(cpu_steady),
+        "round_cpu_s": cpu_rounds,
+        "clients_sampled": sampled_counts(server_cfg, len(rounds)),
+        "total_s": total,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg()[0],
+        "argv": argv,
+    }
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and every live descendant (Ray's workers)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:  # exited between listing and reading
+            pass
+    return total
+
+
+def sampled_counts(server_cfg, rounds: int) -> list[int]:
+    """Clients the server samples in each round: its sampling stream, replayed from the
+    (insecure, benchmark-only) seed; the vote, if any, draws no sampling decisions."""
+    from dpfit.federated.strategy import server_generators
+
+    rng, _ = server_generators(server_cfg.insecure_seed)
+    q = server_cfg.sample_rate
+    return [int((rng.random(server_cfg.num_clients) < q).sum()) for _ in range(rounds)]
+
+
+def render(data: dict) -> str:
+    s = data["setup"]
+    lines = [
+        "# Seconds per federated round (clients fine-tune the model)",
+        "",
+        f"Machine: {s['cpus']} CPUs ({s['platform']}), torch {s['torch']}, shared with other "
+        "jobs (load average recorded per row). Settings: the CLI's defaults, `--method fixed "
+        f"--noise-multiplier 1`, `--num-cpus {s['num_cpus']}` "
+        "(simulation: that many single-thread Ray workers; local: one client at a time, "
+        "single-threaded).",
+        "",
+        "| model | local mode | engine | trainable values | round 1: wall s (CPU s) | "
+        "later rounds: wall s (CPU s), mean | rounds | clients per round | load avg |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        sampled = ", ".join(str(c) for c in r["clients_sampled"]) or "-"
+        lines.append(
+            f"| {r['model']} | {r['local_mode']} | {r['engine']} | {r['trainable_values']:,} "
+            f"| {r['first_round_s']:.0f} ({r['first_round_cpu_s']:.0f}) "
+            f"| {r['steady_round_s']:.0f} ({r['steady_round_cpu_s']:.0f}) | {r['rounds']} "
+            f"| {sampled} "
+            f"| {r['load_avg_before']:.1f} -> {r['load_avg_after']:.1f} |"
+        )
+    lines += [
+        "",
+        "Wall seconds are what a user waits on this shared machine; CPU seconds (this process "
+        "and its Ray workers, user + system) are much less sensitive to other jobs: on an idle "
+        "machine a round takes about its CPU s on the local engine, and between CPU s / "
+        f"{s['num_cpus']} and CPU s on the simulation engine (clients in parallel, the "
+        "server's evaluation not). Round 1 of the simulation engine includes starting Ray and "
+        "loading the model in each worker.",
+        "",
+        "A round: the sampled clients each train one local epoch on their examples, the "
+        "server clips, noises and averages, then evaluates the new model on its validation "
+        "examples. Command(s): `" + s["command"] + "`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more CLI flags")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--from-json", type=Path, nargs="+", default=None, help="recorded runs (rows merged)"
+    )
+    p.add_argument(
+        "--docs", type=Path, default=DOCS, help="also write the table into this page's markers"
+    )
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.from_json:
+        runs = [json.loads(f.read_text()) for f in args.from_json]
+        data = {
+            "setup": dict(
+                runs[0]["setup"], command=" ; ".join(r["setup"]["command"] for r in runs)
+            ),
+            "rows": [row for r in runs for row in r["rows"]],
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "federated_round_time.json").write_text(json.dumps(data, indent=2))
+    else:
+        import torch
+
+        data = {
+            "setup": {
+                "cpus": os.cpu_count(),
+                "platform": platform.machine(),
+                "torch": torch.__version__,
+                "rounds": args.rounds,
+                "num_cpus": args.num_cpus,
+                "command": "python benchmarks/federated_round_time.py --rounds "
+                f"{args.rounds} --num-cpus {args.num_cpus} --rows {' '.join(args.rows)}",
+            },
+            "rows": [],
+        }
+        for name in args.rows:
+            row = run_row(name, args)
+            print(json.dumps({k: v for k, v in row.items() if k != "argv"}), flush=True)
+            data["rows"].append(row)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "federated_round_time.json").write_text(json.dumps(data, indent=2))
+    text = render(data)
+    (args.out / "federated_round_time.md").write_text(text)
+    if args.docs is not None:
+        write_into_docs(text, args.docs)
+    print(text)
+
+
+def write_into_docs(text: str, docs: Path) -> None:
+    """Replace the table between the markers in docs/federated.md with this rendering."""
+    body = docs.read_text()
+    begin, end = MARKERS
+    if begin not in body or end not in body:
+        raise SystemExit(f"{docs} has no {begin} ... {end} markers")
+    table = "\n".join(line for line in text.splitlines() if not line.startswith("# "))
+    head, rest = body.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    docs.write_text(f"{head}{begin}\n{table.strip()}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    main()
