@@ -477,12 +477,15 @@ class PrivacyEngine:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         physical_batch_size: int | None = None,
         max_steps: int | None = None,
+        yield_empty: bool = False,
     ) -> PoissonDataLoader:
         """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size.
 
         max_steps: stop drawing once the engine has taken that many logical steps. Stopping
         training this way (not by breaking out on this rank's step count alone) keeps every
         rank of a distributed job at the same number of collective steps.
+        yield_empty: yield `dpfit.sampling.EMPTY_BATCH` for an empty logical batch (call
+        `empty_step(optimizer)` for it) instead of taking its step inside the loader.
         """
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise SamplingError(
@@ -507,6 +510,7 @@ class PrivacyEngine:
             generator=self._sample_rng,
             secure=self.config.secure_rng,
             indices=shard,
+            restores_generator=False,  # load_state_dict restores it (per rank)
         )
         self._loader = PoissonDataLoader(
             self._steps,
@@ -516,6 +520,7 @@ class PrivacyEngine:
             physical_batch_size,
             batch_context=no_sync_context(self._ddp),
             stop=None if max_steps is None else (lambda: self.ledger.steps >= max_steps),
+            yield_empty=yield_empty,
         )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
@@ -531,6 +536,18 @@ class PrivacyEngine:
             self._early_updates.append(self._noised_update())
             return True
         self._finish_logical_step(self._optimizer)
+        return True
+
+    def empty_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Take now the noise-only step of a logical batch that came out as EMPTY_BATCH
+        (`data_loader(yield_empty=True)`); distributed, it joins the other ranks' reduce."""
+        if self._steps.physical_left or self._per_example:
+            raise SamplingError(
+                "empty_step() in the middle of a logical batch: call it for EMPTY_BATCH only"
+            )
+        self._optimizer = optimizer
+        self._apply_deferred(optimizer)
+        self._finish_logical_step(optimizer)
         return True
 
     # ------------------------------------------------------------------ step
@@ -650,12 +667,7 @@ class PrivacyEngine:
         self._check_batch_axis(n, self._expected_rows(batch_size))
         if self.config.check_gradients:
             self._check_against_autograd(per_ex)
-        for update in self._early_updates:  # reduced before the first step (distributed)
-            self._apply(optimizer, update)
-        self._early_updates.clear()
-        while self._steps.pending_empty:  # empty batches drawn before the first step
-            self._steps.pending_empty -= 1
-            self._release(optimizer)
+        self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
         sq = torch.zeros(n, dtype=torch.float32, device=next(iter(per_ex.values())).device)
         flat = {}
@@ -683,6 +695,15 @@ class PrivacyEngine:
         if not self._steps.physical_done():
             return False
         return self._finish_logical_step(optimizer)
+
+    def _apply_deferred(self, optimizer: torch.optim.Optimizer) -> None:
+        """Steps of empty logical batches drawn before any optimizer was known."""
+        for update in self._early_updates:  # reduced before the first step (distributed)
+            self._apply(optimizer, update)
+        self._early_updates.clear()
+        while self._steps.pending_empty:
+            self._steps.pending_empty -= 1
+            self._release(optimizer)
 
     def _finish_logical_step(self, optimizer: torch.optim.Optimizer) -> bool:
         self._release(optimizer)
