@@ -38,7 +38,8 @@ def data(model_dir: str):
             m.p = 0.0
     words = ("good", "bad", "great", "awful", "fine", "poor")
     texts = [f"the film was {w} {w}" if i % 5 else w for i, w in enumerate(words * (N // 6))]
-    labels = [int(w in ("good", "great", "fine")) for w in words * (N // 6)]
+    labels = [int(w not in ("bad", "awful")) for w in words * (N // 6)]  # unbalanced: the
+    # features of a tiny random model are alike, so balanced labels would cancel the gradient
     ds = datasets.Dataset.from_dict({"text": texts, "label": labels})
     ds = ds.map(lambda b: loaded.tokenizer(b["text"]), batched=True)
     return loaded.model, ds, DataCollatorWithPadding(loaded.tokenizer)

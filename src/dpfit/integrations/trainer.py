@@ -24,6 +24,10 @@ What changes, and why (docs/trainer.md has the user's view):
   ``log_train_loss=True``), FLOP and token counts are not. Logs gain ``epsilon``.
 * Each Trainer checkpoint also holds ``dpfit_engine.pt`` (ledger, noise and sampler state;
   secret); resuming needs it, so epsilon after a resume counts every step.
+* Under torchrun, the logical batch is per_device_train_batch_size x world size, each rank
+  samples its shard, the engine reduces clipped sums once per step (rank 0 adds the noise),
+  each training step runs under DDP's ``no_sync()`` (DDP never averages raw gradients), and an
+  empty share is still a step (EMPTY_BATCH), so every rank counts the same steps.
 The user's model gets bias-only training (plus its new head) unless ``bias_only=False``; the
 user's ``TrainingArguments`` object is not modified.
 """
