@@ -323,7 +323,8 @@ class DPTrainer(Trainer):
         the engine reduces the clipped sums (plus rank 0's noise) once in the optimizer step.
         An EMPTY_BATCH has no forward; the optimizer step takes its noise-only step."""
         if isinstance(inputs, EmptyBatch):
-            assert self._dp_optimizer is not None
+            if self._dp_optimizer is None:  # Trainer creates the optimizer before training
+                raise DPFitError("DPTrainer got a training batch before its optimizer existed")
             self._dp_optimizer.empty = True
             return torch.zeros((), device=self.args.device)
         sync_off = model.no_sync if isinstance(model, DistributedDataParallel) else nullcontext
