@@ -510,7 +510,8 @@ class PrivacyEngine:
             generator=self._sample_rng,
             secure=self.config.secure_rng,
             indices=shard,
-            restores_generator=False,  # load_state_dict restores it (per rank)
+            # a saved loader state holds rank 0's generator: other ranks keep their own stream
+            restores_generator=self._dist is None or self._dist.is_main,
         )
         self._loader = PoissonDataLoader(
             self._steps,

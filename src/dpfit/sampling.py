@@ -66,8 +66,8 @@ class PoissonBatchSampler:
         if indices is not None and len(indices) != num_samples:
             raise ValueError("indices must have num_samples entries")
         self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long)
-        # False when the generator's owner restores it (the engine: in a distributed job each
-        # rank has its own stream, and a checkpoint holds rank 0's)
+        # False where a saved state's generator is not this sampler's own (the engine's loader
+        # on ranks other than 0: each rank has its own stream, a checkpoint holds rank 0's)
         self.restores_generator = restores_generator
 
     def __len__(self) -> int:
