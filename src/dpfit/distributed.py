@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DistContext",
     "all_reduce_sum",
+    "broadcast_module",
     "check_identical",
     "init_from_env",
     "is_main_process",
@@ -116,6 +117,15 @@ def check_identical(params: list[torch.Tensor], ctx: DistContext) -> None:
             "seed for the head, or wrap the model in DistributedDataParallel, which broadcasts "
             "rank 0's parameters) before building the PrivacyEngine"
         )
+
+
+def broadcast_module(module: nn.Module, ctx: DistContext) -> None:
+    """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model (for
+    integrations that build the engine before their framework wraps the model)."""
+    src = dist.get_global_rank(ctx.group, 0) if ctx.group else 0
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=src, group=ctx.group)
 
 
 def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:

@@ -477,12 +477,15 @@ class PrivacyEngine:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         physical_batch_size: int | None = None,
         max_steps: int | None = None,
+        yield_empty: bool = False,
     ) -> PoissonDataLoader:
         """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size.
 
         max_steps: stop drawing once the engine has taken that many logical steps. Stopping
         training this way (not by breaking out on this rank's step count alone) keeps every
         rank of a distributed job at the same number of collective steps.
+        yield_empty: yield `dpfit.sampling.EMPTY_BATCH` for an empty logical batch (call
+        `empty_step(optimizer)` for it) instead of taking its step inside the loader.
         """
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise SamplingError(
@@ -507,6 +510,8 @@ class PrivacyEngine:
             generator=self._sample_rng,
             secure=self.config.secure_rng,
             indices=shard,
+            # a saved loader state holds rank 0's generator: other ranks keep their own stream
+            restores_generator=self._dist is None or self._dist.is_main,
         )
         self._loader = PoissonDataLoader(
             self._steps,
@@ -516,6 +521,7 @@ class PrivacyEngine:
             physical_batch_size,
             batch_context=no_sync_context(self._ddp),
             stop=None if max_steps is None else (lambda: self.ledger.steps >= max_steps),
+            yield_empty=yield_empty,
         )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
@@ -531,6 +537,18 @@ class PrivacyEngine:
             self._early_updates.append(self._noised_update())
             return True
         self._finish_logical_step(self._optimizer)
+        return True
+
+    def empty_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Take now the noise-only step of a logical batch that came out as EMPTY_BATCH
+        (`data_loader(yield_empty=True)`); distributed, it joins the other ranks' reduce."""
+        if self._steps.physical_left or self._per_example:
+            raise SamplingError(
+                "empty_step() in the middle of a logical batch: call it for EMPTY_BATCH only"
+            )
+        self._optimizer = optimizer
+        self._apply_deferred(optimizer)
+        self._finish_logical_step(optimizer)
         return True
 
     # ------------------------------------------------------------------ step
@@ -552,6 +570,7 @@ class PrivacyEngine:
 
     def _check_against_autograd(self, per_ex: dict[nn.Parameter, torch.Tensor]) -> None:
         names = self._names
+        checked = []
         for p in self._params:
             g = per_ex.get(p)
             if g is None and p.grad is None:
@@ -564,17 +583,31 @@ class PrivacyEngine:
                     else f"parameter '{names.get(p)}' has per-example gradients but no .grad; "
                     "do not zero gradients between backward and engine.step"
                 )
-            # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
-            total, ref = g.sum(0).float(), p.grad.float()
-            rel_tol = max(1e-3, 8 * torch.finfo(p.grad.dtype).eps)
-            err = (total - ref).norm()
-            if err > rel_tol * ref.norm() + 1e-6:
-                raise GradientMismatchError(
-                    f"per-example gradients of '{names.get(p)}' do not add up to autograd's "
-                    f"(relative error {err / (ref.norm() + 1e-12):.2e}). The parameter is "
-                    "used in a way its sampler does not capture, or the batch axis is not "
-                    "where declared (batch_first / batch_dims)."
-                )
+            checked.append((p, g))
+        if not checked:
+            return
+        # compared in float32; bf16/fp16 gradients carry rounding of a few ulps. One fused
+        # norm over every tensor and one host sync per step (this runs every step)
+        totals = [g.sum(0).float() for _, g in checked]
+        refs = [p.grad.float() for p, _ in checked]
+        dev = refs[0].device
+        errs = torch.stack(
+            [e.to(dev) for e in torch._foreach_norm(torch._foreach_sub(totals, refs))]
+        )
+        ref_norms = torch.stack([r.to(dev) for r in torch._foreach_norm(refs)])
+        rel_tols = torch.tensor(
+            [max(1e-3, 8 * torch.finfo(p.grad.dtype).eps) for p, _ in checked],
+            device=errs.device,
+        )
+        bad = errs > rel_tols * ref_norms + 1e-6
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise GradientMismatchError(
+                f"per-example gradients of '{names.get(checked[i][0])}' do not add up to "
+                f"autograd's (relative error {errs[i] / (ref_norms[i] + 1e-12):.2e}). The "
+                "parameter is used in a way its sampler does not capture, or the batch axis "
+                "is not where declared (batch_first / batch_dims)."
+            )
 
     def _expected_rows(self, batch_size: int | None) -> int | None:
         """How many examples this physical batch holds, as the loader drew it (or as the
@@ -650,12 +683,7 @@ class PrivacyEngine:
         self._check_batch_axis(n, self._expected_rows(batch_size))
         if self.config.check_gradients:
             self._check_against_autograd(per_ex)
-        for update in self._early_updates:  # reduced before the first step (distributed)
-            self._apply(optimizer, update)
-        self._early_updates.clear()
-        while self._steps.pending_empty:  # empty batches drawn before the first step
-            self._steps.pending_empty -= 1
-            self._release(optimizer)
+        self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
         sq = torch.zeros(n, dtype=torch.float32, device=next(iter(per_ex.values())).device)
         flat = {}
@@ -683,6 +711,15 @@ class PrivacyEngine:
         if not self._steps.physical_done():
             return False
         return self._finish_logical_step(optimizer)
+
+    def _apply_deferred(self, optimizer: torch.optim.Optimizer) -> None:
+        """Steps of empty logical batches drawn before any optimizer was known."""
+        for update in self._early_updates:  # reduced before the first step (distributed)
+            self._apply(optimizer, update)
+        self._early_updates.clear()
+        while self._steps.pending_empty:
+            self._steps.pending_empty -= 1
+            self._release(optimizer)
 
     def _finish_logical_step(self, optimizer: torch.optim.Optimizer) -> bool:
         self._release(optimizer)

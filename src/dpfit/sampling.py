@@ -11,7 +11,7 @@ The loader knows nothing of the engine: it reports where logical batches begin a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +21,8 @@ from dpfit.errors import SamplingError
 from dpfit.rng import os_uniform, secure_seed
 
 __all__ = [
+    "EMPTY_BATCH",
+    "EmptyBatch",
     "LogicalBatch",
     "LogicalBatchEvents",
     "LogicalStepTracker",
@@ -46,6 +48,7 @@ class PoissonBatchSampler:
         generator: torch.Generator | None = None,
         secure: bool = False,
         indices: Sequence[int] | None = None,
+        restores_generator: bool = True,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty")
@@ -63,6 +66,9 @@ class PoissonBatchSampler:
         if indices is not None and len(indices) != num_samples:
             raise ValueError("indices must have num_samples entries")
         self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long)
+        # False where a saved state's generator is not this sampler's own (the engine's loader
+        # on ranks other than 0: each rank has its own stream, a checkpoint holds rank 0's)
+        self.restores_generator = restores_generator
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -90,7 +96,7 @@ class PoissonBatchSampler:
 
     def load_state_dict(self, sd: dict) -> None:
         self.position = int(sd["position"])
-        if self.generator is not None and sd.get("rng") is not None:
+        if self.restores_generator and self.generator is not None and sd.get("rng") is not None:
             self.generator.set_state(sd["rng"])
 
 
@@ -172,6 +178,27 @@ class LogicalStepTracker:
         self.physical_left = 0
 
 
+class EmptyBatch(Mapping):
+    """What a loader built with `yield_empty=True` yields for a logical batch that has no
+    examples (on this rank): an empty, immutable mapping. The caller takes its noise-only step
+    with `engine.empty_step(optimizer)`."""
+
+    def __getitem__(self, key: Any) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "EMPTY_BATCH"
+
+
+EMPTY_BATCH = EmptyBatch()
+
+
 def default_collate(items: list[Any]) -> Any:
     return torch.utils.data.default_collate(items)
 
@@ -192,6 +219,7 @@ class PoissonDataLoader:
         physical_batch_size: int | None = None,
         batch_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         stop: Callable[[], bool] | None = None,
+        yield_empty: bool = False,
     ) -> None:
         if physical_batch_size is not None and physical_batch_size < 1:
             raise ValueError("physical_batch_size must be >= 1")
@@ -205,6 +233,10 @@ class PoissonDataLoader:
         # asked before each logical batch: ranks of a distributed job stop at the same step
         # even when the last ones are empty on some ranks (which step inside this loader)
         self.stop = stop
+        # yield EMPTY_BATCH for an empty logical batch instead of reporting it to `events`
+        # (its step is then the caller's): for loops that count one item per logical step,
+        # like transformers' Trainer, so that every rank of a job counts the same steps
+        self.yield_empty = yield_empty
 
     def __len__(self) -> int:
         """Logical steps per pass (the number of physical batches varies)."""
@@ -219,7 +251,10 @@ class PoissonDataLoader:
             if self.stop is not None and self.stop():
                 break
             if not idx:
-                self.events.empty()
+                if self.yield_empty:
+                    yield EMPTY_BATCH
+                else:
+                    self.events.empty()
                 continue
             chunks = self._chunks(idx)
             self.events.begin(LogicalBatch(len(idx), len(chunks), tuple(len(c) for c in chunks)))

@@ -23,8 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: Path, world: int, *scenarios: str, timeout: float = 240) -> list[int]:
-    """Run every rank to completion (or the timeout: then kill and fail); return exit codes."""
+def launch(
+    out: Path, world: int, *scenarios: str, timeout: float = 240, script: str = "dist_worker.py"
+) -> list[int]:
+    """Run every rank of `script` to completion (or the timeout: then kill and fail); return
+    exit codes."""
     port = free_port()
     paths = os.pathsep.join(map(str, (SRC, HERE, HERE.parent)))  # HERE.parent: shared test data
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": paths}
@@ -32,7 +35,7 @@ def launch(out: Path, world: int, *scenarios: str, timeout: float = 240) -> list
         subprocess.Popen(
             [
                 sys.executable,
-                str(HERE / "dist_worker.py"),
+                str(HERE / script),
                 str(r),
                 str(world),
                 str(port),

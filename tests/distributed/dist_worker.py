@@ -117,6 +117,18 @@ def streams(world: int) -> dict:
     return {"positions": [[i // world for i in sampler.draw()] for _ in range(20)]}
 
 
+def resumed_streams(world: int, state_path: str) -> dict:
+    """Resume from a checkpoint of one process (it holds ITS sampler state) on every rank, then
+    20 draws of this rank's shard (positions within it)."""
+    engine = dpfit.PrivacyEngine(
+        make_model(), expected_batch_size=32, sample_size=64, noise_multiplier=1.0
+    )
+    engine.load_state_dict(torch.load(state_path, weights_only=False))
+    loader = engine.data_loader(Points(64))
+    loader.load_state_dict(torch.load(state_path, weights_only=False)["loader"])  # as the CLI does
+    return {"positions": [[i // world for i in loader.sampler.draw()] for _ in range(20)]}
+
+
 def run_until(world: int, ckdir: str, total: int, die_at: int | None = None) -> dict:
     """q=1, sigma=1: checkpoint (rank 0, atomic) after every logical step; resume from the
     newest checkpoint if there is one; rank 1 dies (os._exit) after step `die_at`."""
@@ -171,6 +183,8 @@ def main(argv: list[str]) -> None:
             results[spec] = update(world, args[0], args[1] == "ddp")
         elif name == "streams":
             results[spec] = streams(world)
+        elif name == "resumed_streams":
+            results[spec] = resumed_streams(world, args[0])
         elif name == "noise":
             results[spec] = noise(world)
         elif name == "kill":

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dp_accounting
 import pytest
 
+from dpfit import checkpoint as ckpt
 from dpfit import distributed
 from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 
@@ -67,3 +70,75 @@ def test_two_process_train_prints_and_writes_once(tmp_path):
     saved = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert saved["steps"] == 3
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.suffix == ".pt")
+
+
+def _ranks_of(token: str) -> dict[int, int]:
+    """{rank: pid} of the worker processes whose environment carries `token` (Linux /proc)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(
+                kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv
+            )
+        except OSError:
+            continue
+        if env.get("DPFIT_TEST_JOB") == token and "RANK" in env:
+            found[int(env["RANK"])] = int(proc.name)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+def test_killed_rank_fails_the_job_and_resume_finishes_like_an_uninterrupted_run(tmp_path):
+    """`dpfit train --nproc-per-node 2`: SIGKILL rank 1 after a few checkpoints; the job exits
+    non-zero without hanging; `--resume` (2 processes again) ends with the steps and epsilon of
+    the uninterrupted run, i.e. dp-accounting's figure for (sigma, q, every step)."""
+    model = save_tiny_random_model(tmp_path / "model")
+    data = write_tiny_sentiment_csv(tmp_path / "data.csv", n=240)
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), "DPFIT_TEST_JOB": token}
+    ck, total = tmp_path / "ck", 40
+    cmd = [
+        sys.executable, "-m", "dpfit", "train", "--nproc-per-node", "2", "--model", str(model),
+        "--data", str(data), "--epochs", "10", "--batch-size", "16", "--noise-multiplier", "1.0",
+        "--max-steps", str(total), "--threads", "1", "--json", "--output", str(tmp_path / "out"),
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+    ]  # fmt: skip
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, killed = time.monotonic() + 240, None
+        while killed is None and job.poll() is None and time.monotonic() < deadline:
+            steps = [s for s, _ in ckpt.list_checkpoints(ck)]
+            ranks = _ranks_of(token)
+            if steps and steps[-1] >= 3 and 1 in ranks:
+                os.kill(ranks[1], signal.SIGKILL)
+                killed = steps[-1]
+            time.sleep(0.02)
+        assert killed is not None, "the run ended (or hung) before rank 1 could be killed"
+        t_kill = time.monotonic()
+        _, err = job.communicate(timeout=90)
+        assert job.returncode != 0, err[-2000:]
+        assert time.monotonic() - t_kill < 90
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for pid in _ranks_of(token).values():  # no rank left behind
+            os.kill(pid, signal.SIGKILL)
+    left = [s for s, _ in ckpt.list_checkpoints(ck)]
+    assert left and 3 <= left[-1] < total
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+    proc = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr
+    m = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("{")))
+    assert m["steps"] == total
+    acc = dp_accounting.rdp.RdpAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(
+        m["sample_rate"], dp_accounting.GaussianDpEvent(1.0)
+    )
+    acc.compose(event, total + m.get("head_first_steps", 0))
+    assert m["epsilon"] == pytest.approx(acc.get_epsilon(m["delta"]), rel=1e-9)
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["steps"] == total

@@ -14,13 +14,22 @@ from conftest import launch, results
 from noise_check import ALPHA, assert_std
 from scipy import stats
 
+import dpfit
+
 UPDATES = ["update:bias:plain", "update:bias:ddp", "update:full:plain", "update:full:ddp"]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    codes = launch(out, 2, *UPDATES, "noise", "streams")
+    # a one-process engine's state, with its loader's (rank 0's) sampler state in it
+    engine = dpfit.PrivacyEngine(
+        dist_worker.make_model(), expected_batch_size=32, sample_size=64, noise_multiplier=1.0
+    )
+    engine.data_loader(dist_worker.Points(64))
+    torch.save(engine.state_dict(), out / "state.pt")
+    resumed = f"resumed_streams:{out / 'state.pt'}"
+    codes = launch(out, 2, *UPDATES, "noise", "streams", resumed)
     assert codes == [0, 0], launch.logs
     return results(out, 2)
 
@@ -94,4 +103,12 @@ def test_ranks_sample_from_distinct_streams_even_with_one_insecure_seed(job):
     """Shared draws would put position k of every shard in or out together: the shards'
     inclusions would be dependent, not a Poisson sample of the whole."""
     a, b = job[0]["streams"]["positions"], job[1]["streams"]["positions"]
+    assert sum(x == y for x, y in zip(a, b, strict=True)) <= 1
+
+
+def test_resumed_ranks_sample_from_distinct_streams(job):
+    """A checkpoint holds rank 0's sampler state; restoring it on every rank (through the
+    engine and again through the loader, as the CLI does) would make the shards' draws equal."""
+    spec = next(k for k in job[0] if k.startswith("resumed_streams"))
+    a, b = job[0][spec]["positions"], job[1][spec]["positions"]
     assert sum(x == y for x, y in zip(a, b, strict=True)) <= 1

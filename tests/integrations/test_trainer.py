@@ -323,3 +323,24 @@ def test_arguments_that_would_publish_private_data_are_refused(make, tmp_path, b
         DPTrainer(
             model=model, args=targs(tmp_path, **bad), train_dataset=ds, data_collator=collator
         )
+
+
+def test_empty_poisson_batches_are_steps_that_trainer_counts(make, tmp_path):
+    """q = 1/96: many logical batches are empty. Each is still a noised, accounted step, and
+    Trainer sees it (as EMPTY_BATCH) and counts it: its global_step is the engine's."""
+    from dpfit.sampling import EmptyBatch
+
+    empties = []
+
+    class Counting(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            empties.append(isinstance(inputs, EmptyBatch))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    model, ds, collator = make()
+    privacy = PrivacyArguments(noise_multiplier=1.0, insecure_seed=1)  # fixes which are empty
+    trainer = Counting(model=model, args=targs(tmp_path, max_steps=6, per_device_train_batch_size=1),
+                       train_dataset=ds, data_collator=collator, privacy=privacy)  # fmt: skip
+    trainer.train()
+    assert any(empties) and not all(empties)
+    assert trainer.state.global_step == trainer.privacy_engine.steps_taken == len(empties) == 6

@@ -24,6 +24,10 @@ What changes, and why (docs/trainer.md has the user's view):
   ``log_train_loss=True``), FLOP and token counts are not. Logs gain ``epsilon``.
 * Each Trainer checkpoint also holds ``dpfit_engine.pt`` (ledger, noise and sampler state;
   secret); resuming needs it, so epsilon after a resume counts every step.
+* Under torchrun, the logical batch is per_device_train_batch_size x world size, each rank
+  samples its shard, the engine reduces clipped sums once per step (rank 0 adds the noise),
+  each training step runs under DDP's ``no_sync()`` (DDP never averages raw gradients), and an
+  empty share is still a step (EMPTY_BATCH), so every rank counts the same steps.
 The user's model gets bias-only training (plus its new head) unless ``bias_only=False``; the
 user's ``TrainingArguments`` object is not modified.
 """
@@ -35,10 +39,12 @@ import json
 import logging
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
@@ -47,12 +53,14 @@ from transformers.trainer_utils import (
     get_last_checkpoint,
 )
 
+from dpfit import distributed
 from dpfit.checkpoint import load_checkpoint
 from dpfit.engine import PrivacyEngine
 from dpfit.errors import DPFitError, LossReductionError
 from dpfit.integrations.losses import LossInputs, per_example_loss_for
 from dpfit.models import head_module_names
 from dpfit.params import make_bias_trainable
+from dpfit.sampling import EmptyBatch
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +120,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # No super().__init__: it would re-register the parameters; share the inner state.
         self.inner = inner
         self.engine = engine
+        self.empty = False  # the batch of this step was EMPTY_BATCH (no forward/backward)
         self.defaults = inner.defaults
         self.param_groups = inner.param_groups
         self.state = inner.state
@@ -125,6 +134,9 @@ class DPOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         if closure is not None:
             raise DPFitError("DPOptimizer.step does not take a closure")
+        if self.empty:
+            self.empty = False
+            return self.engine.empty_step(self.inner)
         return self.engine.step(self.inner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -141,8 +153,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
 
 class _PassLoader:
-    """Trainer stops pulling after len() batches, leaving the Poisson pass undrained; finish
-    it (it draws nothing more) before the next pass so each epoch gets its full round(1/q).
+    """One item per logical step, EMPTY_BATCH for an empty one, so that Trainer's step count is
+    the engine's on every rank. Trainer stops pulling after len() items, leaving the Poisson
+    pass undrained; finish it (it draws nothing more) before the next pass.
 
     After a resume the sampler continues mid-pass from its saved position, so this yields only
     the pass's remaining batches (Trainer's own batch skipping is turned off).
@@ -208,6 +221,9 @@ class DPTrainer(Trainer):
         _check_training_arguments(targs)
         targs = copy.copy(targs)
         targs.max_grad_norm = 0.0  # per-example clipping replaces Trainer's global clipping
+        # distributed: a DDP buffer broadcast in every forward is a collective that a rank with
+        # an empty batch (no forward) would not join (buffers of a fine-tuned model are fixed)
+        targs.ddp_broadcast_buffers = False
         # the restored Poisson sampler resumes mid-pass itself; Trainer must not skip batches
         targs.ignore_data_skip = True
         if "args" in kwargs:
@@ -232,9 +248,13 @@ class DPTrainer(Trainer):
             make_bias_trainable(
                 model, train_head=head_module_names(model) if heads is None else heads
             )
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # under torchrun this joins the process group
         if self.train_dataset is None:
             raise DPFitError("DPTrainer needs a train_dataset (its size sets the sampling rate)")
+        ctx = distributed.resolve(None)
+        if ctx is not None:  # as DDP would when it wraps the model: every rank starts equal
+            distributed.broadcast_module(self.model, ctx)
+        self._dp_optimizer: DPOptimizer | None = None
         self.privacy_engine = self._make_engine()
         self.add_callback(_EpochFromSteps(self.privacy_engine.config.steps_per_epoch))
 
@@ -250,9 +270,11 @@ class DPTrainer(Trainer):
                 kwargs["steps"] = a.max_steps
             else:
                 kwargs["epochs"] = a.num_train_epochs
+        # one logical batch spans every rank: per_device_train_batch_size is each rank's
+        # expected share, as Trainer's batch is per device
         return PrivacyEngine(
             self.model,
-            expected_batch_size=min(a.per_device_train_batch_size, n),
+            expected_batch_size=min(a.per_device_train_batch_size * a.world_size, n),
             sample_size=n,
             target_delta=p.target_delta,
             max_grad_norm=p.max_grad_norm,
@@ -274,8 +296,11 @@ class DPTrainer(Trainer):
                 dataset = self._remove_unused_columns(dataset, description="training")
         except ImportError:  # pragma: no cover
             pass
-        # one physical batch per logical batch: Trainer fetches one batch per update
-        loader = self.privacy_engine.data_loader(dataset, collate_fn=self.data_collator)
+        # one physical batch per logical batch: Trainer fetches one batch per update; an empty
+        # one comes out as EMPTY_BATCH, so Trainer counts it (its step is taken in step())
+        loader = self.privacy_engine.data_loader(
+            dataset, collate_fn=self.data_collator, yield_empty=True
+        )
         if self._resumed_loader_state is not None:
             loader.load_state_dict(self._resumed_loader_state)
             self._resumed_loader_state = None
@@ -288,8 +313,28 @@ class DPTrainer(Trainer):
         while inner is not None and not isinstance(inner, DPOptimizer):
             inner = getattr(inner, "optimizer", None)
         if inner is None:
-            self.optimizer = DPOptimizer(opt, self.privacy_engine)
+            self.optimizer = inner = DPOptimizer(opt, self.privacy_engine)
+        self._dp_optimizer = inner
         return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """A forward and backward on this rank's share of the logical batch, with DDP's own
+        gradient all-reduce off: it would average the unclipped gradients across ranks, and
+        the engine reduces the clipped sums (plus rank 0's noise) once in the optimizer step.
+        An EMPTY_BATCH has no forward; the optimizer step takes its noise-only step."""
+        if isinstance(inputs, EmptyBatch):
+            if self._dp_optimizer is None:  # Trainer creates the optimizer before training
+                raise DPFitError("DPTrainer got a training batch before its optimizer existed")
+            self._dp_optimizer.empty = True
+            return torch.zeros((), device=self.args.device)
+        sync_off = model.no_sync if isinstance(model, DistributedDataParallel) else nullcontext
+        with sync_off():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """Not counted: the loss is a per-example mean, and Trainer would all-gather the label
+        count of each Poisson-sampled batch (an un-noised statistic) across ranks."""
+        return None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training: mean over examples of each example's own loss. Evaluation: the model's."""
@@ -392,7 +437,7 @@ class DPTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial, *args: Any, **kwargs: Any) -> None:
         super()._save_checkpoint(model, trial, *args, **kwargs)
-        if not self.args.should_save:
+        if not self.is_world_process_zero():  # rank 0's state: its noise generator is the one
             return
         folder = os.path.join(
             self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
