@@ -208,16 +208,16 @@ def _train_worker(spec: dict) -> dict:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return {**{k: m[k] for k in keep}, "worker_wall_s": time.perf_counter() - t0,
             "train_cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0),
-            "worker_cpu_s": ru.ru_utime + ru.ru_stime,
+            "worker_cpu_s": ru.ru_utime + ru.ru_stime, "load_avg": os.getloadavg()[0],
             "peak_rss_mb": _peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- size scan
 def cmd_scan(args) -> None:
-    done = {(r["method"], r["image_size"], r["model"]) for r in _read(SCAN)}
+    done = {(r["method"], r["image_size"], r["model"], r.get("steps")) for r in _read(SCAN)}
     for size in args.sizes:
-        for method in SCAN_METHODS:
-            if (method, size, args.model) in done:
+        for method in args.methods:
+            if (method, size, args.model, args.steps) in done:
                 continue
             spec = {"kind": "scan", "method": method, "image_size": size, "model": args.model,
                     "batch": args.batch, "steps": args.steps, "warmup": 1}  # fmt: skip
@@ -299,6 +299,7 @@ def _scan_worker(spec: dict) -> dict:
     peak = _peak_rss() if resettable else _peak_rss()
     return {"batch": b, "steps": spec["steps"], "wall_s_per_step": statistics.median(walls),
             "cpu_s_per_step": statistics.median(cpus), "step_memory_mb": (peak - base) / 2**20,
+            "load_avg": os.getloadavg()[0],
             "threads": _threads()}  # fmt: skip
 
 
@@ -309,10 +310,17 @@ def cmd_report(args) -> None:
     scan = list(latest.values())  # the newest row per (method, size, model)
     pre = list(_read(RESULTS / "vision_pretrain.jsonl"))
     lines = ["# Private image classification (FashionMNIST): measured rows", ""]
+    loads = [r["load_avg"] for r in runs + scan_all if "load_avg" in r]
+    load = (
+        f" (1-minute load average {min(loads):.0f} to {max(loads):.0f} at the end of the rows that recorded it)"
+        if loads
+        else ""
+    )
     lines.append("Produced by `benchmarks/vision.py`; raw rows in `vision_runs.jsonl`, "
-                 "`vision_scan.jsonl`, `vision_pretrain.jsonl`. Times are wall-clock on a 2-core "
-                 "machine shared with other jobs (load average about 12): they vary by tens of "
-                 "percent with the load, so compare CPU seconds where given.")  # fmt: skip
+                 "`vision_scan.jsonl`, `vision_pretrain.jsonl`. Wall times are on a 2-core "
+                 f"machine shared with other jobs{load}, with several rows running at once: they "
+                 "vary by tens of percent with the load, so compare CPU seconds (one torch "
+                 "thread per row) where given.")  # fmt: skip
     lines.append("")
     if pre:
         lines += ["## Public pretraining (non-private, 10% of the training set)", "",
@@ -327,10 +335,10 @@ def cmd_report(args) -> None:
     if scan:
         lines += ["## Step time and memory by image size (one step, batch "
                   f"{scan[0]['batch']}, {scan[0]['model']})", "",
-                  "| size | method | wall s/step | CPU s/step | step memory (MB) |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+                  "| size | method | timed steps | wall s/step | CPU s/step (median) | step memory (MB) |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
         for r in sorted(scan, key=lambda r: (r["image_size"], SCAN_METHODS.index(r["method"]))):
-            lines.append(f"| {r['image_size']} | {r['method']} | {r['wall_s_per_step']:.3f} | "
+            lines.append(f"| {r['image_size']} | {r['method']} | {r['steps']} | {r['wall_s_per_step']:.3f} | "
                          f"{r['cpu_s_per_step']:.3f} | {r['step_memory_mb']:.1f} |")  # fmt: skip
             summary.setdefault("scan", []).append(r)
         lines.append("")
@@ -540,7 +548,8 @@ def main(argv=None) -> None:
     s.add_argument("--sizes", nargs="+", type=int, default=[28, 56, 112])
     s.add_argument("--model", default="resnet-gn")
     s.add_argument("--batch", type=int, default=16)
-    s.add_argument("--steps", type=int, default=2)
+    s.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up)")
+    s.add_argument("--methods", nargs="+", default=list(SCAN_METHODS), choices=SCAN_METHODS)
     sub.add_parser("report")
     w = sub.add_parser("_worker")
     w.add_argument("spec")
