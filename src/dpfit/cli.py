@@ -230,11 +230,15 @@ def train_config_from_args(args: argparse.Namespace):
 
 
 def _task_options(args: argparse.Namespace):
-    if args.task != "image-classification":
-        return None
     from dpfit.vision import cli as vision_cli  # vision hook: the image task's own options
 
-    return vision_cli.image_options_from_args(args)
+    if args.task == "image-classification":
+        return vision_cli.image_options_from_args(args)
+    if vision_cli.image_flags_given(args):
+        raise DPFitError(
+            f"{', '.join(vision_cli.image_flags_given(args))}: for --task image-classification"
+        )
+    return None
 
 
 def summary_rows(m: dict) -> list[tuple[str, object]]:

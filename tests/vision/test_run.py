@@ -156,6 +156,11 @@ def test_config_errors_are_early(tiny_npz):
         ImageOptions(split="both")
 
 
+def test_image_flags_on_a_text_task_are_refused(capsys):
+    assert main(["train", "--head-only", "--image-size", "28", *FAST]) == 2
+    assert "--image-size, --head-only: for --task image-classification" in capsys.readouterr().err
+
+
 def test_head_only_trains_the_head_alone_through_the_one_loop(tiny_npz):
     """DP last layer: only the head's parameters change; the run is the shared loop's."""
     from dpfit.tasks import get_task

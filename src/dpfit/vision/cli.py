@@ -124,6 +124,14 @@ def image_options_from_args(args: argparse.Namespace, split: str = "private"):
     )
 
 
+def image_flags_given(args: argparse.Namespace) -> list[str]:
+    """The image-only flags set on the command line (refused for other tasks)."""
+    names = ("public_fraction", "split_seed", "image_size", "max_eval_examples")
+    given = [n for n in names if getattr(args, n, None) is not None]
+    given += [n for n in ("replace_batchnorm", "head_only") if getattr(args, n, False)]
+    return ["--" + n.replace("_", "-") for n in given]
+
+
 def _value(args: argparse.Namespace, name: str, defaults: dict):
     given = getattr(args, name, None)
     return defaults[name] if given is None else given
