@@ -174,11 +174,12 @@ def _key(r: dict) -> tuple:
                                     "private_examples", "batch_size"))  # fmt: skip
 
 
+OLD_DEFAULT_BATCH = 128  # rows from before the batch was recorded ran with this default
+
+
 def _batch(r: dict) -> int:
-    """The logical batch of a row (older rows did not record it: sample rate x examples)."""
-    if r.get("batch_size") is not None:
-        return int(r["batch_size"])
-    return round(r["sample_rate"] * r["train_examples"]) if r.get("sample_rate") else 0
+    """The logical batch of a row."""
+    return int(r["batch_size"]) if r.get("batch_size") is not None else OLD_DEFAULT_BATCH
 
 
 def _train_worker(spec: dict) -> dict:
