@@ -26,9 +26,15 @@ steps minus RSS just before them (Linux: VmHWM after a reset through /proc/self/
     python benchmarks/vision.py report      # writes benchmarks/results/vision.md and vision.json
 
 The scale is set for a 2-core CPU shared with other jobs: by default private fine-tuning uses
-a seeded random 4,000 of the 54,000 private images (``--private-examples``; the sampling rate
-and epsilon are those of the subset actually used), logical batch 128, 3 epochs, and scores a
+a seeded random 1,000 of the 54,000 private images (``--private-examples``; the sampling rate
+and epsilon are those of the subset actually used), logical batch 64, 3 epochs, and scores a
 seeded random 2,000 of the 10,000 test images. ``DPFIT_BENCH_THREADS`` sets torch threads (1).
+Several ``utility`` commands may run at once on one row list: each row runs once (claim
+files in ``--work``). The committed rows came from
+
+    python benchmarks/vision.py utility --models resnet-gn --seeds 0 1 2 --eps 8 2
+    python benchmarks/vision.py utility --models vit-tiny --seeds 0 --eps 8
+    python benchmarks/vision.py scan --methods nonpriv-bias dpfit-bitfit --steps 10
 """
 
 from __future__ import annotations
@@ -538,10 +544,10 @@ def main(argv=None) -> None:
     u.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     u.add_argument("--epochs", type=int, default=3)
     u.add_argument("--pretrain-epochs", type=int, default=3)
-    u.add_argument("--batch-size", type=int, default=128)
-    u.add_argument("--physical-batch-size", type=int, default=128)
+    u.add_argument("--batch-size", type=int, default=64)
+    u.add_argument("--physical-batch-size", type=int, default=64)
     u.add_argument("--max-grad-norm", type=float, default=1.0)
-    u.add_argument("--private-examples", type=int, default=4_000)
+    u.add_argument("--private-examples", type=int, default=1_000)
     u.add_argument("--eval-examples", type=int, default=2_000)
     u.add_argument("--image-size", type=int, default=28)
     u.add_argument("--work", default=os.environ.get("DPFIT_BENCH_WORK", "/tmp/dpfit-vision-bench"))
