@@ -223,6 +223,7 @@ def train_config_from_args(args: argparse.Namespace):
         add_biases=args.add_biases,
         full_epochs=args.full_epochs,
         task=args.task,
+        task_options=_task_options(args),
         output=args.output,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -231,7 +232,23 @@ def train_config_from_args(args: argparse.Namespace):
     )
 
 
+def _task_options(args: argparse.Namespace):
+    from dpfit.vision import cli as vision_cli  # vision hook: the image task's own options
+
+    if args.task == "image-classification":
+        return vision_cli.image_options_from_args(args)
+    if vision_cli.image_flags_given(args):
+        raise DPFitError(
+            f"{', '.join(vision_cli.image_flags_given(args))}: for --task image-classification"
+        )
+    return None
+
+
 def summary_rows(m: dict) -> list[tuple[str, object]]:
+    if m.get("task") == "image-classification":  # vision hook
+        from dpfit.vision import cli as vision_cli
+
+        return vision_cli.summary_rows(m)
     if m.get("task") == "causal-lm":
         rows: list[tuple[str, object]] = [
             ("held-out perplexity", f"{m['perplexity_before']:.1f} -> {m['perplexity_after']:.1f}"),
@@ -297,12 +314,6 @@ def _set_threads(spec: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    if args.task == "image-classification":  # vision hook
-        from dpfit.vision import cli as vision_cli
-
-        return vision_cli.run_train(args)
-    from tqdm.auto import tqdm
-
     # -- distributed: re-run through torchrun, or join its process group; rank 0 alone talks
     from dpfit import distributed
 
@@ -315,11 +326,18 @@ def run_train(args: argparse.Namespace) -> int:
     # -- end distributed
 
     _set_threads(args.threads)
+    return run_config(train_config_from_args(args), args)
 
+
+def run_config(config, args: argparse.Namespace, command: str = "train") -> int:
+    """Run `config` with a progress bar, then print the result table (or --json): the one
+    output path of ``dpfit train`` and ``dpfit pretrain``."""
+    from tqdm.auto import tqdm
+
+    from dpfit import distributed
     from dpfit.reporting import format_table, to_json
     from dpfit.train import train
 
-    config = train_config_from_args(args)
     bar = None
 
     def on_note(msg: str) -> None:
@@ -355,7 +373,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json({k: v for k, v in m.items() if k != "config"}, indent=None))
     else:
-        print(format_table(summary_rows(m), title="dpfit train: result"))
+        print(format_table(summary_rows(m), title=f"dpfit {command}: result"))
         if result.output_dir is not None:
             print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
     return 0

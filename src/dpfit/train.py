@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 CLIPPING = ("flat", "automatic")
 MODES = ("bias", "full")
-TASKS = ("classification", "causal-lm")
+TASKS = ("classification", "causal-lm", "image-classification")
 OPTIMIZERS = {
     "adamw": lambda params, lr, wd: torch.optim.AdamW(params, lr=lr, weight_decay=wd),
     "sgd": lambda params, lr, wd: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd),
@@ -102,6 +103,7 @@ class TrainConfig:
     add_biases: bool = False  # BiTFiT-Add: zero biases where the model has none
     full_epochs: int = 0  # two-phase X+BiTFiT: X epochs of full fine-tuning first
     task: str = "classification"
+    task_options: Any = None  # the task's own settings (a frozen dataclass, e.g. ImageOptions)
     output: str | None = None  # (resume)
     checkpoint_dir: str | None = None  # (resume)
     checkpoint_every: int = 1  # (resume) logical steps between checkpoints
@@ -348,7 +350,7 @@ def _check_options(config: TrainConfig) -> None:
             raise DPFitError("--head-first and --full-epochs are separate schedules; pick one")
     if config.head_epochs and config.full_epochs:
         raise DPFitError("--head-epochs and --full-epochs are separate schedules; pick one")
-    if config.task != "classification" and config.non_private:
+    if config.task == "causal-lm" and config.non_private:
         raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
 
 
@@ -361,11 +363,20 @@ def _check_phases(config: TrainConfig) -> None:
 
 
 def _prepare_trainables(
-    model, heads: tuple[str, ...], config: TrainConfig, biases_added: bool = False
+    model,
+    heads: tuple[str, ...],
+    config: TrainConfig,
+    biases_added: bool = False,
+    head_only: bool = False,
 ):
     """Select what trains; returns a TrainableSummary."""
     import dpfit
     from dpfit.params import summarize
+
+    if head_only:  # DP last layer: the head modules alone
+        for name, p in model.named_parameters():
+            p.requires_grad_(any(name == h or name.startswith(h + ".") for h in heads))
+        return summarize(model)
 
     if config.add_biases and not biases_added:
         # on the backbone, so the saved record reloads with the backbone alone
@@ -560,7 +571,7 @@ def train(
     for n_ in prep.notes:
         note(n_)
     model = prep.model
-    summary = _prepare_trainables(model, prep.head_names, config, prep.biases_added)
+    summary = _prepare_trainables(model, prep.head_names, config, prep.biases_added, prep.head_only)
 
     # the recipe: a function of public quantities only; each flag overrides its field
     n = prep.n

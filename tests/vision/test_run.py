@@ -1,5 +1,6 @@
-"""Image training end to end: the CLI learns a generated task, public pretraining feeds private
-fine-tuning, two-phase composes one budget, a killed run resumes bit-for-bit."""
+"""Image training end to end, through the one training loop (dpfit.train): the CLI learns a
+generated task, public pretraining feeds private fine-tuning, two-phase composes one budget,
+DP last layer trains the head alone, a killed run resumes bit-for-bit."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ from dpfit import checkpoint as ckpt
 from dpfit.accounting import epsilon_for
 from dpfit.cli import main
 from dpfit.errors import DPFitError
+from dpfit.reporting import PRIVATE_STEP_FIELDS
+from dpfit.tasks.image_classification import ImageOptions, prepare_images
+from dpfit.train import TrainConfig, train
 from dpfit.vision.data import ImageCollate, ImageData
 from dpfit.vision.models import build_model
-from dpfit.vision.run import VisionConfig
+
+TASK = "image-classification"
 
 FAST = ["--threads", "1", "--quiet", "--json"]
 
@@ -72,6 +77,10 @@ def test_pretrain_public_then_private_bitfit_then_evaluate(tiny_npz, tmp_path, c
     assert m["train_examples"] == 432 - round(0.3 * 432)
     assert "public split from the pretrained model's record" in captured.err
     assert m["private"] and 0 < m["trainable_fraction"] < 0.05  # biases + head
+    # private step rows carry no per-step loss or batch size (un-noised private statistics)
+    header = (fine / "steps.csv").read_text().splitlines()[0].split(",")
+    assert tuple(header) == PRIVATE_STEP_FIELDS
+    assert json.loads((fine / "model" / "dpfit.json").read_text())["private"]
     # a split that would overlap the public examples is refused
     assert main([*base, "--public-fraction", "0.2"]) == 2
     assert "would include some of those examples" in capsys.readouterr().err
@@ -129,13 +138,43 @@ def test_two_phase_on_an_image_model_composes_one_budget():
     engine.detach()
 
 
-def test_config_errors_are_early():
+def test_config_errors_are_early(tiny_npz):
+    def run(opts=None, **kw):
+        return train(TrainConfig(task=TASK, data=str(tiny_npz), task_options=opts, **kw))
+
     with pytest.raises(DPFitError, match="non-private"):
-        VisionConfig(split="public")
+        run(ImageOptions(split="public"))
+    with pytest.raises(DPFitError, match="head alone"):
+        run(ImageOptions(head_only=True), mode="full")
+    with pytest.raises(DPFitError, match="text models"):
+        run(add_biases=True)
     with pytest.raises(DPFitError, match="--full-epochs must be between"):
-        VisionConfig(full_epochs=3, epochs=3)
+        run(full_epochs=3, epochs=3)
     with pytest.raises(ValueError, match="mode"):
-        VisionConfig(mode="lora")
+        TrainConfig(task=TASK, mode="lora")
+    with pytest.raises(ValueError, match="split"):
+        ImageOptions(split="both")
+
+
+def test_image_flags_on_a_text_task_are_refused(capsys):
+    assert main(["train", "--head-only", "--image-size", "28", *FAST]) == 2
+    assert "--image-size, --head-only: for --task image-classification" in capsys.readouterr().err
+
+
+def test_head_only_trains_the_head_alone_through_the_one_loop(tiny_npz):
+    """DP last layer: only the head's parameters change; the run is the shared loop's."""
+    from dpfit.tasks import get_task
+
+    cfg = TrainConfig(task=TASK, data=str(tiny_npz), task_options=ImageOptions(head_only=True),
+                      noise_multiplier=1.0, max_steps=2, batch_size=32, seed=1)  # fmt: skip
+    task = get_task(TASK)
+    prep = task.prepare(cfg)
+    before = {n: p.detach().clone() for n, p in prep.model.named_parameters()}
+    result = train(cfg, prepared=prep, task=task)
+    changed = {n for n, p in result.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"fc.weight", "fc.bias"}
+    assert result.metrics["trains"] == "head" and result.metrics["steps"] == 2
+    assert result.metrics["trainable_params"] == sum(before[n].numel() for n in changed)
 
 
 def _args(data, out, *extra):
@@ -196,15 +235,15 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path, capsys):
 
 
 def test_private_split_follows_the_pretraining_record(tiny_npz):
-    from dpfit.vision.run import prepare_images
-
     src = str(tiny_npz)
     rec = {"source": src, "fraction": 0.25, "seed": 5}
-    cfg = VisionConfig(data=src)
-    got = prepare_images(cfg, rec)
+    cfg = TrainConfig(task=TASK, data=src)
+    got = prepare_images(cfg, ImageOptions(), rec)
     assert got.public_split["fraction"] == 0.25 and got.public_split["seed"] == 5
-    public = prepare_images(VisionConfig(data=src, split="public", non_private=True,
-                                         public_fraction=0.25, split_seed=5))  # fmt: skip
+    public = prepare_images(
+        TrainConfig(task=TASK, data=src, non_private=True),
+        ImageOptions(split="public", public_fraction=0.25, split_seed=5),
+    )
     rows = {
         (img.tobytes(), int(y))
         for img, y in zip(public.train.images, public.train.labels, strict=True)
@@ -215,8 +254,8 @@ def test_private_split_follows_the_pretraining_record(tiny_npz):
     assert len(rows) + len(got.train) == 432
     for bad in (dict(split_seed=6), dict(public_fraction=0.2), dict(public_fraction=0.0)):
         with pytest.raises(DPFitError, match="would include some of those examples"):
-            prepare_images(VisionConfig(data=src, **bad), rec)
+            prepare_images(cfg, ImageOptions(**bad), rec)
     with pytest.raises(DPFitError, match="protects nothing"):
-        prepare_images(cfg, {"source": src, "fraction": 1.0})
-    other = prepare_images(cfg, {"source": "elsewhere.npz", "fraction": 1.0})  # other public data
+        prepare_images(cfg, ImageOptions(), {"source": src, "fraction": 1.0})
+    other = prepare_images(cfg, ImageOptions(), {"source": "elsewhere.npz", "fraction": 1.0})
     assert other.public_split is None and len(other.train) == 432

@@ -27,6 +27,7 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
     state: dict = field(default_factory=dict)  # task-private: data splits, baselines
     biases_added: bool = False  # the task already added biases (DP-BiTFiT-Add)
+    head_only: bool = False  # the head modules alone train (DP last layer), no biases
 
 
 class Task(Protocol):
@@ -49,10 +50,12 @@ def get_task(name: str) -> Task:
     """The registered task plug-in called `name`."""
     from dpfit.tasks.causal_lm import CausalLMTask
     from dpfit.tasks.classification import ClassificationTask
+    from dpfit.tasks.image_classification import ImageClassificationTask
 
     tasks: dict[str, Callable[[], Task]] = {
         "classification": ClassificationTask,
         "causal-lm": CausalLMTask,
+        "image-classification": ImageClassificationTask,
     }
     if name not in tasks:
         raise ValueError(f"task must be one of {sorted(tasks)}, got {name!r}")

@@ -1,23 +1,17 @@
 """Command-line side of image classification: ``dpfit pretrain``, the image options of
 ``dpfit train --task image-classification``, and ``dpfit evaluate`` on image models.
 
-All argument definitions and the translation to :class:`VisionConfig` live here; ``dpfit.cli``
-only forwards to these functions.
+The image options and their translation to the task's :class:`ImageOptions` live here;
+training itself, its progress bar and its result table are ``dpfit.cli``'s, as for every task.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import sys
-
-from dpfit.errors import DPFitError
 
 TASK = "image-classification"
-# Image defaults (each flag overrides); sized for FashionMNIST-scale data on a few CPU cores.
-IMAGE_DEFAULTS = dict(
-    epochs=3, batch_size=256, physical_batch_size=64, max_grad_norm=1.0, lr=5e-3, clipping="flat"
-)
+# Pretraining defaults (each flag overrides): training every weight from scratch wants more
+# than the fine-tuning recipe's non-private step; sized for FashionMNIST-scale data on CPUs.
 PRETRAIN_DEFAULTS = dict(epochs=3, batch_size=128, physical_batch_size=128, lr=2e-3)
 
 
@@ -115,68 +109,46 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true")
 
 
+def image_options_from_args(args: argparse.Namespace, split: str = "private"):
+    """The image task's own options (``TrainConfig.task_options``) from parsed arguments."""
+    from dpfit.tasks.image_classification import ImageOptions
+
+    return ImageOptions(
+        split=split,
+        public_fraction=args.public_fraction,
+        split_seed=args.split_seed,
+        image_size=args.image_size,
+        max_eval_examples=args.max_eval_examples,
+        replace_batchnorm=args.replace_batchnorm,
+        head_only=getattr(args, "head_only", False),
+    )
+
+
+def image_flags_given(args: argparse.Namespace) -> list[str]:
+    """The image-only flags set on the command line (refused for other tasks)."""
+    names = ("public_fraction", "split_seed", "image_size", "max_eval_examples")
+    given = [n for n in names if getattr(args, n, None) is not None]
+    given += [n for n in ("replace_batchnorm", "head_only") if getattr(args, n, False)]
+    return ["--" + n.replace("_", "-") for n in given]
+
+
 def _value(args: argparse.Namespace, name: str, defaults: dict):
     given = getattr(args, name, None)
     return defaults[name] if given is None else given
 
 
-def train_config_from_args(args: argparse.Namespace):
-    from dpfit.vision.run import VisionConfig
-
-    if getattr(args, "add_biases", False):
-        raise DPFitError("--add-biases is for text models; image models here have biases")
-    d = IMAGE_DEFAULTS
-    insecure = getattr(args, "insecure_reproducible_noise", False)
-    return VisionConfig(
-        model=args.model or "resnet-gn",
-        data=args.data,
-        eval_data=args.eval_data,
-        split="private",
-        public_fraction=args.public_fraction,
-        split_seed=args.split_seed,
-        image_size=args.image_size,
-        max_train_examples=args.max_train_examples,
-        max_eval_examples=args.max_eval_examples,
-        epsilon=args.epsilon,
-        delta=args.delta,
-        noise_multiplier=args.noise_multiplier,
-        accountant=args.accountant,
-        epochs=_value(args, "epochs", d),
-        max_steps=args.max_steps,
-        batch_size=_value(args, "batch_size", d),
-        physical_batch_size=_value(args, "physical_batch_size", d),
-        max_grad_norm=_value(args, "max_grad_norm", d),
-        clipping=_value(args, "clipping", d),
-        lr=_value(args, "lr", d),
-        optimizer=args.optimizer,
-        seed=args.seed,
-        insecure_seed=args.seed if insecure and not args.non_private else None,
-        non_private=args.non_private,
-        mode="head" if args.head_only else args.mode,
-        full_epochs=args.full_epochs,
-        replace_batchnorm=args.replace_batchnorm,
-        output=args.output,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        device=args.device,
-    )
-
-
 def pretrain_config_from_args(args: argparse.Namespace):
-    from dpfit.vision.run import VisionConfig
+    """``dpfit pretrain``: the training run, non-private, every weight, on the public split."""
+    from dpfit.train import TrainConfig
 
     d = PRETRAIN_DEFAULTS
-    return VisionConfig(
+    return TrainConfig(
+        task=TASK,
+        task_options=image_options_from_args(args, split="public"),
         model=args.model,
         data=args.data,
         eval_data=args.eval_data,
-        split="public",
-        public_fraction=args.public_fraction,
-        split_seed=args.split_seed,
-        image_size=args.image_size,
         max_train_examples=args.max_train_examples,
-        max_eval_examples=args.max_eval_examples,
         epsilon=None,
         non_private=True,
         mode="full",
@@ -187,7 +159,6 @@ def pretrain_config_from_args(args: argparse.Namespace):
         optimizer=args.optimizer,
         weight_decay=args.weight_decay,
         seed=args.seed,
-        replace_batchnorm=args.replace_batchnorm,
         output=args.output,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -207,12 +178,13 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
             ("delta", m["delta"]),
             ("sigma (noise multiplier)", m["noise_multiplier"]),
             ("clip norm", m["max_grad_norm"]),
+            ("clipping", m.get("clipping")),
         ]
         if m.get("insecure_seed"):
-            rows.append(("noise seeded (INSECURE)", "yes"))
+            rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
     rows += [
         ("model", f"{m['model']} at {m['image_size']}x{m['image_size']}"),
-        ("mode", m["mode"]),
+        ("trains", m.get("trains", m["mode"])),
         ("trained on", f"{m['train_examples']} images ({m['train_source']})"),
         ("logical steps", m["steps"]),
         ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
@@ -222,77 +194,21 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
     return rows
 
 
-def _run(config, args: argparse.Namespace, title: str) -> int:
-    from tqdm.auto import tqdm
-
-    from dpfit.reporting import format_table, to_json
-    from dpfit.vision.run import train_images
+def run_pretrain(args: argparse.Namespace) -> int:
+    from dpfit.cli import _set_threads, run_config
 
     _set_threads(getattr(args, "threads", "auto"))
-    bar = None
-
-    def on_note(msg: str) -> None:
-        (tqdm.write if bar is not None else print)(f"note: {msg}", file=sys.stderr)
-
-    def on_step(row, total: int) -> None:
-        nonlocal bar
-        if args.quiet:
-            return
-        if bar is None:
-            bar = tqdm(total=total, unit="step", desc=title, file=sys.stderr, dynamic_ncols=True)
-            bar.update(row.step - 1)
-        # private runs carry no per-step loss: it is an un-noised statistic of private data
-        post = (
-            {"loss": f"{row.loss:.4f}"} if row.loss is not None and math.isfinite(row.loss) else {}
-        )
-        if math.isfinite(row.epsilon):
-            post["eps"] = f"{row.epsilon:.3f}"
-        bar.set_postfix(post, refresh=False)
-        bar.update(1)
-
-    if config.insecure_seed is not None:
-        print(
-            "WARNING: --insecure-reproducible-noise: noise and sampling are seeded with --seed; "
-            "the result is NOT private against anyone who knows the seed",
-            file=sys.stderr,
-        )
-    try:
-        result = train_images(config, on_step=on_step, on_note=on_note)
-    finally:
-        if bar is not None:
-            bar.close()
-    m = result.metrics
-    if args.json:
-        print(to_json({k: v for k, v in m.items() if k != "config"}, indent=None))
-    else:
-        print(format_table(summary_rows(m), title=f"dpfit {title}: result"))
-        if result.output_dir is not None:
-            print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
-    return 0
-
-
-def _set_threads(spec: str) -> None:
-    try:
-        from dpfit.cli import _set_threads as set_threads
-    except ImportError:  # pragma: no cover
-        return
-    set_threads(spec)
-
-
-def run_train(args: argparse.Namespace) -> int:
-    return _run(train_config_from_args(args), args, "train")
-
-
-def run_pretrain(args: argparse.Namespace) -> int:
-    return _run(pretrain_config_from_args(args), args, "pretrain")
+    return run_config(pretrain_config_from_args(args), args, "pretrain")
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """``dpfit evaluate --model DIR/model --data X`` for an image model folder."""
+    from dpfit.cli import _set_threads
     from dpfit.reporting import format_table, to_json
+    from dpfit.tasks.image_classification import evaluate_images
+    from dpfit.train import _device
     from dpfit.vision.data import FASHION_MNIST, load_images
     from dpfit.vision.models import load_image_model, read_record
-    from dpfit.vision.run import _device, evaluate_images
 
     _set_threads(getattr(args, "threads", "auto"))
     model = load_image_model(args.model)

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 SPEC_FILE = "dpfit-vision.json"
 WEIGHTS_FILE = "model.safetensors"
 MODULE_FILE = "module.pt"
+PRIVACY_FILE = "dpfit.json"
 FORMAT_VERSION = 1
 
 
@@ -392,10 +393,16 @@ def save_image_model(
 
 
 def read_record(path: str | os.PathLike | None) -> dict:
-    """The dpfit record (privacy, pretraining split) of a saved model folder; {} otherwise."""
+    """The dpfit record of a saved model folder: the privacy record (``dpfit.json``, written
+    by the training loop for every task) and the pretraining split (``dpfit-vision.json``);
+    {} for anything else."""
     if not is_image_model_folder(path):
         return {}
-    return dict(json.loads((Path(path) / SPEC_FILE).read_text()).get("dpfit", {}))
+    record = dict(json.loads((Path(path) / SPEC_FILE).read_text()).get("dpfit", {}))
+    privacy = Path(path) / PRIVACY_FILE
+    if privacy.is_file():
+        record = {**json.loads(privacy.read_text()), **record}
+    return record
 
 
 def is_image_model_folder(path: str | os.PathLike | None) -> bool:
