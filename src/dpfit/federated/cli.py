@@ -217,7 +217,6 @@ def write_files(
     settings (see docs/federated.md for each file's classification)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2))
     with open(out / "rounds.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, extrasaction="ignore")
         w.writeheader()
@@ -225,6 +224,10 @@ def write_files(
             w.writerow(asdict(r))
     if plots:
         plot_rounds(history, out)
+    # last and atomic: once metrics.json exists, every output of the run is complete
+    tmp = out / "metrics.json.tmp"
+    tmp.write_text(json.dumps(_jsonable(metrics), indent=2))
+    tmp.replace(out / "metrics.json")
 
 
 def _jsonable(obj: Any) -> Any:
