@@ -207,7 +207,7 @@ def _node_key(d: Path, name: str) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_secure_deployment_tls_and_supernode_authentication(tmp_path):
     _needs("openssl", "ssh-keygen")
     home, port, out = tmp_path / "flwr_home", _free_port(), tmp_path / "out"
@@ -263,7 +263,7 @@ def test_secure_deployment_tls_and_supernode_authentication(tmp_path):
             )  # fmt: skip
         _sh([flwr, "run", str(tmp_path / "app"), "deploy"], env)
         logs = [tmp_path / f"{n}.log" for n in ("superlink", "supernode0", "supernode1")]
-        _wait_for(out / "metrics.json", 240, logs)
+        _wait_for(out / "metrics.json", 480, logs)
         _check_outputs(out, 1, tmp_path)
         assert REFUSED in (tmp_path / "superlink.log").read_text()
         assert "SuperNode ID" not in (tmp_path / "stranger.log").read_text()
