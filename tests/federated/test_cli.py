@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from dpfit.federated.cli import add_arguments, run
+from dpfit.federated.cli import add_arguments, configs, run
 
 TINY = [
     "--clients", "4", "--clients-per-round", "2", "--rounds", "2",
@@ -128,3 +128,25 @@ def test_insecure_reproducible_noise_is_opt_in_and_recorded(capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["insecure_seed"] is True
     assert "NOT private" in captured.err
+
+
+def test_default_run_follows_its_rule():
+    """The default m is the smallest multiple of 10 for which the noise on the averaged update
+    is at most half the largest update: z * sqrt(d) / m <= 1/2 (cli.DEFAULT_RUN)."""
+    from dataclasses import replace
+
+    from dpfit.federated.app import initial_arrays
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server_cfg, task = configs(parser.parse_args([]))
+    arrays = initial_arrays(task)
+    d = sum(a.size for a in arrays)
+
+    def noise_to_clip(m: float) -> float:
+        cfg = replace(server_cfg, clients_per_round=m)
+        return DPFedAvgServer(cfg, arrays).rule.update_multiplier * d**0.5 / m
+
+    m = server_cfg.clients_per_round
+    assert noise_to_clip(m) <= 0.5 < noise_to_clip(m - 10)
