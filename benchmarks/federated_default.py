@@ -9,6 +9,7 @@ examples the run is scored on.
 
     python benchmarks/federated_default.py                     # seeds 0 1 2
     python benchmarks/federated_default.py --seeds 0 -- --engine local   # extra CLI options
+    python benchmarks/federated_default.py --jobs 3 -- --engine local    # the recorded run
 
 Writes benchmarks/results/federated_default.{json,md}; docs/federated.md ("Default run")
 quotes the .md.
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -59,7 +61,8 @@ def render(data: dict) -> str:
         f"Settings: {m0['method']}, target eps={m0['target_epsilon']}, delta={m0['delta']}, "
         f"{m0['num_clients']} clients, {m0['clients_per_round']} expected per round, "
         f"{m0['rounds_requested']} rounds, local mode {m0['local_mode']}, partition "
-        f"{m0['partition']}.",
+        f"{m0['partition']}. Extra options: {' '.join(data['extra_options']) or 'none'}; "
+        f"{data.get('jobs', 1)} seed(s) at a time.",
         "",
         "| seed | test acc | majority class | margin | epsilon | z | rounds | wall s | "
         "load avg at start | stderr lines |",
@@ -94,25 +97,26 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--jobs", type=int, default=1, help="seeds run at once (wall times then grow)")
     p.add_argument("--out", default=str(RESULTS / "federated_default"))
     p.add_argument("--from-json", default=None, help="re-render the .md from a recorded .json")
     args = p.parse_args(argv)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
     else:
-        runs = []
-        for s in args.seeds:
-            runs.append(run_seed(s, extra))
-            r = runs[-1]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each seed is a subprocess
+            runs = list(pool.map(lambda s: run_seed(s, extra), args.seeds))
+        for r in runs:
             print(
-                f"seed {s}: test acc {r['accuracy']:.3f} (majority {r['majority_accuracy']:.3f})"
-                f" eps {float(r['epsilon']):.3f} in {r['wall_s']:.0f}s",
+                f"seed {r['seed']}: test acc {r['accuracy']:.3f} (majority "
+                f"{r['majority_accuracy']:.3f}) eps {float(r['epsilon']):.3f} in {r['wall_s']:.0f}s",
                 flush=True,
             )
         data = {
             "cpus": os.cpu_count(),
             "machine": f"{platform.machine()} {platform.python_version()}",
             "extra_options": extra,
+            "jobs": args.jobs,
             "runs": runs,
         }
         out = Path(args.out)

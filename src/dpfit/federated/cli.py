@@ -322,6 +322,7 @@ def _header(server_cfg: Any, task: Any, engine: str) -> str:
         f"{task.examples_per_client or 'all'} examples each), {server_cfg.clients_per_round:g} "
         f"expected per round, {server_cfg.rounds} rounds, local {task.local_mode} "
         f"({engine} engine)"
+        + ("; first, every client votes for C_0" if server_cfg.method == "lac" else "")
     )
 
 
