@@ -69,3 +69,12 @@ def write_app(directory: str | Path, server: Any, task: Any, output: str = "") -
     path = out / "pyproject.toml"
     path.write_text(render_pyproject(run_config(server, task, output)))
     return path
+
+
+def write_template() -> Path:
+    """Rewrite the shipped template's run config from the library defaults; run it after a
+    setting is added to ``TaskConfig`` or ``ServerConfig`` (a test checks they agree)."""
+    from dpfit.federated.client import TaskConfig
+    from dpfit.federated.strategy import ServerConfig
+
+    return write_app(APP_DIR, ServerConfig(), TaskConfig())
