@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import sys
-import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -364,14 +363,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if not quiet:
         print(_header(server_cfg, task, args.engine), flush=True)
-    t0 = time.perf_counter()
+    # no per-round times on stdout: a round's duration depends on how many clients were
+    # sampled and answered, which only the operator's log may show (docs/federated.md)
 
     def progress(r: Any) -> None:
         if not quiet:
             print(
                 f"round {r.round:3d}/{server_cfg.rounds}  C={r.clip_norm:.4g}  "
-                f"val_loss={_fmt(r.val_loss)}  acc={_fmt(r.accuracy)}  eps={_fmt(r.epsilon)}  "
-                f"[{time.perf_counter() - t0:.0f}s]",
+                f"val_loss={_fmt(r.val_loss)}  acc={_fmt(r.accuracy)}  eps={_fmt(r.epsilon)}",
                 flush=True,
             )
 
