@@ -4,7 +4,8 @@
 - ``run_local``: the same ClientApp and Strategy over ``LocalGrid``, an in-process Grid that
   calls the ClientApp directly: no Ray, for tests and benchmarks on small machines.
 - ``server_app`` / ``client_app``: the components ``flwr run`` loads on a real deployment
-  (``pyproject.toml`` next to this file names them); the run config carries the settings.
+  (the shipped ``flwr_app/pyproject.toml`` names them, see ``deploy``); the run config
+  carries the settings.
 
 Partitions use flwr-datasets partitioners on a local ``datasets.Dataset`` built from the
 bundled Rotten Tomatoes data: IID, Dirichlet label skew, or natural clients by movie.
