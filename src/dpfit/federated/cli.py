@@ -42,7 +42,7 @@ ROUND_COLUMNS = (
 #   m ~ 400 clients a round, far from a few minutes on 2 cores;
 # - local training as in benchmarks/federated.py: AdamW lr 1e-2, 2 epochs, batch 16;
 # - 10 rounds, in-process (`--engine local`: the same ClientApp and Strategy without Ray; the
-#   simulation engine's driver spends more time routing 1000 virtual nodes than they train).
+#   simulation engine was much slower on 2 cores with 1000 virtual nodes).
 DEFAULT_RUN = {
     "engine": "local",
     "clients": 1000,
