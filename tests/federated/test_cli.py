@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 
 import pytest
 
-from dpfit.federated.cli import add_arguments, run
+from dpfit.federated.cli import add_arguments, configs, run
 
 TINY = [
     "--clients", "4", "--clients-per-round", "2", "--rounds", "2",
@@ -22,8 +23,16 @@ def _run(argv):
     return run(parser.parse_args(argv))
 
 
+# What `dpfit federated` prints without -v: a header, one line per round, then the table.
+OWN_LINE = re.compile(r"^(dpfit federated: .*|round +\d+/\d+  C=.*|\|.*\||)$")
+
+
+def _foreign_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if not OWN_LINE.match(line)]
+
+
 @pytest.mark.slow
-def test_simulation_engine_writes_metrics_rounds_and_plots(tmp_path, capsys):
+def test_simulation_engine_writes_metrics_rounds_and_plots(tmp_path, capfd):
     out = tmp_path / "out"
     rc = _run([*TINY, "--method", "lac", "--epsilon", "8", "--output", str(out)])
     assert rc == 0
@@ -40,7 +49,44 @@ def test_simulation_engine_writes_metrics_rounds_and_plots(tmp_path, capsys):
     assert not any("client" in col for col in rows[0])  # exact counts are operator-only
     for png in ("clip.png", "accuracy.png", "epsilon.png"):
         assert (out / png).stat().st_size > 0
-    assert "round   2/2" in capsys.readouterr().out
+    captured = capfd.readouterr()  # file descriptors: the Ray actors write to them too
+    assert "round   2/2" in captured.out
+    # no Ray actor logs, Flower warnings or transformers load reports without -v
+    assert _foreign_lines(captured.out) == []
+    assert captured.err == ""
+
+
+def test_default_output_is_rounds_and_table_only(capfd):
+    """Without -v: the header, one line per round and the table; nothing from Flower or
+    transformers (the local engine runs the same ClientApp and Strategy in this process)."""
+    assert _run([*TINY, "--engine", "local"]) == 0
+    captured = capfd.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("dpfit federated: lac, eps=8")
+    assert sum(line.startswith("round ") for line in lines) == 2
+    assert "majority class" in captured.out and "test acc" in captured.out
+    assert _foreign_lines(captured.out) == []
+    assert captured.err == ""
+
+
+def test_verbose_lets_flower_log(capfd):
+    """-v is where Flower's (and Ray's, transformers') logs go; the mirror of the test above."""
+    args = argparse.ArgumentParser()
+    add_arguments(args)
+    ns = args.parse_args([*TINY, "--engine", "local", "--rounds", "1", "--method", "fixed"])
+    ns.verbose = 1
+    try:
+        assert run(ns) == 0
+        import logging
+
+        logging.getLogger("flwr").info("probe from flwr")
+        captured = capfd.readouterr()
+        assert "probe from flwr" in captured.out + captured.err
+    finally:
+        ns.verbose = 0
+        from dpfit.federated.cli import quiet_third_party
+
+        quiet_third_party(0)
 
 
 @pytest.mark.parametrize(
@@ -82,3 +128,25 @@ def test_insecure_reproducible_noise_is_opt_in_and_recorded(capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["insecure_seed"] is True
     assert "NOT private" in captured.err
+
+
+def test_default_run_follows_its_rule():
+    """The default m is the smallest multiple of 10 for which the noise on the averaged update
+    is at most half the largest update: z * sqrt(d) / m <= 1/2 (cli.DEFAULT_RUN)."""
+    from dataclasses import replace
+
+    from dpfit.federated.app import initial_arrays
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server_cfg, task = configs(parser.parse_args([]))
+    arrays = initial_arrays(task)
+    d = sum(a.size for a in arrays)
+
+    def noise_to_clip(m: float) -> float:
+        cfg = replace(server_cfg, clients_per_round=m)
+        return DPFedAvgServer(cfg, arrays).rule.update_multiplier * d**0.5 / m
+
+    m = server_cfg.clients_per_round
+    assert noise_to_clip(m) <= 0.5 < noise_to_clip(m - 10)

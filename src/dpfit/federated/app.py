@@ -4,7 +4,8 @@
 - ``run_local``: the same ClientApp and Strategy over ``LocalGrid``, an in-process Grid that
   calls the ClientApp directly: no Ray, for tests and benchmarks on small machines.
 - ``server_app`` / ``client_app``: the components ``flwr run`` loads on a real deployment
-  (``pyproject.toml`` next to this file names them); the run config carries the settings.
+  (the shipped ``flwr_app/pyproject.toml`` names them, see ``deploy``); the run config
+  carries the settings.
 
 Partitions use flwr-datasets partitioners on a local ``datasets.Dataset`` built from the
 bundled Rotten Tomatoes data: IID, Dirichlet label skew, or natural clients by movie.
@@ -117,14 +118,18 @@ def client_examples(task: TaskConfig, partition_id: int) -> list[TextExample]:
     return _subsample(examples, task.examples_per_client, task.seed * 7919 + partition_id)
 
 
+def eval_split(task: TaskConfig, which: str = "validation") -> tuple[list[str], list[int]]:
+    """(texts, labels) the server scores on: its public validation or test split, capped."""
+    _, val, test = splits(task.seed)
+    data = _subsample(val if which == "validation" else test, task.eval_examples, task.seed + 1)
+    return [e.text for e in data], [e.label for e in data]
+
+
 def make_evaluate_fn(
     task: TaskConfig, which: str = "validation"
 ) -> Callable[..., tuple[float, float]]:
     """Server-side (loss, accuracy) of a parameter list on the validation or test split."""
-    _, val, test = splits(task.seed)
-    data = _subsample(val if which == "validation" else test, task.eval_examples, task.seed + 1)
-    texts = [e.text for e in data]
-    labels = [e.label for e in data]
+    texts, labels = eval_split(task, which)
 
     def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
         lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
@@ -233,8 +238,13 @@ def run_simulation(
     task: TaskConfig,
     on_round: Callable[[RoundRecord], None] | None = None,
     num_cpus: int = 2,
+    verbose: int = 0,
 ) -> DPFedAvgServer:
-    """Run the app in Flower's simulation engine with ``num_clients`` virtual SuperNodes."""
+    """Run the app in Flower's simulation engine with ``num_clients`` virtual SuperNodes.
+
+    ``verbose`` 0 keeps the actors' output (Ray, transformers) out of the driver's console;
+    1 forwards it; 2 also turns on Flower's debug log.
+    """
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation as flwr_run_simulation
 
@@ -246,8 +256,11 @@ def run_simulation(
         strategy = build_strategy(server_cfg, task, on_round)
         holder["server"] = strategy.start(grid)
 
+    init_args: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False}
+    if not verbose:
+        init_args.update(log_to_driver=False, logging_level="ERROR")
     backend = {
-        "init_args": {"num_cpus": num_cpus, "include_dashboard": False},
+        "init_args": init_args,
         "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
     }
     t0 = time.perf_counter()
@@ -256,6 +269,7 @@ def run_simulation(
         client_app=build_client_app(),
         num_supernodes=task.num_clients,
         backend_config=backend,
+        verbose_logging=verbose >= 2,
     )
     if "server" not in holder:
         raise RuntimeError("the simulation ended without running the ServerApp; see the log")

@@ -10,7 +10,9 @@ import csv
 import json
 import logging
 import math
+import os
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,33 @@ ROUND_COLUMNS = (
 )
 
 
+# The run `dpfit federated` makes with no options (docs/federated.md, "Default run"); these
+# override the defaults given with each option below. Chosen by a rule, not on test data:
+# - many small clients, the cross-device setting client-level DP is for: the training split
+#   cut into N = 1000 IID clients of 10 examples (all but a few of its 10,233);
+# - m, the expected clients per round, the smallest multiple of 10 for which the noise on the
+#   averaged update is at most half of the largest update, z * sqrt(d) / m <= 1/2 (d = number
+#   of trained values, z calibrated to eps = 8 over the rounds; tests/federated/test_cli.py
+#   checks it). Local mode `head` (d = 770) meets it at m = 30; `bias` (d ~ 27k) would need
+#   m ~ 400 clients a round, far from a few minutes on 2 cores;
+# - local training as in benchmarks/federated.py: AdamW lr 1e-2, 2 epochs, batch 16;
+# - 10 rounds, in-process (`--engine local`: the same ClientApp and Strategy without Ray; the
+#   simulation engine was much slower on 2 cores with 1000 virtual nodes).
+DEFAULT_RUN = {
+    "engine": "local",
+    "clients": 1000,
+    "examples_per_client": 10,
+    "clients_per_round": 30.0,
+    "rounds": 10,
+    "local_mode": "head",
+    "lr": 1e-2,
+    "local_epochs": 2,
+    "local_batch_size": 16,
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``dpfit federated``; defaults fit 2 CPU cores in a few minutes."""
+    """Options of ``dpfit federated``; DEFAULT_RUN's values replace the defaults below."""
     p = parser
     p.add_argument("--method", choices=clip_rule_names(), default="lac")
     p.add_argument("--epsilon", type=float, default=8.0, help="client-level target epsilon")
@@ -111,6 +138,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint each round; resume")
     p.add_argument("--output", default=None, help="write metrics.json, rounds.csv, plots")
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
+    p.add_argument(
+        "--write-app",
+        metavar="DIR",
+        default=None,
+        help="write the Flower app for `flwr run` to DIR, with these options as its run "
+        "config, and exit (docs/federated.md, Deployment)",
+    )
+    p.set_defaults(**DEFAULT_RUN)
 
 
 def configs(args: argparse.Namespace):
@@ -162,6 +197,16 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.4g}"
 
 
+def majority_accuracy(task: Any, which: str = "test") -> float:
+    """Accuracy of always predicting the split's most frequent label: the floor to beat."""
+    from dpfit.federated.app import eval_split
+
+    labels = eval_split(task, which)[1]
+    if not labels:
+        return math.nan
+    return max(labels.count(y) for y in set(labels)) / len(labels)
+
+
 def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> dict[str, Any]:
     h = server.history
     return {
@@ -173,6 +218,7 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "update_noise_multiplier": server.rule.update_multiplier,
         "accuracy": test_accuracy,
         "test_loss": test_loss,
+        "majority_accuracy": majority_accuracy(task, "test"),
         "val_accuracy": h[-1].accuracy if h else math.nan,
         "val_loss": h[-1].val_loss if h else math.nan,
         "rounds": len(h),
@@ -206,7 +252,6 @@ def write_files(
     settings (see docs/federated.md for each file's classification)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2))
     with open(out / "rounds.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, extrasaction="ignore")
         w.writeheader()
@@ -214,6 +259,10 @@ def write_files(
             w.writerow(asdict(r))
     if plots:
         plot_rounds(history, out)
+    # last and atomic: once metrics.json exists, every output of the run is complete
+    tmp = out / "metrics.json.tmp"
+    tmp.write_text(json.dumps(_jsonable(metrics), indent=2))
+    tmp.replace(out / "metrics.json")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -250,16 +299,73 @@ def plot_rounds(history: list[Any], out: Path) -> None:
         plt.close(fig)
 
 
+def quiet_third_party(verbosity: int) -> None:
+    """Ray, Flower and transformers speak only with -v: by default the output of a run is its
+    round lines and table (errors still show)."""
+    flwr_level = (logging.ERROR, logging.INFO, logging.DEBUG)[min(verbosity, 2)]
+    logging.getLogger("flwr").setLevel(flwr_level)
+    logging.getLogger("flwr").propagate = False  # Flower has its own console handler
+    if verbosity > 0:
+        return
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"ray(\.|$)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import huggingface_hub.utils
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
+    except ImportError:
+        pass
+
+
+def _header(server_cfg: Any, task: Any, engine: str) -> str:
+    target = (
+        f"eps={_fmt(server_cfg.target_epsilon)}"
+        if server_cfg.noise_multiplier is None
+        else f"z={server_cfg.noise_multiplier:g}"
+    )
+    return (
+        f"dpfit federated: {server_cfg.method}, {target} delta={server_cfg.delta:g}, "
+        f"{server_cfg.num_clients} clients ({task.partition}, <= "
+        f"{task.examples_per_client or 'all'} examples each), {server_cfg.clients_per_round:g} "
+        f"expected per round, {server_cfg.rounds} rounds, local {task.local_mode} "
+        f"({engine} engine)"
+        + ("; first, every client votes for C_0" if server_cfg.method == "lac" else "")
+    )
+
+
+def _table(metrics: dict[str, Any]) -> list[str]:
+    return [
+        "| method | epsilon | delta | z | rounds | C_0 | C_T | test acc | majority class |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {metrics['method']} | {_fmt(metrics['epsilon'])} | {metrics['delta']:g} | "
+        f"{_fmt(metrics['noise_multiplier'])} | {metrics['rounds']} | "
+        f"{metrics['initial_clip']:.4g} | {metrics['final_clip']:.4g} | "
+        f"{_fmt(metrics['accuracy'])} | {_fmt(metrics['majority_accuracy'])} |",
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the federated job; returns a process exit code."""
+    """Run the federated job (or write the Flower app); returns a process exit code."""
     from dpfit.federated.accounting import CalibrationError
-    from dpfit.federated.app import make_evaluate_fn, run_local, run_simulation
 
     try:
         server_cfg, task = configs(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.write_app:
+        from dpfit.federated.deploy import write_app
+
+        path = write_app(args.write_app, server_cfg, task, output=args.output or "")
+        print(f"wrote {path}; deploy with: flwr run {args.write_app} <connection> --stream")
+        return 0
+    quiet_third_party(getattr(args, "verbose", 0))
+    from dpfit.federated.app import make_evaluate_fn, run_local, run_simulation
+
     quiet = args.json
     if server_cfg.insecure_seed is not None:
         print(
@@ -267,6 +373,10 @@ def run(args: argparse.Namespace) -> int:
             f"--seed {args.seed}; this run is NOT private against anyone who knows the seed.",
             file=sys.stderr,
         )
+    if not quiet:
+        print(_header(server_cfg, task, args.engine), flush=True)
+    # no per-round times on stdout: a round's duration depends on how many clients were
+    # sampled and answered, which only the operator's log may show (docs/federated.md)
 
     def progress(r: Any) -> None:
         if not quiet:
@@ -280,7 +390,13 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "local":
             server = run_local(server_cfg, task, on_round=progress)
         else:
-            server = run_simulation(server_cfg, task, on_round=progress, num_cpus=args.num_cpus)
+            server = run_simulation(
+                server_cfg,
+                task,
+                on_round=progress,
+                num_cpus=args.num_cpus,
+                verbose=getattr(args, "verbose", 0),
+            )
     except CalibrationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -293,13 +409,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_jsonable(metrics)))
     else:
         print()
-        print("| method | epsilon | delta | rounds | C_0 | C_T | test acc |")
-        print("|---|---|---|---|---|---|---|")
-        print(
-            f"| {metrics['method']} | {_fmt(metrics['epsilon'])} | {metrics['delta']:g} | "
-            f"{metrics['rounds']} | {metrics['initial_clip']:.4g} | {metrics['final_clip']:.4g} "
-            f"| {_fmt(metrics['accuracy'])} |"
-        )
+        print("\n".join(_table(metrics)))
         if server.stop_reason:
             print(f"stopped early: {server.stop_reason}")
     return 0
