@@ -82,9 +82,7 @@ def training_event(
     prior: dpa.DpEvent | None = None,
 ) -> dpa.DpEvent:
     """The whole run: prior, one-off releases, then ``rounds`` identical sampled rounds."""
-    return schedule_event(
-        q, [tuple(round_multipliers)] * rounds, one_off_multipliers, kind, prior
-    )
+    return schedule_event(q, [tuple(round_multipliers)] * rounds, one_off_multipliers, kind, prior)
 
 
 def calibrate_noise_multiplier(

@@ -29,7 +29,6 @@ from dpfit.federated.accounting import (
     ClientLevelAccountant,
     calibrate_noise_multiplier,
 )
-from dpfit.federated.tuning import SelectionConfig, tuning_event
 from dpfit.federated.clipping import (
     ClipConfig,
     LacClip,
@@ -37,6 +36,7 @@ from dpfit.federated.clipping import (
     clip_rule_class,
     make_clip_rule,
 )
+from dpfit.federated.tuning import SelectionConfig, tuning_event
 
 logger = logging.getLogger(__name__)
 
