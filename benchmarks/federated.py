@@ -72,6 +72,7 @@ from dpfit.federated.tuning import (
     TuningPlan,
     plan_tuning,
     private_selection,
+    run_event,
     selection_rng,
     tuning_event,
 )
@@ -267,12 +268,14 @@ def task_config(args: argparse.Namespace, partition: str) -> TaskConfig:
 
 
 def server_config(method: str, eps: float, args: argparse.Namespace) -> ServerConfig:
+    fixed_z = getattr(args, "noise_multiplier", None)
     return ServerConfig(
         method=method,
         num_clients=args.clients,
         clients_per_round=args.clients_per_round,
         rounds=args.rounds,
-        target_epsilon=eps,
+        target_epsilon=eps if fixed_z is None else None,
+        noise_multiplier=fixed_z,
         delta=args.delta,
         **DEFAULTS[method],
     )
@@ -391,14 +394,34 @@ def run_tuned(
 
 
 def make_plan(method: str, eps: float, args) -> tuple[TuningPlan, float]:
-    """The budget split of one method at one epsilon, and the final run's multiplier."""
+    """The budget split of one method at one epsilon, and the final run's multiplier.
+
+    Two calibrations each; the multipliers are kept in ``--plan-cache`` (keyed by every
+    setting they depend on) so that runs split over several invocations share them.
+    """
     cfg = server_config(method, eps, args)
-    plan = plan_tuning(
-        cfg,
-        GRIDS[method],
-        SelectionConfig(args.tuning_mean_runs, args.tuning_shape, args.tuning_share),
-    )
+    selection = SelectionConfig(args.tuning_mean_runs, args.tuning_shape, args.tuning_share)
     rule = clip_rule_class(method)
+    key = json.dumps([repr(run_event(cfg, 1.0)), eps, cfg.delta, repr(selection)])
+    cache = Path(args.plan_cache) if args.plan_cache else None
+    known = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    if key in known:
+        z_tune, tuning_eps, cand_eps, z = known[key]
+        plan = TuningPlan(
+            candidate=replace(cfg, target_epsilon=None, noise_multiplier=z_tune),
+            final=replace(
+                cfg,
+                tuning_noise_multiplier=z_tune,
+                tuning_mean_runs=selection.mean_runs,
+                tuning_shape=selection.shape,
+            ),
+            candidate_noise_multiplier=z_tune,
+            selection=selection,
+            tuning_epsilon=tuning_eps,
+            candidate_epsilon=cand_eps,
+        )
+        return plan, z
+    plan = plan_tuning(cfg, GRIDS[method], selection)
     final = plan.final
     z = calibrate_noise_multiplier(
         eps,
@@ -414,6 +437,16 @@ def make_plan(method: str, eps: float, args) -> tuple[TuningPlan, float]:
         ),
         prior=tuning_event(final),
     )
+    if cache:
+        known = json.loads(cache.read_text()) if cache.exists() else {}
+        known[key] = [
+            plan.candidate_noise_multiplier,
+            plan.tuning_epsilon,
+            plan.candidate_epsilon,
+            z,
+        ]
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known))
     return plan, z
 
 
@@ -439,6 +472,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument(
+        "--noise-multiplier",
+        type=float,
+        default=None,
+        help="fix z instead of calibrating to each epsilon (with --no-tune); 0 = non-private",
+    )
     p.add_argument("--model", default="minilm", help="bundled name (minilm, smollm2) or a path")
     p.add_argument("--local-mode", default="head", choices=fed_client.LOCAL_MODES)
     p.add_argument("--local-epochs", type=int, default=2)
@@ -457,6 +496,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="eta of K's truncated negative binomial (1 geometric, 0 logarithmic, inf Poisson)",
     )
+    p.add_argument(
+        "--plan-cache",
+        default="/tmp/dpfit_federated_plans.json",
+        help="file keeping the tuning budget splits between invocations ('' = none)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="federated_protocol", help="output file stem")
     p.add_argument(
@@ -473,7 +517,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (runs in parallel)")
     p.add_argument(
-        "--from-json", default=None, help="re-render <name>.{md,png} from a recorded JSON"
+        "--from-json",
+        nargs="+",
+        default=None,
+        help="re-render <name>.{md,png} from recorded JSONs (several are merged)",
     )
     return p.parse_args(argv)
 
@@ -483,6 +530,8 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], float]:
     logging.basicConfig(level=logging.WARNING)
     if args.local_mode == "head" and args.feature_cache:
         build_feature_cache(args)
+    if args.noise_multiplier is not None and not args.no_tune:
+        raise SystemExit("--noise-multiplier fixes the noise: add --no-tune (nothing to split)")
     tuned = [] if args.no_tune else [m for m in args.methods if m in GRIDS]
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
@@ -505,9 +554,6 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], float]:
 
     with ProcessPoolExecutor(max(1, args.jobs), mp_context=ctx) as pool:
         # the budget splits first (one calibration per method and epsilon, shared by seeds)
-        plan_futs = {
-            (m, e): pool.submit(_call, make_plan, m, e, args) for m in tuned for e in args.epsilons
-        }
         futs = [
             pool.submit(_call, run_default, m, e, s, part, args)
             for part in args.partitions
@@ -515,7 +561,9 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], float]:
             for s in args.seeds
             for m in args.methods
         ]
-        plans = {k: f.result() for k, f in plan_futs.items()}
+        # the budget splits, here while the pool trains the defaults; methods with the same
+        # per-run event (fixed, automatic) share one calibration through the plan cache
+        plans = {(m, e): make_plan(m, e, args) for m in tuned for e in args.epsilons}
         futs += [
             pool.submit(_call, run_tuned, m, e, s, part, *plans[(m, e)], args)
             for part in args.partitions
@@ -544,11 +592,26 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], float]:
     return rows, time.perf_counter() - t0
 
 
-def load_recorded(path: Path) -> tuple[dict, list[dict], float]:
-    """(settings, runs, seconds) of a recorded JSON."""
-    data = json.loads(path.read_text())
-    seconds = data.get("seconds")
-    return data["settings"], data["runs"], math.nan if seconds is None else float(seconds)
+def load_recorded(*paths: Path) -> tuple[dict, list[dict], float]:
+    """(settings, runs, seconds) of recorded JSONs; several (e.g. one per seed, run one after
+    the other) merge into one record if they differ only in seeds, epsilons and jobs."""
+    settings: dict = {}
+    runs: list[dict] = []
+    seconds = 0.0
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        s = dict(data["settings"])
+        if settings:
+            same = {k for k in s if k not in ("seeds", "epsilons", "jobs")}
+            diff = [k for k in same if s[k] != settings.get(k)]
+            if diff:
+                raise SystemExit(f"{path} was run with other settings: {diff}")
+            for k in ("seeds", "epsilons"):
+                s[k] = sorted(set(settings[k]) | set(s[k]))
+        settings = s
+        runs += data["runs"]
+        seconds += math.nan if data.get("seconds") is None else float(data["seconds"])
+    return settings, runs, seconds
 
 
 # --------------------------------------------------------------------------------------------
@@ -630,13 +693,16 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
         "validation accuracy released) spending "
         f"{settings['tuning_share']:.3g} of the target, then trained on the rest; 'eps spent' "
         "is the total, tuning included. 'tuning s' is the wall time of the selection's "
-        "candidate runs (DP-LAC: its vote), mean over runs.",
+        "candidate runs (DP-LAC: its vote), mean over runs, measured on a shared machine; 'x "
+        "DP-LAC vote' divides it by DP-LAC's mean vote time.",
         "",
     ]
     table: list[dict] = []
     for part in partitions:
         head = ["method", "protocol"] + [f"eps={e:g}" for e in epsilons]
-        head += ["mean over eps", "eps spent (max/target)", "tuning s", "runs per tuning"]
+        head += ["mean over eps", "eps spent (max/target)", "tuning s", "x DP-LAC vote"]
+        head += ["runs per tuning"]
+        lac_vote = [r["vote_seconds"] for r in pick("lac", "default", part)]
         md += [f"## {part}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for m in methods:
             for proto in rows_of(m):
@@ -659,6 +725,8 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
                 )
                 runs = [r.get("tuning_runs", 0) for r in rs]
                 cells += [f"{spent:.4f}", f"{statistics.mean(tune):.0f}"]
+                ratio = statistics.mean(tune) / statistics.mean(lac_vote) if lac_vote else 0.0
+                cells.append(f"{ratio:.1f}" if lac_vote and ratio > 0 else "-")
                 cells.append(f"{statistics.mean(runs):.1f}" if proto != "default" else "0")
                 md.append("| " + " | ".join(cells) + " |")
                 table.append(line)
@@ -836,12 +904,13 @@ def _plot(rows, methods, epsilons, partitions, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.from_json:
-        path = Path(args.from_json)
-        settings, rows, elapsed = load_recorded(path)
-        render(settings, rows, elapsed, Path(args.out), path.stem)
+        settings, rows, elapsed = load_recorded(*map(Path, args.from_json))
+        name = Path(args.from_json[0]).stem if len(args.from_json) == 1 else args.name
+        render(settings, rows, elapsed, Path(args.out), name)
         return
     rows, elapsed = run_all(args)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "from_json", "name")}
+    skip = ("out", "from_json", "name", "plan_cache")
+    settings = {k: v for k, v in vars(args).items() if k not in skip}
     render(settings, rows, elapsed, Path(args.out), args.name)
 
 
