@@ -552,27 +552,39 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], float]:
             flush=True,
         )
 
+    # every finished run is appended here at once, so an interrupted run keeps what it did
+    partial = Path(args.out) / f"{args.name}.partial.jsonl"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(json.dumps({"settings": _settings(args)}) + "\n")
+
+    def keep(r: dict) -> None:
+        report(r)
+        with partial.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+
     with ProcessPoolExecutor(max(1, args.jobs), mp_context=ctx) as pool:
-        # the budget splits first (one calibration per method and epsilon, shared by seeds)
-        futs = [
-            pool.submit(_call, run_default, m, e, s, part, args)
-            for part in args.partitions
-            for e in args.epsilons
-            for s in args.seeds
-            for m in args.methods
-        ]
-        # the budget splits, here while the pool trains the defaults; methods with the same
-        # per-run event (fixed, automatic) share one calibration through the plan cache
-        plans = {(m, e): make_plan(m, e, args) for m in tuned for e in args.epsilons}
-        futs += [
-            pool.submit(_call, run_tuned, m, e, s, part, *plans[(m, e)], args)
-            for part in args.partitions
-            for e in args.epsilons
-            for s in args.seeds
-            for m in tuned
-        ]
+        # seed by seed, so that the first seeds finish first; the budget splits are computed
+        # here while the pool trains the first defaults, and methods with the same per-run
+        # event (fixed, automatic) share one calibration through the plan cache
+        futs = []
+        plans: dict = {}
+        for s in args.seeds:
+            futs += [
+                pool.submit(_call, run_default, m, e, s, part, args)
+                for part in args.partitions
+                for e in args.epsilons
+                for m in args.methods
+            ]
+            if not plans:
+                plans = {(m, e): make_plan(m, e, args) for m in tuned for e in args.epsilons}
+            futs += [
+                pool.submit(_call, run_tuned, m, e, s, part, *plans[(m, e)], args)
+                for part in args.partitions
+                for e in args.epsilons
+                for m in tuned
+            ]
         for fut in as_completed(futs):
-            report(fut.result())
+            keep(fut.result())
     key = {
         (p, e, s, m, proto): i
         for i, (p, e, s, m, proto) in enumerate(
@@ -592,6 +604,41 @@ def run_all(args: argparse.Namespace) -> tuple[list[dict], float]:
     return rows, time.perf_counter() - t0
 
 
+def _settings(args: argparse.Namespace) -> dict:
+    skip = ("out", "from_json", "name", "plan_cache")
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
+def load_partial(path: Path) -> tuple[dict, list[dict], float]:
+    """The runs of an interrupted invocation (``<name>.partial.jsonl``), complete seeds only:
+    a seed is kept if every method, protocol, partition and epsilon finished for it."""
+    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    settings, runs = dict(lines[0]["settings"]), lines[1:]
+    want = {
+        (m, proto, p, float(e))
+        for m in settings["methods"]
+        for proto in (
+            ("default", "private tuning")
+            if m in GRIDS and not settings["no_tune"]
+            else ("default",)
+        )
+        for p in settings["partitions"]
+        for e in settings["epsilons"]
+    }
+    done = [
+        s
+        for s in settings["seeds"]
+        if want
+        <= {
+            (r["method"], r["protocol"], r["partition"], float(r["epsilon_target"]))
+            for r in runs
+            if r["seed"] == s
+        }
+    ]
+    settings["seeds"] = done
+    return settings, [r for r in runs if r["seed"] in done], math.nan
+
+
 def load_recorded(*paths: Path) -> tuple[dict, list[dict], float]:
     """(settings, runs, seconds) of recorded JSONs; several (e.g. one per seed, run one after
     the other) merge into one record if they differ only in seeds, epsilons and jobs."""
@@ -599,7 +646,11 @@ def load_recorded(*paths: Path) -> tuple[dict, list[dict], float]:
     runs: list[dict] = []
     seconds = 0.0
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        if str(path).endswith(".jsonl"):
+            st, rs, _ = load_partial(path)
+            data = {"settings": st, "runs": rs, "seconds": None}
+        else:
+            data = json.loads(Path(path).read_text())
         s = dict(data["settings"])
         if settings:
             same = {k for k in s if k not in ("seeds", "epsilons", "jobs")}
@@ -905,13 +956,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.from_json:
         settings, rows, elapsed = load_recorded(*map(Path, args.from_json))
-        name = Path(args.from_json[0]).stem if len(args.from_json) == 1 else args.name
+        one = len(args.from_json) == 1 and args.from_json[0].endswith(".json")
+        name = Path(args.from_json[0]).stem if one else args.name
         render(settings, rows, elapsed, Path(args.out), name)
         return
     rows, elapsed = run_all(args)
-    skip = ("out", "from_json", "name", "plan_cache")
-    settings = {k: v for k, v in vars(args).items() if k not in skip}
-    render(settings, rows, elapsed, Path(args.out), args.name)
+    render(_settings(args), rows, elapsed, Path(args.out), args.name)
 
 
 if __name__ == "__main__":
