@@ -610,33 +610,27 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def load_partial(path: Path) -> tuple[dict, list[dict], float]:
-    """The runs of an interrupted invocation (``<name>.partial.jsonl``), complete seeds only:
-    a seed is kept if every method, protocol, partition and epsilon finished for it."""
+    """The runs of an interrupted invocation (``<name>.partial.jsonl``): a seed's default
+    (or privately tuned) runs are kept if all of them finished for every method, partition
+    and epsilon; tables then say which seeds each row has."""
     lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     settings, runs = dict(lines[0]["settings"]), lines[1:]
-    want = {
-        (m, proto, p, float(e))
-        for m in settings["methods"]
-        for proto in (
-            ("default", "private tuning")
-            if m in GRIDS and not settings["no_tune"]
-            else ("default",)
-        )
-        for p in settings["partitions"]
-        for e in settings["epsilons"]
-    }
-    done = [
-        s
-        for s in settings["seeds"]
-        if want
-        <= {
-            (r["method"], r["protocol"], r["partition"], float(r["epsilon_target"]))
-            for r in runs
-            if r["seed"] == s
+    keep = []
+    for proto in ("default", "private tuning"):
+        methods = [m for m in settings["methods"] if proto == "default" or m in GRIDS]
+        want = {
+            (m, p, float(e))
+            for m in methods
+            for p in settings["partitions"]
+            for e in settings["epsilons"]
         }
-    ]
-    settings["seeds"] = done
-    return settings, [r for r in runs if r["seed"] in done], math.nan
+        for s in settings["seeds"]:
+            rs = [r for r in runs if r["seed"] == s and r["protocol"] == proto]
+            got = {(r["method"], r["partition"], float(r["epsilon_target"])) for r in rs}
+            if want <= got:
+                keep += rs
+    settings["seeds"] = sorted({r["seed"] for r in keep})
+    return settings, keep, math.nan
 
 
 def load_recorded(*paths: Path) -> tuple[dict, list[dict], float]:
@@ -717,12 +711,14 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
             and (seed is None or r["seed"] == seed)
         ]
 
-    def by_seed(method, protocol, partition, eps=None) -> list[float]:
-        """Test accuracy per seed (averaged over the epsilons when eps is None)."""
-        return [
-            statistics.mean(r["test_accuracy"] for r in pick(method, protocol, partition, eps, s))
-            for s in seeds
-        ]
+    def by_seed(method, protocol, partition, eps=None) -> dict[int, float]:
+        """Test accuracy per seed that ran (averaged over the epsilons when eps is None)."""
+        out = {}
+        for s in seeds:
+            rs = pick(method, protocol, partition, eps, s)
+            if rs:
+                out[s] = statistics.mean(r["test_accuracy"] for r in rs)
+        return out
 
     def rows_of(method: str) -> list[str]:
         # DP-LAC and DP-CLAC are untuned in both protocols: one row
@@ -735,7 +731,8 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
         f"`--from-json benchmarks/results/{name}.json`). Every figure below is computed from "
         "those runs.",
         "",
-        f"Test accuracy, mean ± sd over {len(seeds)} seed(s) (seed = client sampling, noise, "
+        f"Test accuracy, mean ± sd over the seeds each row ran ({len(seeds)} seed(s) in all; "
+        "seed = client sampling, noise, "
         "vote, selection draws; passed as insecure seeds so that methods see the same draws; "
         "the data split is fixed). 'default': untuned ("
         + "; ".join(f"{m} {_hp(DEFAULTS[m])}" for m in methods)
@@ -752,7 +749,7 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
     for part in partitions:
         head = ["method", "protocol"] + [f"eps={e:g}" for e in epsilons]
         head += ["mean over eps", "eps spent (max/target)", "tuning s", "x DP-LAC vote"]
-        head += ["runs per tuning"]
+        head += ["runs per tuning", "seeds"]
         lac_vote = [r["vote_seconds"] for r in pick("lac", "default", part)]
         md += [f"## {part}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for m in methods:
@@ -766,7 +763,8 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
                     xs = [r["test_accuracy"] for r in pick(m, proto, part, e)]
                     line[f"acc@{e:g}"] = statistics.mean(xs)
                     cells.append(_mean_sd(xs))
-                line["mean_by_seed"] = by_seed(m, proto, part)
+                line["mean_by_seed"] = list(by_seed(m, proto, part).values())
+                line["seeds"] = list(by_seed(m, proto, part))
                 cells.append(_mean_sd(line["mean_by_seed"]))
                 spent = max(r["epsilon"] / r["epsilon_target"] for r in rs)
                 tune = (
@@ -779,6 +777,7 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
                 ratio = statistics.mean(tune) / statistics.mean(lac_vote) if lac_vote else 0.0
                 cells.append(f"{ratio:.1f}" if lac_vote and ratio > 0 else "-")
                 cells.append(f"{statistics.mean(runs):.1f}" if proto != "default" else "0")
+                cells.append(", ".join(str(k) for k in line["seeds"]))
                 md.append("| " + " | ".join(cells) + " |")
                 table.append(line)
         md.append("")
@@ -797,10 +796,12 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
                 for proto in rows_of(m):
                     if m == "lac" or not pick(m, proto, part):
                         continue
-                    d = [a - b for a, b in zip(lac, by_seed(m, proto, part), strict=True)]
+                    other = by_seed(m, proto, part)
+                    d = {k: lac[k] - other[k] for k in lac if k in other}
                     md.append(
-                        f"| {m} | {proto} | {', '.join(f'{x:+.3f}' for x in d)} "
-                        f"| {statistics.mean(d):+.3f} |"
+                        f"| {m} | {proto} | "
+                        + ", ".join(f"{x:+.3f} (seed {k})" for k, x in d.items())
+                        + f" | {statistics.mean(d.values()):+.3f} |"
                     )
             md.append("")
 
