@@ -947,7 +947,7 @@ def _plot(rows, methods, epsilons, partitions, path: Path) -> None:
             ax.set_xlabel("round", fontsize=8)
             if j == 0:
                 ax.set_ylabel("clip norm C_t", fontsize=8)
-    axes[0][-1].legend(fontsize=6, loc="best")
+    axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

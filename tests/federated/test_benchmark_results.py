@@ -26,11 +26,13 @@ def recorded():
     return _benchmark().load_recorded(RESULTS / f"{NAME}.json")
 
 
-def test_committed_tables_are_rendered_from_committed_runs(recorded, tmp_path):
-    settings, rows, seconds = recorded
-    _benchmark().render(settings, rows, seconds, tmp_path, NAME)
+@pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob(f"{NAME}*.json")))
+def test_committed_tables_are_rendered_from_committed_runs(name, tmp_path):
+    bench = _benchmark()
+    settings, rows, seconds = bench.load_recorded(RESULTS / f"{name}.json")
+    bench.render(settings, rows, seconds, tmp_path, name)
     for ext in ("md", "json"):
-        assert (tmp_path / f"{NAME}.{ext}").read_text() == (RESULTS / f"{NAME}.{ext}").read_text()
+        assert (tmp_path / f"{name}.{ext}").read_text() == (RESULTS / f"{name}.{ext}").read_text()
 
 
 def test_recorded_tuned_runs_spent_tuning_plus_training(recorded):
