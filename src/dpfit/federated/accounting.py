@@ -55,10 +55,13 @@ def schedule_event(
     per_round: Sequence[Sequence[float]],
     one_off_multipliers: Sequence[float] = (),
     kind: str = "rdp",
+    prior: dpa.DpEvent | None = None,
 ) -> dpa.DpEvent:
-    """One-off releases, then each round with its own multipliers (runs of identical
-    consecutive rounds are self-composed so that long fixed-noise runs stay cheap)."""
-    events: list[dpa.DpEvent] = [dpa.GaussianDpEvent(s) for s in one_off_multipliers]
+    """``prior`` (e.g. a private tuning), one-off releases, then each round with its own
+    multipliers (runs of identical consecutive rounds are self-composed so that long
+    fixed-noise runs stay cheap)."""
+    events: list[dpa.DpEvent] = [] if prior is None else [prior]
+    events += [dpa.GaussianDpEvent(s) for s in one_off_multipliers]
     rounds = [tuple(r) for r in per_round]
     i = 0
     while i < len(rounds):
@@ -76,9 +79,10 @@ def training_event(
     round_multipliers: Sequence[float],
     one_off_multipliers: Sequence[float] = (),
     kind: str = "rdp",
+    prior: dpa.DpEvent | None = None,
 ) -> dpa.DpEvent:
-    """The whole run: one-off releases, then ``rounds`` identical sampled rounds."""
-    return schedule_event(q, [tuple(round_multipliers)] * rounds, one_off_multipliers, kind)
+    """The whole run: prior, one-off releases, then ``rounds`` identical sampled rounds."""
+    return schedule_event(q, [tuple(round_multipliers)] * rounds, one_off_multipliers, kind, prior)
 
 
 def calibrate_noise_multiplier(
@@ -89,23 +93,25 @@ def calibrate_noise_multiplier(
     one_off_multipliers: Sequence[float] = (),
     kind: str = "rdp",
     schedule: Callable[[float], Sequence[Sequence[float]]] | None = None,
+    prior: dpa.DpEvent | None = None,
 ) -> float:
     """Combined per-round multiplier z so the whole run spends exactly ``target_epsilon``.
 
     Every method gets the same z; rules then split it (Theorem 1), so all meet the same
-    target. One-off releases (the vote) are paid first, out of the same budget. A rule whose
-    noise changes by round passes ``schedule``: z -> the multipliers of every round, and z is
-    then its first round's multiplier.
+    target. ``prior`` (a private tuning) and one-off releases (the vote) are paid first, out
+    of the same budget. A rule whose noise changes by round passes ``schedule``: z -> the
+    multipliers of every round, and z is then its first round's multiplier.
     """
-    floor = epsilon_of(training_event(q, 0, (), one_off_multipliers, kind), delta, kind)
-    if one_off_multipliers and floor >= target_epsilon:
+    floor = epsilon_of(training_event(q, 0, (), one_off_multipliers, kind, prior), delta, kind)
+    if (one_off_multipliers or prior is not None) and floor >= target_epsilon:
         raise CalibrationError(
-            f"the one-off releases alone spend eps={floor:.3f} >= target {target_epsilon}; "
-            "raise the vote noise (--vote-noise) or the target epsilon"
+            f"the tuning and one-off releases alone spend eps={floor:.3f} >= target "
+            f"{target_epsilon}; raise the vote noise (--vote-noise), lower the tuning's "
+            "budget share or raise the target epsilon"
         )
 
     def make_event(z: float) -> dpa.DpEvent:
-        return training_event(q, rounds, (z,), one_off_multipliers, kind)
+        return training_event(q, rounds, (z,), one_off_multipliers, kind, prior)
 
     try:
         z_const = calibrate(make_event, target_epsilon, delta, kind, upper=1e4, tolerance=1e-4)
@@ -117,7 +123,7 @@ def calibrate_noise_multiplier(
     if schedule is None:
         return z_const
     return _calibrate_schedule(
-        z_const, schedule, target_epsilon, delta, q, one_off_multipliers, kind
+        z_const, schedule, target_epsilon, delta, q, one_off_multipliers, kind, prior
     )
 
 
@@ -129,6 +135,7 @@ def _calibrate_schedule(
     q: float,
     one_off_multipliers: Sequence[float],
     kind: str,
+    prior: dpa.DpEvent | None = None,
 ) -> float:
     """z_0 of a schedule whose rounds scale with it (z_t = z_0 f_t, f_0 = 1 >= f_t > 0).
 
@@ -142,7 +149,7 @@ def _calibrate_schedule(
         raise CalibrationError("a scheduled round has no noise; nothing to calibrate")
 
     def make_event(z: float) -> dpa.DpEvent:
-        return schedule_event(q, schedule(z), one_off_multipliers, kind)
+        return schedule_event(q, schedule(z), one_off_multipliers, kind, prior)
 
     if f_min >= 1.0 - 1e-12:
         return z_const
@@ -170,6 +177,7 @@ class ClientLevelAccountant:
     delta: float
     kind: str = "rdp"
     target_epsilon: float | None = None
+    prior: dpa.DpEvent | None = None  # spent before this run (a private tuning): counted first
     one_offs: list[float] = field(default_factory=list)
     rounds: list[tuple[float, ...]] = field(default_factory=list)
     _live: dpa.PrivacyAccountant | None = field(default=None, init=False, repr=False)
@@ -182,7 +190,7 @@ class ClientLevelAccountant:
     def event(self, extra_round: Sequence[float] | None = None) -> dpa.DpEvent:
         """What happened, as one dp-accounting event: every round with its own multipliers."""
         rounds = list(self.rounds) + ([tuple(extra_round)] if extra_round is not None else [])
-        return schedule_event(self.sample_rate, rounds, self.one_offs, self.kind)
+        return schedule_event(self.sample_rate, rounds, self.one_offs, self.kind, self.prior)
 
     def _non_private(self) -> bool:
         return any(s <= 0 for s in self.one_offs) or any(z <= 0 for r in self.rounds for z in r)

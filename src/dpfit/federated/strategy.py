@@ -36,6 +36,7 @@ from dpfit.federated.clipping import (
     clip_rule_class,
     make_clip_rule,
 )
+from dpfit.federated.tuning import SelectionConfig, tuning_event
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,22 @@ class ServerConfig:
     auto_gamma: float = ClipConfig.auto_gamma
     clip_decay: float = ClipConfig.clip_decay
     noise_decay: float = ClipConfig.noise_decay
+    # Private hyperparameter selection this run was tuned by (``dpfit.federated.tuning``):
+    # K ~ D(mean, shape) candidate runs of this config at this multiplier. Set: the ledger
+    # starts with the selection, so calibration and every reported epsilon include it.
+    tuning_noise_multiplier: float | None = None
+    tuning_mean_runs: float = 1.0
+    tuning_shape: float = 1.0
 
     def __post_init__(self) -> None:
         clip_rule_class(self.method)  # fail early with the list of names
         self.clip_config(1.0)  # and on a rule setting out of range
+        if self.tuning_noise_multiplier is not None:
+            if not self.tuning_noise_multiplier > 0:
+                raise ValueError("tuning_noise_multiplier must be > 0 (a private selection)")
+            if self.accountant != "rdp":
+                raise ValueError("a privately tuned run is accounted with accountant='rdp'")
+            SelectionConfig(self.tuning_mean_runs, self.tuning_shape)  # range checks
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier")
         if not 0 < self.clients_per_round <= self.num_clients:
@@ -200,6 +213,7 @@ class DPFedAvgServer:
         self.shapes = [tuple(a.shape) for a in self.params]
         self.evaluate_fn = evaluate_fn
         rule_cls = clip_rule_class(config.method)
+        prior = tuning_event(config)
         if config.noise_multiplier is not None:
             self.noise_multiplier = float(config.noise_multiplier)
             target = None
@@ -217,6 +231,7 @@ class DPFedAvgServer:
                     if rule_cls.scheduled
                     else None
                 ),
+                prior=prior,
             )
             target = config.target_epsilon
         self.rule = make_clip_rule(config.method, config.clip_config(self.noise_multiplier))
@@ -226,6 +241,7 @@ class DPFedAvgServer:
             delta=config.delta,
             kind=config.accountant,
             target_epsilon=target,
+            prior=prior,
         )
         self.sampling_rng, self.noise_rng = server_generators(config.insecure_seed)
         self.insecure = config.insecure_seed is not None
@@ -384,6 +400,7 @@ class DPFedAvgServer:
             "noise_multiplier": self.noise_multiplier,
             # an insecurely seeded run's generator state stays insecure after a resume
             "insecure_seed": self.insecure,
+            "tuning": [c.tuning_noise_multiplier, c.tuning_mean_runs, c.tuning_shape],
             "shapes": [list(s) for s in self.shapes],
         }
 
