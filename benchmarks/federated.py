@@ -154,7 +154,7 @@ _FEATURE_MEMO: dict[tuple[str, ...], torch.Tensor] = {}
 
 
 def feature_cache_path(args: argparse.Namespace) -> Path:
-    return Path(args.feature_cache) / f"minilm_pooled_len{args.max_length}.pt"
+    return Path(args.feature_cache) / f"minilm_features_len{args.max_length}.pt"
 
 
 def build_feature_cache(args: argparse.Namespace) -> Path:
@@ -164,20 +164,13 @@ def build_feature_cache(args: argparse.Namespace) -> Path:
     if path.exists():
         return path
     lm = fed_client.load_local_model("", "head", 4, 0)
-    enc = fed_client._encoder(lm.model)
     texts = sorted({e.text for e in rotten_tomatoes()}, key=len)
     outs = []
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.inference_mode():
         for i in range(0, len(texts), 128):
-            batch = lm.tokenizer(
-                texts[i : i + 128],
-                truncation=True,
-                max_length=args.max_length,
-                padding=True,
-                return_tensors="pt",
-            )
-            outs.append(enc(**batch)[1])
+            ids = lm.encode(texts[i : i + 128], args.max_length)
+            outs.append(lm.model.features(**lm.batch(ids)))  # the client's own pooling
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"texts": texts, "features": torch.cat(outs)}, tmp)
