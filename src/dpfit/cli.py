@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from dpfit.audit import cli as audit_cli
+from dpfit.console import quiet_hub_libraries
 from dpfit.errors import DPFitError
 
 logger = logging.getLogger("dpfit")
@@ -570,19 +571,10 @@ def _setup_logging(verbosity: int) -> None:
     logging.basicConfig(
         level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if verbosity < 2:
         # dp-accounting's RDP search logs a warning per skipped order; not actionable for users.
         logging.getLogger("absl").setLevel(logging.ERROR)
-        try:
-            import huggingface_hub.utils
-            import transformers
-
-            transformers.logging.set_verbosity_error()
-            transformers.logging.disable_progress_bar()
-            huggingface_hub.utils.disable_progress_bars()
-        except ImportError:
-            pass
+        quiet_hub_libraries()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

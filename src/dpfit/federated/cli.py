@@ -10,7 +10,6 @@ import csv
 import json
 import logging
 import math
-import os
 import sys
 import warnings
 from dataclasses import asdict
@@ -309,16 +308,9 @@ def quiet_third_party(verbosity: int) -> None:
         return
     logging.getLogger("ray").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"ray(\.|$)")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import huggingface_hub.utils
-        import transformers
+    from dpfit.console import quiet_hub_libraries
 
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        huggingface_hub.utils.disable_progress_bars()
-    except ImportError:
-        pass
+    quiet_hub_libraries()
 
 
 def _header(server_cfg: Any, task: Any, engine: str) -> str:
