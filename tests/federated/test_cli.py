@@ -69,23 +69,27 @@ def test_default_output_is_rounds_and_table_only(capfd):
     assert captured.err == ""
 
 
-def test_verbose_lets_flower_log(capfd):
-    """-v is where Flower's (and Ray's, transformers') logs go; the mirror of the test above."""
+def test_verbose_lets_flower_log():
+    """-v is where Flower's (and Ray's, transformers') logs go; the mirror of the test above.
+
+    Checked on the logger's level, not on captured output: Flower's console handler keeps the
+    stream it found when flwr was first imported, which pytest's capture may have replaced.
+    """
+    import logging
+
+    from dpfit.federated.cli import quiet_third_party
+
     args = argparse.ArgumentParser()
     add_arguments(args)
     ns = args.parse_args([*TINY, "--engine", "local", "--rounds", "1", "--method", "fixed"])
     ns.verbose = 1
     try:
         assert run(ns) == 0
-        import logging
-
-        logging.getLogger("flwr").info("probe from flwr")
-        captured = capfd.readouterr()
-        assert "probe from flwr" in captured.out + captured.err
+        assert logging.getLogger("flwr").isEnabledFor(logging.INFO)
+        quiet_third_party(0)
+        assert not logging.getLogger("flwr").isEnabledFor(logging.INFO)
     finally:
         ns.verbose = 0
-        from dpfit.federated.cli import quiet_third_party
-
         quiet_third_party(0)
 
 
