@@ -9,7 +9,8 @@ rotten-tomatoes (2 classes), convention-party (2), text-source (6). Rows per tas
   non-private bias-only      `dpfit train --non-private`            (defaults only)
   non-private full           `dpfit train --non-private --mode full`
   DP-BiTFiT eps=E            `dpfit train --epsilon E`  for E in 1, 3, 8
-  DP-BiTFiT head-first eps=8 `dpfit train --head-first` (when this build has it)
+  ... no head-first         the same two rows with `--no-head-first` (the head-first phase,
+                             a linear probe on frozen features before BiTFiT, is the default)
   DP full eps=8              `dpfit train --mode full`
 
 dpfit rows pass NO recipe flags (batch, lr, epochs, clip norm, clipping, max length): the
@@ -71,7 +72,18 @@ ROWS = (
     Row("dp-8", "DP-BiTFiT eps=8", "dpfit", {"epsilon": 8.0}),
     Row("dp-1", "DP-BiTFiT eps=1", "dpfit", {"epsilon": 1.0}),
     Row("dp-3", "DP-BiTFiT eps=3", "dpfit", {"epsilon": 3.0}),
-    Row("dp-8-head", "DP-BiTFiT head-first eps=8", "dpfit", {"epsilon": 8.0, "head_first": True}),
+    Row(
+        "np-bias-nohead",
+        "non-private bias-only, no head-first",
+        "dpfit",
+        {"non_private": True, "head_first": False},
+    ),
+    Row(
+        "dp-8-nohead",
+        "DP-BiTFiT eps=8, no head-first",
+        "dpfit",
+        {"epsilon": 8.0, "head_first": False},
+    ),
     Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
 )
@@ -127,7 +139,8 @@ def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale
     m = train(cfg).metrics
     keep = (
         "accuracy epsilon delta noise_multiplier steps head_first_steps epochs batch_size lr "
-        "max_length train_examples trainable_fraction train_time_s recipe clipping max_grad_norm"
+        "max_length train_examples trainable_fraction train_time_s recipe clipping max_grad_norm "
+        "head_first_accuracy"
     ).split()
     out = {k: m.get(k) for k in keep if k in m}
     for k in ("lr", "max_length", "pooling"):  # older builds keep these only in the config

@@ -39,6 +39,10 @@ def test_private_rule_follows_its_constants():
     assert resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, "full").lr == R.PRIVATE_LR["full"]
     np = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, private=False)
     assert np.clipping is None and np.batch_size == R.NON_PRIVATE_BATCH
+    # LP-FT: the non-private reference in bias mode starts with the head too, at its own lr
+    assert np.head_epochs == R.NON_PRIVATE_HEAD_EPOCHS and np.head_lr == R.NON_PRIVATE_HEAD_LR
+    assert resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, "full", private=False).head_epochs == 0
+    assert resolve_recipe(10_000, 2, 8.0, 1e-5, 1, private=False, head_first=False).head_epochs == 0
     # small data: a few steps per epoch at least, never a batch above n
     for n in (1, 7, 50, 180, 784):
         r = resolve_recipe(n, 3, 8.0, 1e-5, 10_000)

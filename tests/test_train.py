@@ -385,6 +385,9 @@ def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monke
     )
     assert 2.9 < m["epsilon"] <= 3.0 + 1e-6  # calibrated for the whole run, not one phase
     assert res.model.head.weight.abs().sum() > 0
+    # the probe alone is scored on the (public) evaluation data before the biases train
+    assert 0.0 <= m["head_first_accuracy"] <= 1.0
+    assert any("linear probe alone" in note for note in res.notes)
 
 
 def test_classification_items_are_sorted_by_length_for_cheap_padding(tiny, tmp_path):

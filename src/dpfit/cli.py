@@ -142,8 +142,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--head-first",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="first train the head privately on frozen features (one backbone pass), then "
-        "biases + head; both phases share one privacy budget (recipe: on for private "
+        help="first train the head on frozen features (one backbone pass), then biases + "
+        "head; when private, both phases share one privacy budget (recipe: on for "
         "classification in bias mode)",
     )
     g.add_argument(
@@ -284,6 +284,11 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
         ("head", f"{m.get('pooling')} pooling, linear"),
         ("logical steps", m["steps"]),
         *([("head-first steps", m["head_first_steps"])] if m.get("head_first_steps") else []),
+        *(
+            [("probe alone (accuracy)", f"{m['head_first_accuracy']:.4f}")]
+            if m.get("head_first_accuracy") is not None
+            else []
+        ),
         ("training examples", m["train_examples"]),
         ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
         ("train time", f"{m['train_time_s']:.1f} s"),

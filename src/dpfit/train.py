@@ -517,6 +517,19 @@ def _head_phase(
     return state
 
 
+def _score_head(task, prep, model, config, device, note: Callable[[str], None]) -> dict:
+    """The linear probe alone on the evaluation data (public), before the biases train: shows
+    what the fine-tuning phase adds over it. Empty if the run has no evaluation data."""
+    try:
+        scores = task.evaluate(prep, model, config, device)
+    except Exception:  # noqa: BLE001 - a diagnostic only; the final evaluation reports errors
+        logger.exception("evaluating the head-first phase failed")
+        return {}
+    if "accuracy" in scores:
+        note(f"head-first: accuracy of the linear probe alone {scores['accuracy']:.4f}")
+    return scores
+
+
 def _resolve_sigma(config: TrainConfig, q: float, steps: int, delta: float) -> float:
     """One noise multiplier for all the run's steps (head-first phase included)."""
     from dpfit.accounting import noise_multiplier_for
@@ -623,11 +636,13 @@ def train(
     engine = None
     sigma = None
     head_state = None
+    head_scores: dict = {}
     t_loop = time.perf_counter()
     if config.non_private:
         if head_steps and resume_path is None:
             with _oom_guard(config):
                 _head_phase(model, items, collate, config, n, delta, 0.0, head_steps, device, note)
+            head_scores = _score_head(task, prep, model, config, device, note)
         loader = ShuffledBatches(
             items, batch_size, config.physical_batch_size, collate, config.seed
         )
@@ -641,6 +656,7 @@ def train(
                     head_state = _head_phase(
                         model, items, collate, config, n, delta, sigma, head_steps, device, note
                     )
+                head_scores = _score_head(task, prep, model, config, device, note)
         engine = _make_engine(model, config, n, total_steps, delta, sigma)
         if head_state is not None:
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
@@ -765,6 +781,8 @@ def train(
         config, recipe, overrides, summary, scores, privacy, rows, train_time, t_start, device,
         head_steps, delta,
     )  # fmt: skip
+    if "accuracy" in head_scores:
+        metrics["head_first_accuracy"] = head_scores["accuracy"]
     result = TrainResult(metrics, rows, model, prep.tokenizer, privacy, notes)
     if config.output and is_main_process():  # distributed: rank 0 writes
         result.output_dir = save_outputs(result, config, task, prep, errors)
