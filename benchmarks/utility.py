@@ -383,7 +383,9 @@ def main(argv=None) -> int:
     transformers.logging.disable_progress_bar()
 
     args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / f"{args.tag}_runs.jsonl"
+    log = args.out / f"{args.tag}_runs.jsonl"  # one log for every scale
+    # the tables of a subset scale sit beside the full suite's, not over it
+    table_tag = args.tag if scale.max_train is None else f"{args.tag}_{scale.tag()}"
     if not args.table_only:
         done = {r["key"] for r in read_log(log) if "error" not in r}
         # seed-major, then row priority, then task: a partial run covers every task first
@@ -409,8 +411,8 @@ def main(argv=None) -> int:
                     logger.info(
                         "done %s in %.0f s: %s", key, wall, [r.get("accuracy") for r in recs]
                     )
-                    write_outputs(read_log(log), scale, args.out, args.tag, args.seeds)
-    print(write_outputs(read_log(log), scale, args.out, args.tag, args.seeds))
+                    write_outputs(read_log(log), scale, args.out, table_tag, args.seeds)
+    print(write_outputs(read_log(log), scale, args.out, table_tag, args.seeds))
     return 0
 
 
