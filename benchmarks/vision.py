@@ -353,6 +353,11 @@ def cmd_report(args) -> None:
     for r in scan_all:
         if "error" in r:
             lines.append(f"- scan {r['method']} at {r['image_size']}px failed: {r['error'][-200:]}")
+    if runs or scan:
+        _plot(summary, scan, RESULTS / "vision.png")
+        lines.append(
+            "Plot: `vision.png` (test accuracy per row and setting; step CPU time by size)."
+        )
     (RESULTS / "vision.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "vision.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n".join(lines))
@@ -465,6 +470,64 @@ def _scan_ratios(scan: list[dict], summary: dict) -> list[str]:
             out.append(line)
     out.append("")
     return out
+
+
+def _plot(summary: dict, scan: list[dict], path: Path) -> None:
+    """One accuracy panel per setting (rows on x, one series per epsilon, mean and every
+    seed), and CPU s/step against image size for each scan method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(summary["rows"].items())
+    panels = len(settings) + (1 if scan else 0)
+    cols = min(3, panels)
+    rows_n = -(-panels // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.2 * cols, 3.9 * rows_n), squeeze=False)
+    flat = list(axes.flat)
+    for ax, (name, rows) in zip(flat, settings, strict=False):
+        for k, eps in enumerate(sorted({key.split("/")[1] for key in rows}, reverse=True)):
+            xs, means, seeds = [], [], []
+            for i, row in enumerate(ROWS):
+                v = rows.get(f"{row}/{eps}")
+                if v is None:
+                    continue
+                x = i + 0.12 * (k - 1)
+                xs.append(x)
+                means.append(v["accuracy"])
+                seeds += [(x, a) for a in v["accuracies"]]
+            label = "non-private" if eps == "None" else f"eps {float(eps):g}"
+            (line,) = ax.plot(xs, means, "o", label=label)
+            ax.plot([x for x, _ in seeds], [a for _, a in seeds], ".", alpha=0.35,
+                    color=line.get_color())  # fmt: skip
+        ax.set_xticks(range(len(ROWS)))
+        ax.set_xticklabels([LABELS[r].replace(" (", "\n(") for r in ROWS], rotation=60,
+                           fontsize=7, ha="right")  # fmt: skip
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("test accuracy")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    if scan:
+        ax = flat[len(settings)]
+        for method in SCAN_METHODS:
+            pts = sorted(
+                (r["image_size"], r["cpu_s_per_step"]) for r in scan if r["method"] == method
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("image size (px)")
+        ax.set_ylabel("CPU s / step (median)")
+        ax.set_title(f"one step, batch {scan[0]['batch']}, {scan[0]['model']}", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in flat[panels:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------- plumbing
