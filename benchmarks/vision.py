@@ -442,10 +442,23 @@ def _checks(model: str, name: str, rows: dict, summary: dict) -> list[str]:
             a = [r0["accuracy"], r1["accuracy"], r2["accuracy"], full["accuracy"]]
             holds = a[0] < a[1] < a[2] and abs(a[2] - a[3]) <= 0.02
             checks[f"{name}: paper ordering eps{eps:g}"] = holds
+            # the paper's steps are tens of points; steps smaller than the seed-to-seed
+            # spread (or with one seed, the ~1-point standard error of one accuracy on
+            # 2,000 test images) are not evidence of an ordering
+            rs = (r0, r1, r2)
+            sds = [statistics.stdev(r["accuracies"]) for r in rs if len(r["accuracies"]) > 1]
+            noise = max(sds) if len(sds) == len(rs) else 0.01
+            clear = holds and min(a[1] - a[0], a[2] - a[1]) > noise
+            checks[f"{name}: paper ordering eps{eps:g}, steps above seed noise"] = clear
+            verdict = "does not hold"
+            if holds:
+                verdict = "holds, steps above the seed spread" if clear else (
+                    f"holds on the means, but its steps ({a[1] - a[0]:+.3f}, "
+                    f"{a[2] - a[1]:+.3f}) are within the seed spread ({noise:.3f}): not "
+                    "distinguishable from noise")  # fmt: skip
             out.append(f"- eps={eps:g}: accuracy 0+ / 1+ / 2+ BiTFiT / DP full: "
                        + " / ".join(f"{x:.3f}" for x in a)
-                       + f": the ordering 0+ < 1+ < 2+ ~ full (within 2 points) "
-                       f"{'holds' if holds else 'does not hold'}")  # fmt: skip
+                       + f": the ordering 0+ < 1+ < 2+ ~ full (within 2 points) {verdict}")  # fmt: skip
     out.append("")
     return out
 
