@@ -516,9 +516,10 @@ def _plot(summary: dict, scan: list[dict], path: Path) -> None:
                 means.append(v["accuracy"])
                 seeds += [(x, a) for a in v["accuracies"]]
             label = "non-private" if eps == "None" else f"eps {float(eps):g}"
-            (line,) = ax.plot(xs, means, "o", label=label)
+            color = {"None": "C0", "8.0": "C1", "2.0": "C2"}.get(eps, f"C{k + 3}")
+            ax.plot(xs, means, "o", label=label, color=color)
             ax.plot([x for x, _ in seeds], [a for _, a in seeds], ".", alpha=0.35,
-                    color=line.get_color())  # fmt: skip
+                    color=color)  # fmt: skip
         ax.set_xticks(range(len(ROWS)))
         ax.set_xticklabels([LABELS[r].replace(" (", "\n(") for r in ROWS], rotation=60,
                            fontsize=7, ha="right")  # fmt: skip
