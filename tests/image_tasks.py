@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -27,3 +29,12 @@ def write_npz(path: Path, n: int, size: int = 12, seed: int = 0) -> Path:
     images, labels = patterns(n, size, seed)
     np.savez(path, images=images, labels=labels, label_names=np.array(CLASSES))
     return path
+
+
+def write_idx(path: Path, array: np.ndarray, code: int = 0x08) -> None:
+    """A gzipped idx file (the MNIST format) holding `array`."""
+    header = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(
+        f">{array.ndim}I", *array.shape
+    )
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(">u1").tobytes())

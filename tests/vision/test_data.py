@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import gzip
-import struct
-
 import numpy as np
 import pytest
 import torch
-from image_tasks import CLASSES, patterns
+from image_tasks import CLASSES, patterns, write_idx
 
 from dpfit.vision import data as vd
 from dpfit.vision.data import (
@@ -67,20 +64,12 @@ def test_image_folder(tmp_path):
         load_images(tmp_path / CLASSES[0])
 
 
-def _write_idx(path, array, code=0x08):
-    header = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(
-        f">{array.ndim}I", *array.shape
-    )
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(">u1").tobytes())
-
-
 def test_idx_files_and_fashion_mnist_reader(tmp_path, monkeypatch):
     images, labels = patterns(10, 5)
-    _write_idx(tmp_path / "train-images-idx3-ubyte.gz", images)
-    _write_idx(tmp_path / "train-labels-idx1-ubyte.gz", labels)
-    _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images[:4])
-    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels[:4])
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", images)
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", labels)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images[:4])
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels[:4])
     assert np.array_equal(read_idx(tmp_path / "train-images-idx3-ubyte.gz"), images)
     monkeypatch.setenv(vd.FASHION_MNIST_ENV, str(tmp_path))
     train, test = load_images("fashion-mnist"), load_images(None, "test")

@@ -15,27 +15,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dpfit.data.text import DataError, LabeledTexts, bundled_rotten_tomatoes, load_texts
+from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
 from dpfit.errors import DPFitError
 from dpfit.models import load_classifier
 from dpfit.tasks import Prepared
+from dpfit.tasks.labels import (  # noqa: F401 - the first two re-exported
+    MIN_PUBLIC_LABEL_COUNT,
+    RareLabelError,
+    check_data_label_names,
+)
 
 if TYPE_CHECKING:
     from dpfit.train import TrainConfig
 
 logger = logging.getLogger(__name__)
-
-
-class RareLabelError(DataError):
-    """Label names read from the data would be published, and some are rare."""
-
-
-# Label names inferred from the training file are published. A name carried by many
-# examples is not evidence about any one of them; 20 is about the count a noisy
-# (stability-based) histogram at epsilon 1, delta 1e-5 needs before it releases a key
-# (1 + 2 ln(1/(2 delta)) / epsilon = 22.6), and a class with fewer examples cannot be learned
-# under DP noise anyway. It is a heuristic guard, not a DP release: --labels is the guarantee.
-MIN_PUBLIC_LABEL_COUNT = 20
 
 
 @dataclass(frozen=True)
@@ -98,26 +91,14 @@ def prepare_data(config: TrainConfig) -> PreparedData:
 def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
     """Label names are released (model/config.json id2label, metrics.json per_class): say
     where they came from, and refuse names read from the data that few examples carry."""
-    names = ", ".join(train.label_names)
     if config.labels is not None:
-        return f"label names (public, from --labels): {names}"
-    rare = {k: c for k, c in train.class_counts().items() if c < MIN_PUBLIC_LABEL_COUNT}
-    if rare and not config.public_labels:
-        raise RareLabelError(
-            f"{config.data}: {len(rare)} label name(s) appear in fewer than "
-            f"{MIN_PUBLIC_LABEL_COUNT} training examples ({', '.join(sorted(rare))}). Label "
-            "names are written un-noised into model/config.json and metrics.json, so a rare "
-            "one can reveal who is in the data. Pass the public label set with --labels "
-            "a,b,c, or declare the names in the data public with --public-labels"
-        )
-    how = (
-        "declared public with --public-labels"
-        if config.public_labels
-        else (f"each seen >= {MIN_PUBLIC_LABEL_COUNT} times")
-    )
-    return (
-        f"label names read from the training data are treated as PUBLIC ({how}): {names}; "
-        "pass --labels to give them yourself"
+        return f"label names (public, from --labels): {', '.join(train.label_names)}"
+    return check_data_label_names(
+        train.label_names,
+        train.class_counts(),
+        str(config.data),
+        config.public_labels,
+        "model/config.json and metrics.json",
     )
 
 

@@ -11,6 +11,11 @@ The public/private split is a seeded random fraction of the training data
 (:func:`dpfit.vision.data.public_private_split`). Pretraining records it in the saved model;
 private fine-tuning of that model on the same data reuses it and refuses a split that would
 put examples the model has already seen non-privately into the "private" set.
+
+Class names are published (the saved model, metrics.json): names read from the user's data
+(ImageFolder folders, an .npz's labels) pass the same rare-label rule as text classification
+(:mod:`dpfit.tasks.labels`) unless the user gives them (``--labels``) or declares them public;
+FashionMNIST's names ship with the data set and are public.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 
 from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
+from dpfit.tasks.labels import check_data_label_names
 from dpfit.vision.data import (
     FASHION_MNIST,
     ImageCollate,
@@ -97,6 +103,7 @@ class PreparedImages:
     test: ImageData
     public_split: dict | None  # {"source", "fraction", "seed", "n_public"} when one was made
     notes: tuple[str, ...]
+    label_source: str = "bundled"  # why the class names may be published
 
 
 def _is_bundled(spec: str | None) -> bool:
@@ -140,7 +147,10 @@ def prepare_images(
                 f"(seed {rec[1]}) is public and excluded from private training"
             )
     seed = 0 if seed is None else seed
-    data = load_images(config.data, "train", image_size=opts.image_size)
+    data = load_images(config.data, "train", config.labels, image_size=opts.image_size)
+    all_public = not private_side and not fraction
+    label_source, note = _label_names(data, config, source, all_public)
+    notes.append(note)
     if config.eval_data is not None:
         split = "test" if _is_bundled(config.eval_data) else "train"
         test = load_images(config.eval_data, split, data.label_names, image_size=opts.image_size)
@@ -176,7 +186,28 @@ def prepare_images(
     if opts.max_eval_examples is not None and opts.max_eval_examples < len(test):
         notes.append(f"evaluating on a random {opts.max_eval_examples} of {len(test)} images")
         test = test.subsample(opts.max_eval_examples, seed=config.seed)
-    return PreparedImages(data, test, public_split, tuple(notes))
+    return PreparedImages(data, test, public_split, tuple(notes), label_source)
+
+
+PUBLISHED_IN = "the saved model (dpfit-vision.json) and metrics.json"
+
+
+def _label_names(data: ImageData, config, source: str, all_public: bool) -> tuple[str, str]:
+    """(source, note) of the class names this run publishes; refuses rare names read from
+    the data. `data` is the whole training set as read, before any split."""
+    names = ", ".join(data.label_names)
+    if config.labels is not None:
+        return "--labels", f"label names (public, from --labels): {names}"
+    if not data.names_from_data:
+        return "bundled", f"label names: fixed by the data set, not read from it (public): {names}"
+    if all_public:  # pretraining on a data set declared public as a whole
+        return "public data", f"label names of {source}, public with the data: {names}"
+    note = check_data_label_names(
+        data.label_names, data.class_counts(), source, config.public_labels, PUBLISHED_IN
+    )
+    return (
+        "--public-labels" if config.public_labels else "training data (each name frequent)"
+    ), note
 
 
 # -- the metric ------------------------------------------------------------------------------
@@ -290,6 +321,8 @@ class ImageClassificationTask:
             "model": image_model.spec.arch,
             "image_size": image_model.spec.image_size,
             "public_split": data.public_split,
+            "label_names_public": True,
+            "label_names_source": data.label_source,
         }
 
     def save(self, prep: Prepared, model, folder: Path) -> None:

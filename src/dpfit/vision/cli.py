@@ -88,6 +88,18 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--eval-data", help="scored at the end (default: test split / 10%% held out)")
     p.add_argument("--max-train-examples", type=_positive_int)
+    p.add_argument(
+        "--labels",
+        help="comma-separated public class names (their order fixes the class ids); class "
+        "names are published in the saved model and metrics.json",
+    )
+    p.add_argument(
+        "--public-labels",
+        action="store_true",
+        help="treat the class names read from the data as public even if some are rare "
+        "(without --labels, each must otherwise appear >= 20 times, unless the whole data set "
+        "is public: no --public-fraction)",
+    )
     g = p.add_argument_group("public split")
     _image_options(g, p)
     g = p.add_argument_group("optimisation (non-private)")
@@ -149,6 +161,8 @@ def pretrain_config_from_args(args: argparse.Namespace):
         data=args.data,
         eval_data=args.eval_data,
         max_train_examples=args.max_train_examples,
+        labels=tuple(x for x in args.labels.split(",") if x.strip()) if args.labels else None,
+        public_labels=args.public_labels,
         epsilon=None,
         non_private=True,
         mode="full",

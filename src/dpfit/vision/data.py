@@ -54,13 +54,20 @@ class DatasetNotInstalledError(ImageDataError, FileNotFoundError):
 
 @dataclass(frozen=True, eq=False)
 class ImageData:
-    """Images (N, C, H, W) as uint8 (0..255) or float32 (0..1), integer labels, class names."""
+    """Images (N, C, H, W) as uint8 (0..255) or float32 (0..1), integer labels, class names.
+
+    `names_from_data` says whether the class names were read from the data (folder names, an
+    .npz's labels or label_names, the largest label of an idx file): such names say who is in
+    the data when few examples carry them. Fixed names (FashionMNIST's, or names the caller
+    mapped the labels onto) do not depend on the examples.
+    """
 
     images: np.ndarray
     labels: np.ndarray
     label_names: tuple[str, ...]
     source: str
     notes: tuple[str, ...] = field(default=())
+    names_from_data: bool = True
 
     def __post_init__(self) -> None:
         if self.images.ndim != 4:
@@ -93,8 +100,17 @@ class ImageData:
     def subset(self, indices: Sequence[int] | np.ndarray, what: str) -> ImageData:
         idx = np.asarray(indices, dtype=np.int64)
         return ImageData(
-            self.images[idx], self.labels[idx], self.label_names, f"{self.source} [{what}]"
+            self.images[idx],
+            self.labels[idx],
+            self.label_names,
+            f"{self.source} [{what}]",
+            names_from_data=self.names_from_data,
         )
+
+    def class_counts(self) -> dict[str, int]:
+        """Examples per class name (0 for a name no example carries)."""
+        counts = np.bincount(self.labels, minlength=len(self.label_names))
+        return {n: int(c) for n, c in zip(self.label_names, counts, strict=True)}
 
     def split(self, fraction: float, seed: int) -> tuple[ImageData, ImageData]:
         """(rest, held) with a random `fraction` held out; public randomness (seeded)."""
@@ -234,7 +250,7 @@ def relabel(data: ImageData, label_names: Sequence[str]) -> ImageData:
             f"{data.source} has classes {unknown[:5]} the model does not know ({list(names)[:10]})"
         )
     mapping = np.array([index[n] for n in data.label_names], dtype=np.int64)
-    return ImageData(data.images, mapping[data.labels], names, data.source)
+    return ImageData(data.images, mapping[data.labels], names, data.source, names_from_data=False)
 
 
 def fashion_mnist_dir() -> Path | None:
@@ -308,10 +324,10 @@ def load_idx_folder(folder: Path, split: str, label_names: Sequence[str], source
     images, labels = read_idx(files[0]), read_idx(files[1]).astype(np.int64)
     if images.ndim == 3:
         images = images[:, None]
-    names = tuple(label_names)
-    if labels.size and labels.max() >= len(names):
-        names = tuple(str(i) for i in range(int(labels.max()) + 1))
-    return ImageData(images, labels, names, source)
+    names, from_data = tuple(label_names), False
+    if labels.size and labels.max() >= len(names):  # more classes than the fixed names
+        names, from_data = tuple(str(i) for i in range(int(labels.max()) + 1)), True
+    return ImageData(images, labels, names, source, names_from_data=from_data)
 
 
 def load_npz(path: Path) -> ImageData:

@@ -1,0 +1,55 @@
+"""Which label names a run may publish: one rule for every classification task.
+
+Label names are written un-noised into the saved model and metrics.json (per_class). Names the
+user gives (``--labels``) or that ship with a bundled data set say nothing about the private
+examples; names read from the user's data do, when few examples carry them (a class folder
+named after a person). See docs/threat-model.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from dpfit.data.text import DataError
+
+
+class RareLabelError(DataError):
+    """Label names read from the data would be published, and some are rare."""
+
+
+# Label names inferred from the training data are published. A name carried by many
+# examples is not evidence about any one of them; 20 is about the count a noisy
+# (stability-based) histogram at epsilon 1, delta 1e-5 needs before it releases a key
+# (1 + 2 ln(1/(2 delta)) / epsilon = 22.6), and a class with fewer examples cannot be learned
+# under DP noise anyway. It is a heuristic guard, not a DP release: --labels is the guarantee.
+MIN_PUBLIC_LABEL_COUNT = 20
+
+
+def check_data_label_names(
+    names: Sequence[str],
+    counts: Mapping[str, int],
+    source: str,
+    public_labels: bool,
+    published_in: str,
+) -> str:
+    """The note saying why names read from `source` may be published; RareLabelError when
+    some name has fewer than MIN_PUBLIC_LABEL_COUNT examples and the user has not declared
+    the names public. `counts` holds every name in `names` (a missing one counts 0)."""
+    rare = sorted(n for n in names if counts.get(n, 0) < MIN_PUBLIC_LABEL_COUNT)
+    if rare and not public_labels:
+        raise RareLabelError(
+            f"{source}: {len(rare)} label name(s) appear in fewer than "
+            f"{MIN_PUBLIC_LABEL_COUNT} training examples ({', '.join(rare)}). Label "
+            f"names are written un-noised into {published_in}, so a rare "
+            "one can reveal who is in the data. Pass the public label set with --labels "
+            "a,b,c, or declare the names in the data public with --public-labels"
+        )
+    how = (
+        "declared public with --public-labels"
+        if public_labels
+        else f"each seen >= {MIN_PUBLIC_LABEL_COUNT} times"
+    )
+    return (
+        f"label names read from the training data are treated as PUBLIC ({how}): "
+        f"{', '.join(names)}; pass --labels to give them yourself"
+    )
