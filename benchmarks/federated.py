@@ -28,9 +28,14 @@ Partitions: ``iid`` (flwr-datasets IidPartitioner), ``dirichlet`` (its Dirichlet
 p_i ~ Dir(alpha * K * prior) (Hsu et al. 2019), the many-small-clients regime client-level DP
 needs. ``--partitions`` takes several.
 
-    # the recorded (reduced) run: see benchmarks/results/federated_protocol.md for its settings
-    python benchmarks/federated.py --local-mode head --partitions iid --epsilons 2 8 \\
-        --seeds 0 1 --rounds 15
+    # the recorded (reduced) run: see benchmarks/results/federated_protocol.md for its settings;
+    # one invocation per epsilon, then merged into one table
+    python benchmarks/federated.py --partitions iid --epsilons 8 --seeds 0 1 --rounds 10 \\
+        --out /tmp/fed --name federated_protocol_eps8
+    python benchmarks/federated.py --partitions iid --epsilons 2 --seeds 0 1 --rounds 10 \\
+        --out /tmp/fed --name federated_protocol_eps2
+    python benchmarks/federated.py --from-json /tmp/fed/federated_protocol_eps8.json \\
+        /tmp/fed/federated_protocol_eps2.json --name federated_protocol
     # the full protocol (two tasks x two partitions x eps 2/4/8 x 3 seeds; see docs/federated.md
     # "Benchmark protocol" for the time it takes)
     python benchmarks/federated.py --local-mode bias --partitions iid dirichlet-client \\
