@@ -12,10 +12,11 @@ method), with the same client sampling and noise streams per seed (the seed is p
   that selection + training compose to the target, and its reported epsilon includes both.
   DP-LAC and DP-CLAC have no hyperparameter to tune and train on the whole budget; DP-LAC's
   "tuning" is its vote, timed inside its run.
-- C0 quality: for each DP-LAC run the clients' candidate losses are captured from the vote
-  replies (in this benchmark only, never in the library's outputs) to compare the noised
-  histogram's pick C_hist with the non-private best candidate C* (lowest mean candidate loss
-  over all clients) and with the mode of the un-noised votes.
+- C0 quality: for each DP-LAC run the benchmark recomputes every client's candidate losses
+  in its own process (non-privately, with the library's client functions; a vote reply
+  carries only the one-hot vote) to compare the noised histogram's pick C_hist with the
+  non-private best candidate C* (lowest mean candidate loss over all clients) and with the
+  mode of the un-noised votes.
 
 Tasks: ``--local-mode head`` (linear head on frozen MiniLM features, encoded once into
 ``--feature-cache``), ``--local-mode bias`` (BiTFiT clients fine-tuning MiniLM's biases and
@@ -27,9 +28,14 @@ Partitions: ``iid`` (flwr-datasets IidPartitioner), ``dirichlet`` (its Dirichlet
 p_i ~ Dir(alpha * K * prior) (Hsu et al. 2019), the many-small-clients regime client-level DP
 needs. ``--partitions`` takes several.
 
-    # the recorded (reduced) run: see benchmarks/results/federated_protocol.md for its settings
-    python benchmarks/federated.py --local-mode head --partitions iid --epsilons 2 8 \\
-        --seeds 0 1 --rounds 15
+    # the recorded (reduced) run: see benchmarks/results/federated_protocol.md for its settings;
+    # one invocation per epsilon, then merged into one table
+    python benchmarks/federated.py --partitions iid --epsilons 8 --seeds 0 1 --rounds 10 \\
+        --out /tmp/fed --name federated_protocol_eps8
+    python benchmarks/federated.py --partitions iid --epsilons 2 --seeds 0 1 --rounds 10 \\
+        --out /tmp/fed --name federated_protocol_eps2
+    python benchmarks/federated.py --from-json /tmp/fed/federated_protocol_eps8.json \\
+        /tmp/fed/federated_protocol_eps2.json --name federated_protocol
     # the full protocol (two tasks x two partitions x eps 2/4/8 x 3 seeds; see docs/federated.md
     # "Benchmark protocol" for the time it takes)
     python benchmarks/federated.py --local-mode bias --partitions iid dirichlet-client \\
@@ -65,7 +71,7 @@ from dpfit.federated import client as fed_client
 from dpfit.federated.accounting import calibrate_noise_multiplier
 from dpfit.federated.app import LocalGrid, make_evaluate_fn, run_local
 from dpfit.federated.client import TaskConfig
-from dpfit.federated.clipping import clip_rule_class
+from dpfit.federated.clipping import LacClip, clip_rule_class, one_hot_vote
 from dpfit.federated.strategy import ServerConfig
 from dpfit.federated.tuning import (
     SelectionConfig,
@@ -215,14 +221,9 @@ def _install_features(path: Path | None, standardize: bool = False, seed: int = 
 # --------------------------------------------------------------------------------------------
 
 
-class RecordingGrid(LocalGrid):
-    """LocalGrid that keeps the clients' vote replies and times the vote (benchmark only).
+class TimedGrid(LocalGrid):
+    """LocalGrid that times the vote (DP-LAC's "tuning" time); replies pass through as is."""
 
-    The candidate losses a client computes for its vote are read here to find the
-    non-private best candidate C*; the library never aggregates or outputs them.
-    """
-
-    votes: list[dict]
     vote_seconds: float = 0.0
 
     def send_and_receive(self, messages, *, timeout=None):
@@ -234,12 +235,6 @@ class RecordingGrid(LocalGrid):
         replies = super().send_and_receive(messages, timeout=timeout)
         if query:
             self.vote_seconds += time.perf_counter() - t0
-            for r in replies:
-                if not r.has_error():
-                    vote = r.content["vote"]
-                    self.votes.append(
-                        {"vote": list(vote["vote"]), "losses": list(vote.get("losses", []))}
-                    )
         return replies
 
 
@@ -285,8 +280,7 @@ def _setup(args: argparse.Namespace) -> None:
 
 def train_once(cfg: ServerConfig, task: TaskConfig, test: bool = True) -> dict:
     """One run of the app in this process; what the tables need from it."""
-    grid = RecordingGrid.for_app(fed_client.build_client_app(), task.num_clients)
-    grid.votes = []
+    grid = TimedGrid.for_app(fed_client.build_client_app(), task.num_clients)
     t0 = time.perf_counter()
     server = run_local(cfg, task, grid=grid)
     out = {
@@ -304,29 +298,74 @@ def train_once(cfg: ServerConfig, task: TaskConfig, test: bool = True) -> dict:
         "vote_seconds": grid.vote_seconds,
         "seconds": time.perf_counter() - t0,
     }
-    if grid.votes:
-        out["c0"] = c0_quality(server.rule.candidates(), server.initial_clip, grid.votes)
+    if isinstance(server.rule, LacClip):
+        losses = all_candidate_losses(
+            task,
+            tuple(server.rule.candidates()),
+            server.rule.update_multiplier,
+            float(cfg.clients_per_round),
+        )
+        out["c0"] = c0_quality(server.rule.candidates(), server.initial_clip, losses)
     if test:
         out["test_loss"], out["test_accuracy"] = make_evaluate_fn(task, "test")(server.params)
     return out
 
 
-def c0_quality(candidates: list[float], c_hist: float, votes: list[dict]) -> dict:
-    """C_hist (the noised histogram's pick) against C* (lowest mean candidate loss, no noise)."""
-    losses = np.array([v["losses"] for v in votes if len(v["losses"]) == len(candidates)])
-    clean = np.sum([v["vote"] for v in votes], axis=0)
-    mean_loss = losses.mean(axis=0) if len(losses) else np.full(len(candidates), np.nan)
-    star = int(np.nanargmin(mean_loss)) if len(losses) else -1
+@functools.lru_cache(maxsize=8)
+def all_candidate_losses(
+    task: TaskConfig, candidates: tuple[float, ...], z_update: float, m: float
+) -> np.ndarray:
+    """Every client's candidate losses, computed here, outside the federation (benchmark only).
+
+    Each client's local update and noisy trial aggregates are recomputed in this process with
+    the library's own functions and the generator a client derives for its vote (data seed,
+    partition id, round 0), so these are the losses each client's vote was cast on. They never
+    come from a reply: a vote reply carries the one-hot vote alone. They depend on the data
+    seed, the candidates, z and m, not on the run's seed: cached per process.
+    """
+    lm = fed_client.load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+    start = fed_app.initial_arrays(task)
+    rows = []
+    for pid in range(task.num_clients):
+        examples = fed_app.client_examples(task, pid)
+        texts, labels = [e.text for e in examples], [e.label for e in examples]
+        rng = np.random.default_rng([task.seed, pid, 0])
+        update, _ = fed_client.local_train(lm, start, texts, labels, task, rng)
+        rows.append(
+            fed_client.candidate_losses(
+                lm,
+                start,
+                update,
+                texts,
+                labels,
+                list(candidates),
+                z_update,
+                m,
+                task.max_length,
+                rng,
+            )  # fmt: skip
+        )
+    return np.asarray(rows, dtype=np.float64)
+
+
+def c0_quality(candidates: list[float], c_hist: float, losses: np.ndarray) -> dict:
+    """C_hist (the noised histogram's pick) against C* (lowest mean candidate loss, no noise).
+
+    ``losses``: clients x candidates, from ``all_candidate_losses`` (never from replies).
+    """
+    clean = np.sum([one_hot_vote(row) for row in losses], axis=0)
+    mean_loss = np.nanmean(losses, axis=0)
+    star = int(np.nanargmin(mean_loss))
     hist = candidates.index(c_hist) if c_hist in candidates else -1
     return {
         "candidates": candidates,
         "c_hist": c_hist,
-        "c_star": candidates[star] if star >= 0 else math.nan,
+        "c_star": candidates[star],
         "c_clean_vote": candidates[int(np.argmax(clean))],
         "clean_votes": clean.tolist(),
         "mean_loss": mean_loss.tolist(),
-        "loss_regret": float(mean_loss[hist] - mean_loss[star]) if star >= 0 else math.nan,
-        "voters": len(votes),
+        "loss_regret": float(mean_loss[hist] - mean_loss[star]) if hist >= 0 else math.nan,
+        "voters": len(losses),
     }
 
 
@@ -841,8 +880,9 @@ def render(settings: dict, rows: list[dict], elapsed: float, out: Path, name: st
             "## C0 quality: DP-LAC's histogram pick against the non-private best candidate",
             "",
             "C_hist: the candidate with the most noised votes (what DP-LAC uses). C*: the "
-            "candidate with the lowest mean candidate loss over all voting clients, computed "
-            "here from their vote replies without noise (never by the library). 'clean vote': "
+            "candidate with the lowest mean candidate loss over all clients, without noise: "
+            "the benchmark recomputes every client's candidate losses itself (the clients' "
+            "vote replies carry only their one-hot vote). 'clean vote': "
             "the mode of the un-noised votes. Regret: mean candidate loss at C_hist minus at "
             "C*. Candidates and mean losses are per (partition, eps); they do not depend on "
             "the seed, which only changes the histogram's noise.",

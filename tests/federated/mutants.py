@@ -96,12 +96,31 @@ MUTANTS: list[tuple[str, str, str, str]] = [
         '"insecure_seed": server.insecure,\n'
         '        "clients": server.last_counts.sampled if server.last_counts else 0,\n    }',
     ),
+    (
+        "vote reply carries the candidate losses",
+        f"{FED}/client.py",
+        'MetricRecord({"vote": one_hot_vote(losses)})',
+        'MetricRecord({"vote": one_hot_vote(losses), "losses": losses})',
+    ),
+    (
+        "training reply carries the client's example count",
+        f"{FED}/client.py",
+        "metrics: dict[str, Any] = {}",
+        'metrics: dict[str, Any] = {"num_examples": len(texts)}',
+    ),
+    (
+        "DP-CLAC client sends its raw loss",
+        f"{FED}/client.py",
+        'metrics["loss_before"] = clamp_loss(loss, float(cfg["loss_bound"]))',
+        'metrics["loss_before"] = loss',
+    ),
 ]
 
 TESTS = [
     "tests/federated/test_clipping.py",
     "tests/federated/test_accounting.py",
     "tests/federated/test_strategy.py",
+    "tests/federated/test_client.py::test_client_replies_carry_only_what_the_private_releases_use",
 ]
 
 

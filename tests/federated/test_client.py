@@ -243,3 +243,59 @@ def test_lora_clients_run_dp_lac_end_to_end(llama):
     lm = load_local_model(llama, "lora", RANK, 0)
     assert [p.shape for p in server.params] == [a.shape for a in lm.initial]
     assert any(not np.array_equal(p, a) for p, a in zip(server.params, lm.initial, strict=True))
+
+
+class _RecordingGrid:
+    """Wraps the in-process grid and keeps every (message type, reply content) pair."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.seen: list[tuple[str, object]] = []
+
+    def get_node_ids(self):
+        return self.inner.get_node_ids()
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        replies = self.inner.send_and_receive(messages, timeout=timeout)
+        kind = messages[0].metadata.message_type if messages else ""
+        self.seen += [(kind, r.content) for r in replies if not r.has_error()]
+        return replies
+
+
+@pytest.mark.parametrize("method", ["lac", "clac"])
+def test_client_replies_carry_only_what_the_private_releases_use(llama, method):
+    """Client -> server: the vote reply is the one-hot vote alone; a training reply is the
+    update plus, for DP-CLAC only, the loss clamped to [0, L_max]. Any other data-dependent
+    value (candidate or training losses, example counts) would travel unaccounted."""
+    from dpfit.federated.app import LocalGrid, run_local
+    from dpfit.federated.client import build_client_app
+
+    task = TaskConfig(
+        model=llama, local_mode="lora", lora_r=RANK, num_clients=3, examples_per_client=6,
+        eval_examples=8, max_length=12, local_batch_size=3,
+    )  # fmt: skip
+    cfg = ServerConfig(
+        method=method, num_clients=3, clients_per_round=3, rounds=2, target_epsilon=8.0,
+        insecure_seed=0, loss_bound=0.25,  # below a 2-class loss near ln 2: clamping shows
+    )  # fmt: skip
+    grid = _RecordingGrid(LocalGrid.for_app(build_client_app(), task.num_clients))
+    server = run_local(cfg, task, grid=grid)
+    assert server.round == 2
+    kinds = [k for k, _ in grid.seen]
+    assert kinds.count("train") == 6
+    assert kinds.count("query") == (3 if method == "lac" else 0)
+    for kind, content in grid.seen:
+        if kind == "query":
+            assert list(content.keys()) == ["vote"]
+            assert list(content["vote"].keys()) == ["vote"]
+            vote = list(content["vote"]["vote"])
+            assert len(vote) == len(cfg.vote_factors) and sorted(vote) == [0, 0, 1]
+        else:
+            assert sorted(content.keys()) == ["metrics", "update"]
+            metrics = dict(content["metrics"])
+            if method == "clac":
+                assert list(metrics) == ["loss_before"]
+                assert 0.0 <= metrics["loss_before"] <= cfg.loss_bound
+            else:
+                assert metrics == {}

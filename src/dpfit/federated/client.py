@@ -12,6 +12,11 @@ each update and noising the sum. What trains is chosen by ``local_mode``:
 Only the trainable tensors travel: the server's arrays, each update and each vote's trial
 parameters are the adapters / biases and the head, in a fixed order.
 
+A reply carries only what the server's private releases use: a training reply the update
+(clipped, summed and noised by the server) and, for DP-CLAC, the loss clamped to
+[0, L_max] (summed under its own noise); a vote reply the one-hot vote (counted under
+noise, sensitivity 1). Training losses, candidate losses and example counts stay local.
+
 The task configuration travels in every message (``ConfigRecord``), so the same ClientApp
 works in the simulation engine and on a real deployment without a run config.
 """
@@ -380,6 +385,14 @@ def candidate_losses(
 # --------------------------------------------------------------------------------------------
 
 
+def clamp_loss(loss: float, bound: float) -> float:
+    """What DP-CLAC's sum uses of a client's loss: clamped to [0, bound]; 0 if not finite.
+
+    Clamping on the client means the raw loss never leaves it (the server clamps again).
+    """
+    return float(min(max(loss, 0.0), bound)) if math.isfinite(loss) else 0.0
+
+
 def _partition_id(context: Any, task: TaskConfig) -> int:
     cfg = context.node_config
     if "partition-id" in cfg:
@@ -412,20 +425,24 @@ def build_client_app():
 
     @app.train()
     def train(msg: Message, context: Any) -> Message:
+        """Reply: the update (clipped and noised by the server) and, for DP-CLAC only, the
+        loss of the received model clamped to [0, loss_bound] (summed under noise)."""
         cfg, task, pid, lm, start, rng, texts, labels = _client_setup(msg, context)
-        metrics: dict[str, Any] = {"num_examples": len(texts), "partition_id": pid}
+        metrics: dict[str, Any] = {}
         if bool(cfg.get("report_loss", False)):
             lm.set_arrays(start)
-            metrics["loss_before"] = evaluate(lm, texts, labels, task.max_length)[0]
+            loss = evaluate(lm, texts, labels, task.max_length)[0]
+            metrics["loss_before"] = clamp_loss(loss, float(cfg["loss_bound"]))
         if float(cfg.get("fail_probability", 0.0)) > rng.random():
             raise RuntimeError(f"injected client failure on partition {pid}")
-        update, train_loss = local_train(lm, start, texts, labels, task, rng)
-        metrics["train_loss"] = train_loss
+        update, _ = local_train(lm, start, texts, labels, task, rng)
         content = RecordDict({"update": ArrayRecord(update), "metrics": MetricRecord(metrics)})
         return Message(content=content, reply_to=msg)
 
     @app.query()
     def query(msg: Message, context: Any) -> Message:
+        """Reply: the one-hot vote only (the server sums votes under noise, sensitivity 1);
+        the candidate losses it is computed from stay on the client."""
         cfg, task, pid, lm, start, rng, texts, labels = _client_setup(msg, context)
         update, _ = local_train(lm, start, texts, labels, task, rng)
         losses = candidate_losses(
@@ -440,8 +457,7 @@ def build_client_app():
             task.max_length,
             rng,
         )
-        vote = one_hot_vote(losses)
-        content = RecordDict({"vote": MetricRecord({"vote": vote, "losses": losses})})
+        content = RecordDict({"vote": MetricRecord({"vote": one_hot_vote(losses)})})
         return Message(content=content, reply_to=msg)
 
     return app

@@ -501,6 +501,8 @@ class DPFedAvg(Strategy):
         cfg = dict(self.task_record, server_round=server_round)
         cfg.update(dict(config or {}))
         cfg["report_loss"] = type(self.server.rule).needs_client_loss
+        if cfg["report_loss"]:  # clients clamp their loss before it leaves them
+            cfg["loss_bound"] = float(self.server.rule.config.loss_bound)
         return self._messages(arrays, cfg, self._sampled, MessageType.TRAIN)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Any]):
