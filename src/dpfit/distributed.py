@@ -89,9 +89,13 @@ def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
 
 
 def all_reduce_sum(tensors: list[torch.Tensor], ctx: DistContext) -> list[torch.Tensor]:
-    """Sum each tensor over the ranks in ONE collective (flattened into one float buffer)."""
+    """Sum each tensor over the ranks in ONE collective (flattened into one float buffer; a
+    single contiguous tensor is reduced in place, without a copy)."""
     if not tensors:
         return []
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0], op=dist.ReduceOp.SUM, group=ctx.group)
+        return [tensors[0]]
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
     out, offset = [], 0
