@@ -211,6 +211,7 @@ class PrivacyEngine:
         self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
         self._eps_cache: dict[tuple[int, float], float] = {}
+        self._tolerances: dict[tuple[torch.dtype, ...], torch.Tensor] = {}  # gradient check
         self._loader: PoissonDataLoader | None = None
         log.info(
             "PrivacyEngine: %d trainable tensors, sigma=%.4f, q=%.5f, R=%g, clipping=%s",
@@ -429,24 +430,32 @@ class PrivacyEngine:
             self._forward_id += 1
 
     def _forward_hook(self, plan: _LayerPlan) -> Callable:
+        # resolved once here, not on every forward: these hooks run for every layer and pass
+        entry, params, bd = plan.entry, plan.params, plan.batch_dim
+        bias_fn = entry.bias if any(local in entry.bias_params for local in params) else None
+        weight_fn = (plan.weight_fn or entry.weight) if plan.needs_input else None
+        accumulate = self._accumulate
+
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            out = _first_tensor(output)
-            if out is None or not out.requires_grad or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
                 return
-            act = inputs[0].detach() if plan.needs_input else None
+            out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
+            if out is None or not out.requires_grad:
+                return
+            act = inputs[0].detach() if weight_fn is not None else None
             fid = self._forward_id
 
             def on_grad(g: torch.Tensor) -> None:
-                res = {}
-                if plan.entry.bias is not None:
-                    res.update(plan.entry.bias(module, g, plan.batch_dim))
-                if act is not None:
-                    res.update(
-                        (plan.weight_fn or plan.entry.weight)(module, act, g, plan.batch_dim)
-                    )
-                for local, p in plan.params.items():
-                    if local in res:
-                        self._accumulate(p, res[local], fid)
+                if act is None:
+                    res = bias_fn(module, g, bd)
+                elif bias_fn is None:
+                    res = weight_fn(module, act, g, bd)
+                else:
+                    res = {**bias_fn(module, g, bd), **weight_fn(module, act, g, bd)}
+                for local, p in params.items():
+                    per = res.get(local)
+                    if per is not None:
+                        accumulate(p, per, fid)
 
             out.register_hook(on_grad)
 
@@ -599,32 +608,36 @@ class PrivacyEngine:
         if not plain and not factored:
             return
         # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
-        errs, ref_sq, checked = [], [], []
+        sq_parts, checked = [], []  # rows: squared error norm, squared reference norm
         if plain:
             assert dense is not None
             ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
             ids = self._layout.segment_ids(
                 tuple(self._layout.position(p) for p in plain), ref.device
             )
-            k = len(plain)
             diff = dense.sum(0).to(ref.device) - ref
-            errs.append(ref.new_zeros(k).index_add_(0, ids, diff * diff).sqrt())
-            ref_sq.append(ref.new_zeros(k).index_add_(0, ids, ref * ref).sqrt())
+            both = torch.stack([diff * diff, ref * ref])
+            sq_parts.append(ref.new_zeros(2, len(plain)).index_add_(1, ids, both))
             checked += plain
         if factored:
-            dev = dense.device if dense is not None else factored[0].grad.device
+            dev = sq_parts[0].device if sq_parts else factored[0].grad.device
             totals = [per_ex[p].sum(0).float() for p in factored]
             refs = [p.grad.float() for p in factored]
-            diffs = torch._foreach_sub(totals, refs)
-            errs.append(torch.stack([e.to(dev) for e in torch._foreach_norm(diffs)]))
-            ref_sq.append(torch.stack([r.to(dev) for r in torch._foreach_norm(refs)]))
+            errs = torch.stack(
+                [e.to(dev) for e in torch._foreach_norm(torch._foreach_sub(totals, refs))]
+            )
+            norms = torch.stack([r.to(dev) for r in torch._foreach_norm(refs)])
+            sq_parts.append(torch.stack([errs, norms]).pow(2))
             checked += factored
-        dev = errs[0].device
-        err = torch.cat([e.to(dev) for e in errs])
-        ref_norms = torch.cat([r.to(dev) for r in ref_sq])
-        rel_tols = torch.tensor(
-            [max(1e-3, 8 * torch.finfo(p.grad.dtype).eps) for p in checked], device=dev
-        )
+        sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts, 1)
+        err, ref_norms = sq.sqrt()
+        dtypes = tuple(p.grad.dtype for p in checked)
+        rel_tols = self._tolerances.get(dtypes)
+        if rel_tols is None or rel_tols.device != err.device:
+            rel_tols = torch.tensor(
+                [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes], device=err.device
+            )
+            self._tolerances[dtypes] = rel_tols
         bad = err > rel_tols * ref_norms + 1e-6
         if bad.any():
             i = int(bad.nonzero()[0])
@@ -747,6 +760,9 @@ class PrivacyEngine:
     def _add_to_sum(self, p: nn.Parameter | None, clipped: torch.Tensor) -> None:
         """Add a clipped contribution to this logical batch's flat sum: of parameter `p`, or
         of every trainable parameter (p None, `clipped` laid out as self._layout)."""
+        if p is None and self._sum is None:
+            self._sum = clipped.float()  # a fresh tensor (the clipping matmul's result)
+            return
         if self._sum is None:
             self._sum = self._layout.zeros()
         if p is None:
@@ -806,9 +822,10 @@ class PrivacyEngine:
         total = summed + noise
         if self._dist is not None:
             (total,) = all_reduce_sum([total], self._dist)
-        total = total / denom
+        total.div_(denom)
         update = {
-            p: g.to(p.dtype) for p, g in zip(self._params, self._layout.views(total), strict=True)
+            p: g if g.dtype == p.dtype else g.to(p.dtype)
+            for p, g in zip(self._params, self._layout.views(total), strict=True)
         }
         self._sum = None
         self.ledger.record(self.noise_multiplier, self.sample_rate)

@@ -38,9 +38,7 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` cut into tensors shaped like the parameters (views, no copy)."""
-        return [
-            t.view(p.shape) for t, p in zip(flat.split(self.sizes), self.params, strict=True)
-        ]
+        return [t.view(p.shape) for t, p in zip(flat.split(self.sizes), self.params, strict=True)]
 
     def segment_ids(self, positions: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """For the parameters at `positions` laid end to end: each element's index in that
