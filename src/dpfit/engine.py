@@ -201,6 +201,7 @@ class PrivacyEngine:
         self._early_updates: list[dict[nn.Parameter, torch.Tensor]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending_loader_state: dict | None = None
+        self._warned_late_empty = False
         self._register_hooks()
         # per-step state
         self._forward_id = 0
@@ -491,6 +492,7 @@ class PrivacyEngine:
         physical_batch_size: int | None = None,
         max_steps: int | None = None,
         yield_empty: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> PoissonDataLoader:
         """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size.
 
@@ -499,6 +501,10 @@ class PrivacyEngine:
         rank of a distributed job at the same number of collective steps.
         yield_empty: yield `dpfit.sampling.EMPTY_BATCH` for an empty logical batch (call
         `empty_step(optimizer)` for it) instead of taking its step inside the loader.
+        optimizer: the optimizer that `step()` will be given. An empty logical batch is a
+        noise-only step taken inside the loader, which needs it: without it, empty batches
+        drawn before the first `step()` wait for that call, so their noise reaches the
+        parameters after the next batch's gradient was already taken at the old ones.
         """
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise SamplingError(
@@ -539,11 +545,21 @@ class PrivacyEngine:
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None
+        if optimizer is not None:
+            self._optimizer = optimizer
         return self._loader
 
     def _empty_logical_step(self) -> bool:
         """An empty logical batch: a noise-only step, once an optimizer is known."""
         if self._optimizer is None:
+            if not self._warned_late_empty:
+                self._warned_late_empty = True
+                log.warning(
+                    "an empty logical batch was drawn before the engine knew the optimizer: "
+                    "its noise-only step is applied at the next engine.step(), after that "
+                    "batch's gradient was taken. Pass optimizer= to engine.data_loader to keep "
+                    "the steps in order"
+                )
             if self._dist is None:
                 return False
             # the reduce is collective: take part now, apply once the optimizer is known
@@ -966,7 +982,9 @@ class PrivacyEngine:
             self.epsilon(),
             len(self._params),
         )
-        return None if optimizer is None else rebuild_optimizer(optimizer, self._params)
+        # an empty logical batch before the next step() must not step the old parameter set
+        self._optimizer = None if optimizer is None else rebuild_optimizer(optimizer, self._params)
+        return self._optimizer
 
     def with_config(self, **changes: Any) -> PrivacyConfig:
         """A copy of the config with changes (for phase switches built on top of the engine)."""
