@@ -744,17 +744,17 @@ class PrivacyEngine:
             self._check_against_autograd(per_ex, dense)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
+        # the loss scale multiplies each example's norm and its row: applied to the n norms
+        # and n factors, not to every element of `dense`
         if dense is not None:
-            if scale != 1.0:
-                dense.mul_(scale)
-            sq = dense.pow(2).sum(1)
+            sq = dense.pow(2).sum(1) * scale**2
         else:
             sq = torch.zeros(n, dtype=torch.float32, device=per_ex[factored[0]].device)
         for p in factored:  # full mode: norm from Gram matrices, sum by book-keeping
             sq = sq + per_ex[p].sq_norms().to(sq.device) * scale**2
         factors = self._clip_fn(sq.sqrt(), self.max_grad_norm)
         if dense is not None:
-            clipped = factors @ dense
+            clipped = (factors * scale) @ dense
             if len(plain) == len(self._params):  # the usual case: the whole buffer at once
                 self._add_to_sum(None, clipped)
             else:
