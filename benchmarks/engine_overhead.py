@@ -15,6 +15,7 @@ the same way. Writes benchmarks/results/engine_overhead.{json,md}.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -47,7 +48,10 @@ def worker(steps: int) -> dict:
         dp_model, expected_batch_size=PER_RANK, sample_size=bench.N, noise_multiplier=1.0
     )
     dp_opt = torch.optim.SGD(engine.parameters(), lr=0.01)
-    batches = iter(engine.data_loader(data, physical_batch_size=bench.PHYS, optimizer=dp_opt))
+    # older revisions (--baseline) have no optimizer= (empty batches, rare here, step late)
+    takes_optimizer = "optimizer" in inspect.signature(engine.data_loader).parameters
+    extra = {"optimizer": dp_opt} if takes_optimizer else {}
+    batches = iter(engine.data_loader(data, physical_batch_size=bench.PHYS, **extra))
 
     def dp_step() -> int:
         n = 0
@@ -132,6 +136,10 @@ def main() -> None:
                     flush=True,
                 )
             loads.append(os.getloadavg()[0])
+            write(args, runs, loads, r + 1)  # after every round: a stopped run keeps its rounds
+
+
+def write(args: argparse.Namespace, runs: dict[str, list[dict]], loads: list[float], done: int):
     summary = {}
     for name, rs in runs.items():
         over = [r["dp"] / r["nonprivate"] - 1 for r in rs]
@@ -147,6 +155,7 @@ def main() -> None:
     result = {
         "command": " ".join(["python benchmarks/engine_overhead.py", *sys.argv[1:]]),
         "rounds": args.rounds,
+        "rounds_done": done,
         "steps_per_arm_per_round": args.steps,
         "expected_batch_size": PER_RANK,
         "load_average_1min": loads,
@@ -164,13 +173,13 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in loads)
     md = f"""# The engine's overhead per example (one process)
 
-Output of `{result["command"]}`. The tiny encoder of `benchmarks/distributed.py` in one
-process (one thread), standing for one rank: DP-BiTFiT with Poisson batches of expected size
-{PER_RANK} through the engine's loader, against non-private bias-only training on fixed batches
-of {PER_RANK}. CPU (thread) time per example, medians over {args.rounds} rounds of {args.steps}
-steps per arm; each round is one worker process per source tree, the arms alternating inside
-it. Overhead = DP / non-private - 1 per round: median (min to max). 1-minute load average at
-the start and after each round: {load} ({os.cpu_count()} CPUs).
+Output of `{result["command"]}` ({done} of {args.rounds} rounds done). The tiny encoder of
+`benchmarks/distributed.py` in one process (one thread), standing for one rank: DP-BiTFiT with
+Poisson batches of expected size {PER_RANK} through the engine's loader, against non-private
+bias-only training on fixed batches of {PER_RANK}. CPU (thread) time per example, medians over
+the rounds, {args.steps} steps per arm each; each round is one worker process per source tree,
+the arms alternating inside it. Overhead = DP / non-private - 1 per round: median (min to
+max). 1-minute load average at the start and after each round: {load} ({os.cpu_count()} CPUs).
 
 | engine | non-private CPU ms/example | DP-BiTFiT CPU ms/example | overhead |
 |---|---|---|---|
