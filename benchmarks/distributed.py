@@ -107,7 +107,9 @@ class DPArm:
             self.model, expected_batch_size=B, sample_size=N, noise_multiplier=1.0
         )
         self.opt = torch.optim.SGD(self.engine.parameters(), lr=0.01)
-        self.batches = iter(self.engine.data_loader(Tokens(), physical_batch_size=PHYS))
+        self.batches = iter(
+            self.engine.data_loader(Tokens(), physical_batch_size=PHYS, optimizer=self.opt)
+        )
 
     def step(self) -> tuple[int, float, float]:
         """(examples in the logical step on all ranks, wall and CPU seconds on this rank)."""

@@ -57,8 +57,8 @@ MUTATIONS = (
         (
             (
                 ENGINE,
-                "noise = gaussian_noise(p.shape, std,",
-                "noise = gaussian_noise(p.shape, std if self._summed else 0.0,",
+                "noise = gaussian_noise(summed.shape, std,",
+                "noise = gaussian_noise(summed.shape, std if self._sum is not None else 0.0,",
             ),
         ),
         ("tests/test_sampling.py::test_empty_logical_batches_release_full_noise",),
@@ -69,8 +69,8 @@ MUTATIONS = (
         (
             (
                 ENGINE,
-                "noise = gaussian_noise(p.shape, std,",
-                "noise = gaussian_noise(p.shape, std if (p in self._summed or not self._summed) else 0.0,",
+                "total = summed + noise",
+                "total = summed + noise * (summed != 0)",
             ),
         ),
         ("tests/test_sampling.py::test_parameter_without_gradient_still_gets_noise",),
@@ -86,6 +86,18 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_sampling.py", "-k", "noiseless"),
+    ),
+    Mutation(
+        "physical-batches-not-accumulated",
+        "each physical batch's clipped sum replaces the running sum instead of adding to it",
+        ((ENGINE, "self._sum += clipped.to(self._sum.device)", "self._sum = clipped.float()"),),
+        ("tests/test_engine.py::test_virtual_steps_equal_one_big_batch",),
+    ),
+    Mutation(
+        "noise-on-every-rank",
+        "distributed: every rank adds sigma*R noise before the all-reduce (sqrt(W) too much)",
+        ((ENGINE, "std = 0.0  # the noise is added exactly once, by rank 0", "pass"),),
+        ("tests/distributed/test_engine.py::test_noise_is_added_exactly_once_across_ranks",),
     ),
     Mutation(
         "clip-skipped",

@@ -197,6 +197,58 @@ def test_empty_logical_batches_are_noise_steps():
     assert engine.steps_taken == 40  # yet every logical step was taken and accounted
 
 
+def _first_draws_empty(monkeypatch, empties: int) -> None:
+    """The sampler's first `empties` logical batches come out empty (through its draw seam)."""
+    real = dpfit.sampling.PoissonBatchSampler.draw
+    left = [empties]
+
+    def draw(self):
+        if left[0]:
+            left[0] -= 1
+            return []
+        return real(self)
+
+    monkeypatch.setattr(dpfit.sampling.PoissonBatchSampler, "draw", draw)
+
+
+def test_empty_batches_before_the_first_step_are_applied_in_order(monkeypatch):
+    """Empty logical batches drawn before any step(): with the optimizer given to the loader,
+    their noise-only steps are taken at once, so the next batch's gradient is taken at the
+    parameters they moved (not applied late, after that gradient)."""
+    _first_draws_empty(monkeypatch, 2)
+    model = small_model()
+    start = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.5)
+    seen = []  # (steps taken, parameters) at each forward
+    for x, y in engine.data_loader(TensorDataset(40), optimizer=opt):
+        seen.append((engine.steps_taken, [p.detach().clone() for p in engine.parameters()]))
+        seq_loss(model, x, y).backward()
+        engine.step(opt)
+        break
+    steps, at_forward = seen[0]
+    assert steps == 2
+    moved = max((a - b).abs().max().item() for a, b in zip(at_forward, start, strict=True))
+    assert moved > 1e-3  # two noise-only steps of std lr * sigma * R / B = 0.0625 each
+    assert engine.steps_taken == 3
+
+
+def test_empty_batches_before_any_optimizer_warn(monkeypatch, caplog):
+    """Without the optimizer, such a step can only wait for the first step(): said once."""
+    _first_draws_empty(monkeypatch, 2)
+    model = small_model()
+    engine = dpfit.PrivacyEngine(model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.5)
+    with caplog.at_level("WARNING", logger="dpfit.engine"):
+        for x, y in engine.data_loader(TensorDataset(40)):
+            assert engine.steps_taken == 0
+            seq_loss(model, x, y).backward()
+            engine.step(opt)
+            break
+    assert engine.steps_taken == 3  # late, but taken and accounted
+    assert sum("optimizer= to engine.data_loader" in r.message for r in caplog.records) == 1
+
+
 def test_resume_from_state_dict_matches_uninterrupted():
     full_model, full_engine = train(seed=11, n_epochs=2)
     # interrupted: one epoch, save, then a fresh model/engine/optimizer resumes

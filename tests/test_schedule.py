@@ -169,3 +169,29 @@ def test_schedule_parsing():
         parse_schedule([("lora", 1)])
     with pytest.raises(ValueError):
         parse_schedule([("full", 0)])
+
+
+def test_empty_batch_after_a_switch_steps_the_new_parameters(monkeypatch):
+    """After bias -> full, an empty logical batch (a noise-only step taken inside the loader)
+    steps the new parameter set through the rebuilt optimizer, not the old bias optimizer
+    (which would leave the weights unmoved and their noisy .grad behind)."""
+    model = make_model()
+    dpfit.make_bias_trainable(model)
+    engine = PrivacyEngine(model, expected_batch_size=4, sample_size=40, noise_multiplier=1.0)
+    assert all(n.endswith("bias") for n, p in model.named_parameters() if p.requires_grad)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.5)
+    data = Data(40)
+    for x, y in engine.data_loader(data, physical_batch_size=40):
+        F.cross_entropy(model(x), y).backward()
+        if engine.step(opt):
+            break
+    opt = engine.switch_phase("full", opt)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if "weight" in n}
+    monkeypatch.setattr(dpfit.sampling.PoissonBatchSampler, "draw", lambda self: [])
+    loader = iter(engine.data_loader(data, max_steps=engine.steps_taken + 1))
+    assert next(loader, None) is None  # one empty logical batch, taken inside the loader
+    assert engine.steps_taken == 2
+    for n, p in model.named_parameters():
+        if "weight" in n:
+            assert p.grad is None, n
+            assert not torch.equal(p.detach(), weights[n]), n

@@ -28,6 +28,8 @@ __all__ = [
     "DistContext",
     "all_reduce_sum",
     "broadcast_module",
+    "no_forward_buffer_sync",
+    "stop_forward_buffer_sync",
     "check_identical",
     "init_from_env",
     "is_main_process",
@@ -89,9 +91,13 @@ def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
 
 
 def all_reduce_sum(tensors: list[torch.Tensor], ctx: DistContext) -> list[torch.Tensor]:
-    """Sum each tensor over the ranks in ONE collective (flattened into one float buffer)."""
+    """Sum each tensor over the ranks in ONE collective (flattened into one float buffer; a
+    single contiguous tensor is reduced in place, without a copy)."""
     if not tensors:
         return []
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0], op=dist.ReduceOp.SUM, group=ctx.group)
+        return [tensors[0]]
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
     out, offset = [], 0
@@ -128,6 +134,31 @@ def broadcast_module(module: nn.Module, ctx: DistContext) -> None:
             dist.broadcast(t.data, src=src, group=ctx.group)
 
 
+def _has_forward_sync_buffers() -> bool:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DistributedDataParallel keyword arguments that turn off its buffer broadcast in every
+    forward: `forward_sync_buffers=False` where torch has it (`broadcast_buffers` is
+    deprecated there), `broadcast_buffers=False` on older torch."""
+    if _has_forward_sync_buffers():
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def stop_forward_buffer_sync(ddp: nn.Module) -> None:
+    """The same switch on a wrapper built elsewhere (transformers' Trainer builds its own and
+    knows only the deprecated `broadcast_buffers` argument): DDP reads this flag at each
+    forward, and syncs buffers once at construction either way."""
+    name = "forward_sync_buffers" if hasattr(ddp, "forward_sync_buffers") else "broadcast_buffers"
+    setattr(ddp, name, False)
+
+
 def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     """(the inner module, the DDP wrapper or None). DDP buffers broadcast in every forward is a
     collective the ranks would call a different number of times, so it is refused."""
@@ -141,8 +172,10 @@ def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
         raise DistributedError(
             "the DistributedDataParallel model broadcasts buffers in every forward, a "
             "collective that ranks with different numbers of physical batches would call a "
-            "different number of times; wrap it with broadcast_buffers=False (or "
-            "forward_sync_buffers=False; buffers of a fine-tuned model do not change)"
+            "different number of times; wrap it with forward_sync_buffers=False "
+            "(broadcast_buffers=False before torch 2.13; "
+            "dpfit.distributed.no_forward_buffer_sync() gives the right one); buffers of a "
+            "fine-tuned model do not change"
         )
     return inner, model
 

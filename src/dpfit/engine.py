@@ -47,6 +47,7 @@ from dpfit.errors import (
     SamplingError,
     UnsupportedLayerError,
 )
+from dpfit.flat import FlatLayout
 from dpfit.grad_sample.full import is_factored, norm_sampler_for
 from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
 from dpfit.params import is_bias
@@ -188,6 +189,7 @@ class PrivacyEngine:
         self.ledger = PrivacyLedger(target_delta, accountant)
         self._plans = self._plan_layers(model)
         self._params = self._ordered_trainable(model)
+        self._layout = FlatLayout(self._params)
         self._names = {p: n for n, p in model.named_parameters()}
         self.noise_multiplier = self._resolve_noise_multiplier()
         self._max_steps = self._compute_max_steps()
@@ -199,14 +201,18 @@ class PrivacyEngine:
         self._early_updates: list[dict[nn.Parameter, torch.Tensor]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending_loader_state: dict | None = None
+        self._warned_late_empty = False
         self._register_hooks()
         # per-step state
         self._forward_id = 0
         self._per_example: dict[nn.Parameter, dict[int, torch.Tensor]] = {}
-        self._summed: dict[nn.Parameter, torch.Tensor] = {}
+        # the running sum of clipped per-example gradients of this logical batch, laid out
+        # flat (self._layout); None until its first physical batch
+        self._sum: torch.Tensor | None = None
         self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
         self._eps_cache: dict[tuple[int, float], float] = {}
+        self._tolerances: dict[tuple[torch.dtype, ...], torch.Tensor] = {}  # gradient check
         self._loader: PoissonDataLoader | None = None
         log.info(
             "PrivacyEngine: %d trainable tensors, sigma=%.4f, q=%.5f, R=%g, clipping=%s",
@@ -417,7 +423,7 @@ class PrivacyEngine:
             h.remove()
         self._handles.clear()
         self._per_example.clear()
-        self._summed.clear()
+        self._sum = None
 
     # ------------------------------------------------------------------ hooks
     def _on_root_forward(self, module: nn.Module, args: Any) -> None:
@@ -425,24 +431,32 @@ class PrivacyEngine:
             self._forward_id += 1
 
     def _forward_hook(self, plan: _LayerPlan) -> Callable:
+        # resolved once here, not on every forward: these hooks run for every layer and pass
+        entry, params, bd = plan.entry, plan.params, plan.batch_dim
+        bias_fn = entry.bias if any(local in entry.bias_params for local in params) else None
+        weight_fn = (plan.weight_fn or entry.weight) if plan.needs_input else None
+        accumulate = self._accumulate
+
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            out = _first_tensor(output)
-            if out is None or not out.requires_grad or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
                 return
-            act = inputs[0].detach() if plan.needs_input else None
+            out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
+            if out is None or not out.requires_grad:
+                return
+            act = inputs[0].detach() if weight_fn is not None else None
             fid = self._forward_id
 
             def on_grad(g: torch.Tensor) -> None:
-                res = {}
-                if plan.entry.bias is not None:
-                    res.update(plan.entry.bias(module, g, plan.batch_dim))
-                if act is not None:
-                    res.update(
-                        (plan.weight_fn or plan.entry.weight)(module, act, g, plan.batch_dim)
-                    )
-                for local, p in plan.params.items():
-                    if local in res:
-                        self._accumulate(p, res[local], fid)
+                if act is None:
+                    res = bias_fn(module, g, bd)
+                elif bias_fn is None:
+                    res = weight_fn(module, act, g, bd)
+                else:
+                    res = {**bias_fn(module, g, bd), **weight_fn(module, act, g, bd)}
+                for local, p in params.items():
+                    per = res.get(local)
+                    if per is not None:
+                        accumulate(p, per, fid)
 
             out.register_hook(on_grad)
 
@@ -478,6 +492,7 @@ class PrivacyEngine:
         physical_batch_size: int | None = None,
         max_steps: int | None = None,
         yield_empty: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> PoissonDataLoader:
         """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size.
 
@@ -486,6 +501,10 @@ class PrivacyEngine:
         rank of a distributed job at the same number of collective steps.
         yield_empty: yield `dpfit.sampling.EMPTY_BATCH` for an empty logical batch (call
         `empty_step(optimizer)` for it) instead of taking its step inside the loader.
+        optimizer: the optimizer that `step()` will be given. An empty logical batch is a
+        noise-only step taken inside the loader, which needs it: without it, empty batches
+        drawn before the first `step()` wait for that call, so their noise reaches the
+        parameters after the next batch's gradient was already taken at the old ones.
         """
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise SamplingError(
@@ -526,11 +545,21 @@ class PrivacyEngine:
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None
+        if optimizer is not None:
+            self._optimizer = optimizer
         return self._loader
 
     def _empty_logical_step(self) -> bool:
         """An empty logical batch: a noise-only step, once an optimizer is known."""
         if self._optimizer is None:
+            if not self._warned_late_empty:
+                self._warned_late_empty = True
+                log.warning(
+                    "an empty logical batch was drawn before the engine knew the optimizer: "
+                    "its noise-only step is applied at the next engine.step(), after that "
+                    "batch's gradient was taken. Pass optimizer= to engine.data_loader to keep "
+                    "the steps in order"
+                )
             if self._dist is None:
                 return False
             # the reduce is collective: take part now, apply once the optimizer is known
@@ -568,9 +597,17 @@ class PrivacyEngine:
         self._per_example.clear()
         return per_ex
 
-    def _check_against_autograd(self, per_ex: dict[nn.Parameter, torch.Tensor]) -> None:
+    def _check_against_autograd(
+        self, per_ex: dict[nn.Parameter, torch.Tensor], dense: torch.Tensor | None
+    ) -> None:
+        """Per-example gradients must add up to autograd's `.grad` of every parameter.
+
+        dense: the non-factored per-example gradients side by side, (rows, elements), in
+        parameter order (as `_dense_rows` builds them), not yet scaled. One fused reduction and
+        one host sync per step: this runs every step.
+        """
         names = self._names
-        checked = []
+        plain, factored = [], []
         for p in self._params:
             g = per_ex.get(p)
             if g is None and p.grad is None:
@@ -583,28 +620,46 @@ class PrivacyEngine:
                     else f"parameter '{names.get(p)}' has per-example gradients but no .grad; "
                     "do not zero gradients between backward and engine.step"
                 )
-            checked.append((p, g))
-        if not checked:
+            (factored if is_factored(g) else plain).append(p)
+        if not plain and not factored:
             return
-        # compared in float32; bf16/fp16 gradients carry rounding of a few ulps. One fused
-        # norm over every tensor and one host sync per step (this runs every step)
-        totals = [g.sum(0).float() for _, g in checked]
-        refs = [p.grad.float() for p, _ in checked]
-        dev = refs[0].device
-        errs = torch.stack(
-            [e.to(dev) for e in torch._foreach_norm(torch._foreach_sub(totals, refs))]
-        )
-        ref_norms = torch.stack([r.to(dev) for r in torch._foreach_norm(refs)])
-        rel_tols = torch.tensor(
-            [max(1e-3, 8 * torch.finfo(p.grad.dtype).eps) for p, _ in checked],
-            device=errs.device,
-        )
-        bad = errs > rel_tols * ref_norms + 1e-6
+        # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
+        sq_parts, checked = [], []  # rows: squared error norm, squared reference norm
+        if plain:
+            assert dense is not None
+            ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
+            ids = self._layout.segment_ids(
+                tuple(self._layout.position(p) for p in plain), ref.device
+            )
+            diff = dense.sum(0).to(ref.device) - ref
+            both = torch.stack([diff * diff, ref * ref])
+            sq_parts.append(ref.new_zeros(2, len(plain)).index_add_(1, ids, both))
+            checked += plain
+        if factored:
+            dev = sq_parts[0].device if sq_parts else factored[0].grad.device
+            totals = [per_ex[p].sum(0).float() for p in factored]
+            refs = [p.grad.float() for p in factored]
+            errs = torch.stack(
+                [e.to(dev) for e in torch._foreach_norm(torch._foreach_sub(totals, refs))]
+            )
+            norms = torch.stack([r.to(dev) for r in torch._foreach_norm(refs)])
+            sq_parts.append(torch.stack([errs, norms]).pow(2))
+            checked += factored
+        sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts, 1)
+        err, ref_norms = sq.sqrt()
+        dtypes = tuple(p.grad.dtype for p in checked)
+        rel_tols = self._tolerances.get(dtypes)
+        if rel_tols is None or rel_tols.device != err.device:
+            rel_tols = torch.tensor(
+                [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes], device=err.device
+            )
+            self._tolerances[dtypes] = rel_tols
+        bad = err > rel_tols * ref_norms + 1e-6
         if bad.any():
             i = int(bad.nonzero()[0])
             raise GradientMismatchError(
-                f"per-example gradients of '{names.get(checked[i][0])}' do not add up to "
-                f"autograd's (relative error {errs[i] / (ref_norms[i] + 1e-12):.2e}). The "
+                f"per-example gradients of '{names.get(checked[i])}' do not add up to "
+                f"autograd's (relative error {err[i] / (ref_norms[i] + 1e-12):.2e}). The "
                 "parameter is used in a way its sampler does not capture, or the batch axis "
                 "is not where declared (batch_first / batch_dims)."
             )
@@ -681,36 +736,55 @@ class PrivacyEngine:
             )
         (n,) = sizes
         self._check_batch_axis(n, self._expected_rows(batch_size))
+        plain = [p for p in self._params if p in per_ex and not is_factored(per_ex[p])]
+        factored = [p for p in self._params if p in per_ex and is_factored(per_ex[p])]
+        # every plain per-example gradient side by side: one norm, one clip, one matmul
+        dense = torch.cat([per_ex[p].reshape(n, -1) for p in plain], 1).float() if plain else None
         if self.config.check_gradients:
-            self._check_against_autograd(per_ex)
+            self._check_against_autograd(per_ex, dense)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
-        sq = torch.zeros(n, dtype=torch.float32, device=next(iter(per_ex.values())).device)
-        flat = {}
-        for p, g in per_ex.items():
-            if is_factored(g):  # full mode: norm from Gram matrices, sum by book-keeping
-                flat[p] = g
-                sq += g.sq_norms() * scale**2
-                continue
-            f = g.reshape(n, -1).float() * scale
-            flat[p] = f
-            sq += f.pow(2).sum(1)
+        # the loss scale multiplies each example's norm and its row: applied to the n norms
+        # and n factors, not to every element of `dense`
+        if dense is not None:
+            sq = dense.pow(2).sum(1) * scale**2
+        else:
+            sq = torch.zeros(n, dtype=torch.float32, device=per_ex[factored[0]].device)
+        for p in factored:  # full mode: norm from Gram matrices, sum by book-keeping
+            sq = sq + per_ex[p].sq_norms().to(sq.device) * scale**2
         factors = self._clip_fn(sq.sqrt(), self.max_grad_norm)
-        for p, f in flat.items():
-            if is_factored(f):
-                clipped = f.weighted_sum(factors * scale).float()
+        if dense is not None:
+            clipped = (factors * scale) @ dense
+            if len(plain) == len(self._params):  # the usual case: the whole buffer at once
+                self._add_to_sum(None, clipped)
             else:
-                clipped = (factors @ f).view(p.shape)
-            if p in self._summed:
-                self._summed[p] += clipped
-            else:
-                self._summed[p] = clipped
+                offset = 0
+                for p in plain:
+                    k = p.numel()
+                    self._add_to_sum(p, clipped[offset : offset + k])
+                    offset += k
+        for p in factored:
+            self._add_to_sum(p, per_ex[p].weighted_sum(factors * scale).float())
+        for p in per_ex:
             p.grad = None
         if self.config.sampling == "user-poisson":
             return self._finish_logical_step(optimizer)
         if not self._steps.physical_done():
             return False
         return self._finish_logical_step(optimizer)
+
+    def _add_to_sum(self, p: nn.Parameter | None, clipped: torch.Tensor) -> None:
+        """Add a clipped contribution to this logical batch's flat sum: of parameter `p`, or
+        of every trainable parameter (p None, `clipped` laid out as self._layout)."""
+        if p is None and self._sum is None:
+            self._sum = clipped.float()  # a fresh tensor (the clipping matmul's result)
+            return
+        if self._sum is None:
+            self._sum = self._layout.zeros()
+        if p is None:
+            self._sum += clipped.to(self._sum.device)
+        else:
+            self._sum[self._layout.span(p)] += clipped.reshape(-1).to(self._sum.device)
 
     def _apply_deferred(self, optimizer: torch.optim.Optimizer) -> None:
         """Steps of empty logical batches drawn before any optimizer was known."""
@@ -741,12 +815,14 @@ class PrivacyEngine:
     def _noised_update(self) -> dict[nn.Parameter, torch.Tensor]:
         """The released gradient of one logical step: (sum of clipped + noise) / B, accounted.
 
-        Distributed: rank 0 adds the noise to its local sum and one all-reduce (SUM) adds
-        every rank's, so the global sum carries the noise exactly once and every rank gets
-        the same tensor. Empty local batches take part with zeros.
+        One noise draw over the flat sum of every trainable parameter (a parameter without
+        a gradient this step still gets its share). Distributed: rank 0 adds the noise to its
+        local sum and one all-reduce (SUM) of that one buffer adds every rank's, so the global
+        sum carries the noise exactly once and every rank gets the same tensor. Empty local
+        batches take part with zeros.
         """
         if self._max_steps is not None and self.ledger.steps + 1 > self._max_steps:
-            self._summed.clear()
+            self._sum = None
             raise BudgetExhaustedError(
                 f"the privacy budget epsilon={self.config.target_epsilon} at "
                 f"delta={self.target_delta} is spent after {self.ledger.steps} steps "
@@ -757,17 +833,17 @@ class PrivacyEngine:
         denom = float(self.config.expected_batch_size)
         if self._dist is not None and not self._dist.is_main:
             std = 0.0  # the noise is added exactly once, by rank 0
-        totals = []
-        for p in self._params:
-            summed = self._summed.get(p)
-            if summed is None:
-                summed = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            noise = gaussian_noise(p.shape, std, self._noise_rng, self.config.secure_rng, summed)
-            totals.append(summed + noise)
+        summed = self._sum if self._sum is not None else self._layout.zeros()
+        noise = gaussian_noise(summed.shape, std, self._noise_rng, self.config.secure_rng, summed)
+        total = summed + noise
         if self._dist is not None:
-            totals = all_reduce_sum(totals, self._dist)
-        update = {p: (t / denom).to(p.dtype) for p, t in zip(self._params, totals, strict=True)}
-        self._summed.clear()
+            (total,) = all_reduce_sum([total], self._dist)
+        total.div_(denom)
+        update = {
+            p: g if g.dtype == p.dtype else g.to(p.dtype)
+            for p, g in zip(self._params, self._layout.views(total), strict=True)
+        }
+        self._sum = None
         self.ledger.record(self.noise_multiplier, self.sample_rate)
         return update
 
@@ -878,7 +954,7 @@ class PrivacyEngine:
         parameters. With `remaining_steps` (and a target epsilon) the noise is re-calibrated so
         that the steps already taken plus these meet the target.
         """
-        if self._steps.physical_left or self._summed or self._per_example:
+        if self._steps.physical_left or self._sum is not None or self._per_example:
             raise SamplingError(
                 "switch_phase() in the middle of a logical batch; call it between epochs, "
                 "after engine.step(optimizer) returned True"
@@ -888,6 +964,7 @@ class PrivacyEngine:
         self.config = replace(self.config, mode=mode)
         self._plans = self._plan_layers(self.model)
         self._params = self._ordered_trainable(self.model)
+        self._layout = FlatLayout(self._params)
         self._register_hooks()
         if remaining_steps is not None:
             if self.config.target_epsilon is None:
@@ -905,7 +982,9 @@ class PrivacyEngine:
             self.epsilon(),
             len(self._params),
         )
-        return None if optimizer is None else rebuild_optimizer(optimizer, self._params)
+        # an empty logical batch before the next step() must not step the old parameter set
+        self._optimizer = None if optimizer is None else rebuild_optimizer(optimizer, self._params)
+        return self._optimizer
 
     def with_config(self, **changes: Any) -> PrivacyConfig:
         """A copy of the config with changes (for phase switches built on top of the engine)."""

@@ -494,10 +494,13 @@ def _head_phase(
             accountant=config.accountant,
             insecure_seed=_insecure_seed(config, offset=1_000_003),
         )
-        loader = engine.data_loader(data, _collate_features, physical_batch_size=len(data))
-        stepper = engine
         params = engine.parameters()
     optimizer = OPTIMIZERS[config.optimizer](params, config.head_lr, config.weight_decay)
+    if engine is not None:  # the optimizer first: an empty first batch steps at once
+        loader = engine.data_loader(
+            data, _collate_features, physical_batch_size=len(data), optimizer=optimizer
+        )
+        stepper = engine
     try:
         while stepper.steps_taken < steps:
             for batch in loader:
@@ -660,6 +663,9 @@ def train(
         engine = _make_engine(model, config, n, total_steps, delta, sigma)
         if head_state is not None:
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
+        params = list(engine.parameters())
+    optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
+    if engine is not None:  # the optimizer first: an empty first batch steps at once
         loader = engine.data_loader(
             items,
             collate_fn=collate,
@@ -667,10 +673,9 @@ def train(
             # distributed: every rank stops at the same logical step (the ledger counts the
             # head-first steps too)
             max_steps=head_steps + total_steps,
+            optimizer=optimizer,
         )
         stepper = engine
-        params = list(engine.parameters())
-    optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
     first_step = stepper.steps_taken  # head-first steps already on the ledger
 
     if resume_path is not None:

@@ -59,8 +59,7 @@ def clipping_off_for(family: type[nn.Module]) -> Iterator[None]:
             g = per_ex.pop(p)
             n = g.shape[0]
             scale = float(n) if self.config.loss_reduction == "mean" else 1.0
-            raw = (g.reshape(n, -1).float() * scale).sum(0).view(p.shape)
-            self._summed[p] = self._summed[p] + raw if p in self._summed else raw
+            self._add_to_sum(p, (g.reshape(n, -1).float() * scale).sum(0))
             p.grad = None
         return per_ex
 

@@ -12,6 +12,7 @@ from conftest import free_port
 from torch import nn
 
 import dpfit
+from dpfit.distributed import no_forward_buffer_sync
 from dpfit.errors import DistributedError
 
 
@@ -57,7 +58,7 @@ def test_engine_loader_keeps_ddp_sync_off(group):
 def test_ddp_broadcasting_buffers_every_forward_is_refused(group):
     model = dist_worker.make_model()
     model.register_buffer("scale", torch.ones(1))
-    with pytest.raises(DistributedError, match="broadcast_buffers=False"):
+    with pytest.raises(DistributedError, match="forward_sync_buffers=False"):
         dpfit.PrivacyEngine(
             nn.parallel.DistributedDataParallel(model),
             expected_batch_size=4,
@@ -65,7 +66,7 @@ def test_ddp_broadcasting_buffers_every_forward_is_refused(group):
             noise_multiplier=1.0,
         )
     dpfit.PrivacyEngine(
-        nn.parallel.DistributedDataParallel(model, broadcast_buffers=False),
+        nn.parallel.DistributedDataParallel(model, **no_forward_buffer_sync()),
         expected_batch_size=4,
         sample_size=16,
         noise_multiplier=1.0,

@@ -53,6 +53,16 @@ def test_ddp_never_reduces_unclipped_gradients(job):
             assert run["ddp_reduces"] == 0
 
 
+def test_ddp_buffer_broadcast_off_without_deprecated_arguments(job):
+    """The model has buffers, so DDP's broadcast in every forward (a collective a rank with an
+    empty share would skip) must be off, set without DDP's deprecated broadcast_buffers."""
+    for rank in (0, 1):
+        for run in (job[rank]["update"], job[rank]["resume"]["first"]):
+            assert run["has_buffers"]
+            assert run["forward_buffer_sync"] is False
+            assert run["deprecation_warnings"] == []
+
+
 def test_noisy_steps_keep_ranks_identical_and_epsilon_single_process(job):
     """q=1/12, sigma=1: many ranks' shares are empty (still a step on every rank, so Trainer
     counts the engine's steps); parameters stay bit-identical; epsilon is dp-accounting's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 N = 24  # training examples
@@ -112,8 +113,12 @@ def train(world: int, out: Path, model_dir: str, name: str, stop_at=None, resume
     trainer = Counting(model=model, args=targs, train_dataset=ds, data_collator=collator,
                        privacy=privacy, callbacks=[Watch()])  # fmt: skip
     start = trainable(model).clone()
-    trainer.train(resume_from_checkpoint=resume)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
     engine = trainer.privacy_engine
+    ddp = trainer.model_wrapped
+    syncs = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))
     return {
         "delta": trainable(model) - start,
         "params": trainable(model),
@@ -124,6 +129,11 @@ def train(world: int, out: Path, model_dir: str, name: str, stop_at=None, resume
         "noise_multiplier": engine.noise_multiplier,
         "history": engine.privacy_record()["history"],
         "wrapped": type(trainer.model_wrapped).__name__,
+        "has_buffers": any(True for _ in model.buffers()),
+        "forward_buffer_sync": syncs,
+        "deprecation_warnings": [
+            str(w.message) for w in caught if "broadcast_buffers" in str(w.message)
+        ],
         **counts,
     }
 

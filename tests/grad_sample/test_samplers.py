@@ -156,6 +156,34 @@ def test_multihead_attention(b, t, heads, per_head, batch_first, kind):
     )
 
 
+def test_multihead_attention_routes_follow_graph_changes(monkeypatch):
+    """The routes to the bias-adding nodes are kept between forwards of a layer. Switching the
+    same layer between self-attention (one packed in-projection) and cross-attention (split
+    in-projections) changes its graph: every forward must still match the oracle (a stale
+    route would miss or misplace a slice), and a graph seen before is not walked again."""
+    from dpfit.grad_sample import attention
+
+    walks = []
+    real_walk = attention._walk
+    monkeypatch.setattr(attention, "_walk", lambda *a: walks.append(1) or real_walk(*a))
+    torch.manual_seed(0)
+    model, ref = MHA(4, 2, True, "self"), MHA(4, 2, True, "self")
+    ref.load_state_dict(model.state_dict())
+    for m in (model, ref):
+        dpfit.make_bias_trainable(m)
+    model, ref = model.double(), ref.double()  # the oracle runs on a copy without hooks
+    engine = make_engine(model)
+    kinds = ["self", "self", "kv", "kv", "separate", "self", "separate", "kv"]
+    for kind in kinds:
+        model.kind = ref.kind = kind
+        x = torch.randn(3, 4, 4, dtype=torch.double)
+        want = oracle_per_example(ref, lambda i, x=x: ref(x[i : i + 1]).sin().sum(), 3)
+        got = engine_per_example(engine, lambda x=x: model(x).sin().sum())
+        assert_matches_oracle(got, want)
+    assert len(walks) == len(set(kinds))
+    engine.detach()
+
+
 def test_hf_conv1d():
     from transformers.pytorch_utils import Conv1D
 

@@ -184,11 +184,11 @@ def train_with_engine(
 ):
     """The `dpfit train` loop over the engine's Poisson loader for cfg.steps logical steps."""
     engine = make_engine(model, len(items), cfg)
-    loader = engine.data_loader(
-        items, collate_fn=collate, physical_batch_size=cfg.physical_batch_size
-    )
     sgd = torch.optim.SGD(engine.parameters(), lr=cfg.lr)
     opt = _Released(sgd, (lambda: on_release(engine)) if on_release else (lambda: None))
+    loader = engine.data_loader(
+        items, collate_fn=collate, physical_batch_size=cfg.physical_batch_size, optimizer=opt
+    )
     model.train()
     try:
         passes = 0

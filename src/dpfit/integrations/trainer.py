@@ -221,9 +221,6 @@ class DPTrainer(Trainer):
         _check_training_arguments(targs)
         targs = copy.copy(targs)
         targs.max_grad_norm = 0.0  # per-example clipping replaces Trainer's global clipping
-        # distributed: a DDP buffer broadcast in every forward is a collective that a rank with
-        # an empty batch (no forward) would not join (buffers of a fine-tuned model are fixed)
-        targs.ddp_broadcast_buffers = False
         # the restored Poisson sampler resumes mid-pass itself; Trainer must not skip batches
         targs.ignore_data_skip = True
         if "args" in kwargs:
@@ -327,7 +324,13 @@ class DPTrainer(Trainer):
                 raise DPFitError("DPTrainer got a training batch before its optimizer existed")
             self._dp_optimizer.empty = True
             return torch.zeros((), device=self.args.device)
-        sync_off = model.no_sync if isinstance(model, DistributedDataParallel) else nullcontext
+        sync_off = nullcontext
+        if isinstance(model, DistributedDataParallel):
+            sync_off = model.no_sync
+            # a DDP buffer broadcast in every forward is a collective that a rank with an
+            # empty batch (no forward) would not join (buffers of a fine-tuned model are
+            # fixed); Trainer can only ask for it with DDP's deprecated broadcast_buffers
+            distributed.stop_forward_buffer_sync(model)
         with sync_off():
             return super().training_step(model, inputs, num_items_in_batch)
 
