@@ -200,6 +200,13 @@ def summarize(records: list[dict], scale: Scale) -> dict:
                 "lr": rs[0].get("lr"),
                 "n_train": rs[0].get("n_train"),
                 "n_test": rs[0].get("n_test"),
+                "head_first_steps": rs[0].get("head_first_steps"),
+                # the head-first phase's probe alone, scored before the biases train
+                "probe_phase": [
+                    100 * r["head_first_accuracy"]
+                    for r in rs
+                    if r.get("head_first_accuracy") is not None
+                ],
             }
     return summary
 
@@ -274,17 +281,23 @@ def markdown(summary: dict, header: str, failures: list[dict]) -> str:
         cells = [_cell(summary[t].get(name)) for t in tasks]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Training sizes and resolved defaults of the dpfit rows (seed 0 run):", ""]
-    lines.append("| task | row | n train | n test | batch | epochs | steps | lr | epsilon |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append(
+        "| task | row | n train | n test | batch | epochs | steps | head-first steps "
+        "| probe phase alone (%) | lr | epsilon |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for t in tasks:
         for name in names:
             s = summary[t].get(name)
             if s is None or s.get("steps") is None:
                 continue
             eps = "∞" if s["epsilon"] in (None, float("inf")) else f"{s['epsilon']:.2f}"
+            probe = s.get("probe_phase") or []
+            probe_cell = f"{statistics.fmean(probe):.1f}" if probe else "-"
             lines.append(
                 f"| {t} | {name} | {s['n_train']} | {s['n_test']} | {s['batch_size']} | "
-                f"{s['epochs']} | {s['steps']} | {s['lr']} | {eps} |"
+                f"{s['epochs']} | {s['steps']} | {s.get('head_first_steps') or 0} | "
+                f"{probe_cell} | {s['lr']} | {eps} |"
             )
     lines += ["", "Targets on what has finished:", "", *(targets(summary) or ["- (none yet)"])]
     if failures:
