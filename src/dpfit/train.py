@@ -641,25 +641,21 @@ def train(
     head_state = None
     head_scores: dict = {}
     t_loop = time.perf_counter()
+    if head_steps and not config.non_private:
+        sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
+    if head_steps and resume_path is None:
+        with _oom_guard(config):
+            head_state = _head_phase(  # None when non-private: no ledger to carry
+                model, items, collate, config, n, delta, sigma or 0.0, head_steps, device, note
+            )
+        head_scores = _score_head(task, prep, model, config, device, note)
     if config.non_private:
-        if head_steps and resume_path is None:
-            with _oom_guard(config):
-                _head_phase(model, items, collate, config, n, delta, 0.0, head_steps, device, note)
-            head_scores = _score_head(task, prep, model, config, device, note)
         loader = ShuffledBatches(
             items, batch_size, config.physical_batch_size, collate, config.seed
         )
         stepper = PlainStepper(loader)
         params = [p for p in model.parameters() if p.requires_grad]
     else:
-        if head_steps:
-            sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
-            if resume_path is None:
-                with _oom_guard(config):
-                    head_state = _head_phase(
-                        model, items, collate, config, n, delta, sigma, head_steps, device, note
-                    )
-                head_scores = _score_head(task, prep, model, config, device, note)
         engine = _make_engine(model, config, n, total_steps, delta, sigma)
         if head_state is not None:
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
