@@ -25,6 +25,7 @@ Writes ``benchmarks/results/<name>.{json,md}``; ``--from-json`` re-renders the m
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -54,14 +55,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         help="extra central epoch counts (beyond those matching the FedAvg checkpoints)",
     )
     p.add_argument("--seed", type=int, default=0, help="client sampling and local shuffles")
+    p.add_argument(
+        "--test-examples",
+        type=int,
+        default=0,
+        help="test examples scored (0 = the whole test split; --eval-examples caps validation)",
+    )
     p.add_argument("--name", default="federated_central")
     p.add_argument("--from-json", default=None)
     own, rest = p.parse_known_args(argv)
     return own, fb.parse_args(rest + ["--partitions", "iid", "--out", str(RESULTS)])
 
 
-def fedavg(task, args, rounds: list[int], seed: int, test_fn) -> list[dict]:
-    """Non-private FedAvg through the app; test accuracy at each checkpoint round."""
+def fedavg(task, args, rounds: list[int], seed: int, test_fn, record=None) -> list[dict]:
+    """Non-private FedAvg through the app; test accuracy at each checkpoint round.
+
+    ``record(row)`` sees each checkpoint's row as soon as it is measured."""
     from dpfit.federated.app import LocalGrid, build_strategy
     from dpfit.federated.client import build_client_app
     from dpfit.federated.strategy import ServerConfig
@@ -79,23 +88,24 @@ def fedavg(task, args, rounds: list[int], seed: int, test_fn) -> list[dict]:
     out: list[dict] = []
     t0 = time.perf_counter()
 
-    def on_round(record) -> None:
-        if record.round in rounds:
+    def on_round(rec) -> None:
+        if rec.round in rounds:
             loss, acc = test_fn(strategy.server.params)
-            out.append(
-                {
-                    "rounds": record.round,
-                    "example_passes": record.round
-                    * args.local_epochs
-                    * args.clients_per_round
-                    * _per_client(task, args),
-                    "val_accuracy": record.accuracy,
-                    "test_loss": loss,
-                    "test_accuracy": acc,
-                    "seconds": time.perf_counter() - t0,
-                }
-            )
-            print(f"fedavg round {record.round}: test acc {acc:.4f}", flush=True)
+            row = {
+                "rounds": rec.round,
+                "example_passes": rec.round
+                * args.local_epochs
+                * args.clients_per_round
+                * _per_client(task, args),
+                "val_accuracy": rec.accuracy,
+                "test_loss": loss,
+                "test_accuracy": acc,
+                "seconds": time.perf_counter() - t0,
+            }
+            out.append(row)
+            if record is not None:
+                record(row)
+            print(f"fedavg round {rec.round}: test acc {acc:.4f}", flush=True)
 
     strategy = build_strategy(cfg, task, on_round)
     strategy.start(LocalGrid.for_app(build_client_app(), task.num_clients))
@@ -110,8 +120,14 @@ def _per_client(task, args) -> float:
     return float(np.mean(sizes))
 
 
-def central(task, args, epochs: list[float], seed: int, test_fn) -> list[dict]:
-    """The clients' trainer on the union of their data; fractional epochs via a prefix."""
+def central(task, args, epochs: list[float], seed: int, test_fn, record=None) -> list[dict]:
+    """The clients' trainer on the union of their data: one run of ``local_train`` (one
+    optimizer) to the largest whole epoch count, scored after each epoch count asked for.
+
+    A fractional count e = k + f continues from epoch k's parameters and generator with a
+    random f of one more epoch (a fresh optimizer, like a round). ``record(row)`` sees each
+    row as soon as it is measured.
+    """
     from dpfit.federated import client as fed_client
     from dpfit.federated.app import client_examples, initial_arrays
 
@@ -119,41 +135,51 @@ def central(task, args, epochs: list[float], seed: int, test_fn) -> list[dict]:
     texts, labels = [e.text for e in union], [e.label for e in union]
     lm = fed_client.load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
     start = initial_arrays(task)
+    wanted = sorted(set(epochs))
+    whole_needed = {int(math.floor(ep)) for ep in wanted}
+    rng = np.random.default_rng([seed, 77])
+    snapshots: dict[int, tuple[list[np.ndarray], np.random.Generator, float]] = {
+        0: (start, copy.deepcopy(rng), time.perf_counter())
+    }
+
+    def keep(k: int, params: list[np.ndarray]) -> None:  # lm is mid-training: store only
+        if k in whole_needed:
+            snapshots[k] = (params, copy.deepcopy(rng), time.perf_counter())
+
+    t0 = time.perf_counter()
+    if max(whole_needed):
+        fed_client.local_train(
+            lm, start, texts, labels, replace(task, local_epochs=max(whole_needed)), rng, keep
+        )
     out = []
-    for ep in sorted(set(epochs)):
-        t0 = time.perf_counter()
+    for ep in wanted:
         whole = int(math.floor(ep))
-        frac = ep - whole
-        params = start
-        rng = np.random.default_rng([seed, 77])
-        if whole:
-            update, _ = fed_client.local_train(
-                lm, params, texts, labels, replace(task, local_epochs=whole), rng
-            )
-            params = [p + u for p, u in zip(params, update, strict=True)]
-        if frac > 1e-9:  # a random part of one more epoch (a fresh optimizer, like a round)
-            k = max(1, round(frac * len(texts)))
-            idx = rng.permutation(len(texts))[:k]
+        params, g, at = snapshots[whole]
+        if ep - whole > 1e-9:  # a random part of one more epoch (a fresh optimizer, like a round)
+            g = copy.deepcopy(g)
+            k = max(1, round((ep - whole) * len(texts)))
+            idx = g.permutation(len(texts))[:k]
             update, _ = fed_client.local_train(
                 lm,
                 params,
                 [texts[i] for i in idx],
                 [labels[i] for i in idx],
                 replace(task, local_epochs=1),
-                rng,
+                g,
             )
             params = [p + u for p, u in zip(params, update, strict=True)]
         loss, acc = test_fn(params)
-        out.append(
-            {
-                "epochs": ep,
-                "example_passes": ep * len(texts),
-                "examples": len(texts),
-                "test_loss": loss,
-                "test_accuracy": acc,
-                "seconds": time.perf_counter() - t0,
-            }
-        )
+        row = {
+            "epochs": ep,
+            "example_passes": ep * len(texts),
+            "examples": len(texts),
+            "test_loss": loss,
+            "test_accuracy": acc,
+            "train_seconds": at - t0 if whole else 0.0,
+        }
+        out.append(row)
+        if record is not None:
+            record(row)
         print(f"central {ep:g} epochs: test acc {acc:.4f}", flush=True)
     return out
 
@@ -195,10 +221,15 @@ def linear_optimum(task, union_size_check: int) -> dict:
     }
 
 
+def _nearest(cen: list[dict], passes: float) -> dict | None:
+    return min(cen, key=lambda r: abs(r["example_passes"] - passes)) if cen else None
+
+
 def render(data: dict) -> str:
+    """Markdown of what the JSON holds; a stopped run's table says what is missing."""
     s = data["settings"]
     fed, cen = data["fedavg"], data["central"]
-    best_c = max(cen, key=lambda r: r["test_accuracy"])
+    union = f"{cen[0]['examples']} " if cen else ""
     lines = [
         "# Non-private FedAvg against central training on the same data",
         "",
@@ -210,32 +241,43 @@ def render(data: dict) -> str:
         f"{s['max_length']}; test split of {data['test_examples']} examples (majority class "
         f"{data['majority']:.3f}). FedAvg: the app's server with z = 0 and no clipping. "
         "Central: the clients' trainer (`local_train`) on the union of the clients' "
-        f"{cen[0]['examples']} examples, one optimizer for all its epochs.",
+        f"{union}examples, one optimizer for all its epochs.",
         "",
+    ]
+    if not data.get("finished", True):
+        asked = data.get("fed_rounds_asked", [])
+        lines += [
+            f"**Stopped run** after {data['seconds'] / 60:.0f} min: it records the FedAvg "
+            f"checkpoints measured ({len(fed)} of {len(asked)} asked: rounds "
+            f"{', '.join(str(r) for r in asked)}) and the central epoch counts measured "
+            f"({len(cen)}); rows below are only what finished.",
+            "",
+        ]
+    lines += [
         "| FedAvg rounds | example passes | FedAvg test acc | central epochs (same passes) "
         "| central test acc | central - FedAvg |",
         "|---|---|---|---|---|---|",
     ]
     for f in fed:
-        c = min(cen, key=lambda r: abs(r["example_passes"] - f["example_passes"]))
+        c = _nearest(cen, f["example_passes"])
+        same = c is not None and abs(c["example_passes"] - f["example_passes"]) < 1
         lines.append(
-            f"| {f['rounds']} | {f['example_passes']:.0f} | {f['test_accuracy']:.4f} "
-            f"| {c['epochs']:g} | {c['test_accuracy']:.4f} "
-            f"| {c['test_accuracy'] - f['test_accuracy']:+.4f} |"
+            f"| {f['rounds']} | {f['example_passes']:.0f} | {f['test_accuracy']:.4f} | "
+            + (
+                f"{c['epochs']:g} | {c['test_accuracy']:.4f} "
+                f"| {c['test_accuracy'] - f['test_accuracy']:+.4f} |"
+                if same
+                else "not measured | | |"
+            )
         )
-    last = fed[-1]
-    gap_same = (
-        min(cen, key=lambda r: abs(r["example_passes"] - last["example_passes"]))["test_accuracy"]
-        - last["test_accuracy"]
-    )
-    gap_best = best_c["test_accuracy"] - last["test_accuracy"]
-    lines += [
-        "",
-        "Central training at every epoch count run: "
-        + ", ".join(f"{r['epochs']:g} ep: {r['test_accuracy']:.4f}" for r in cen)
-        + ".",
-        "",
-    ]
+    if cen:
+        lines += [
+            "",
+            "Central training at every epoch count run: "
+            + ", ".join(f"{r['epochs']:g} ep: {r['test_accuracy']:.4f}" for r in cen)
+            + ".",
+        ]
+    lines.append("")
     if data.get("linear_optimum"):
         o = data["linear_optimum"]
         lines += [
@@ -246,14 +288,27 @@ def render(data: dict) -> str:
             f"{o['test_accuracy']:.4f}.",
             "",
         ]
-    lines += [
-        f"At FedAvg's last checkpoint ({last['rounds']} rounds): central minus FedAvg is "
-        f"{gap_same:+.4f} at the same example-passes and {gap_best:+.4f} against central's "
-        f"best epoch count ({best_c['epochs']:g}); the target is at most {TARGET:.2f} "
-        f"({'met' if max(gap_same, gap_best) <= TARGET else 'NOT met'}).",
-        "",
-    ]
+    if fed and cen:
+        last = fed[-1]
+        best_c = max(cen, key=lambda r: r["test_accuracy"])
+        gap_same = _nearest(cen, last["example_passes"])["test_accuracy"] - last["test_accuracy"]
+        gap_best = best_c["test_accuracy"] - last["test_accuracy"]
+        lines += [
+            f"At FedAvg's last checkpoint ({last['rounds']} rounds): central minus FedAvg is "
+            f"{gap_same:+.4f} at the nearest example-passes measured and {gap_best:+.4f} "
+            f"against central's best epoch count ({best_c['epochs']:g}); the target is at most "
+            f"{TARGET:.2f} ({'met' if max(gap_same, gap_best) <= TARGET else 'NOT met'}).",
+            "",
+        ]
     return "\n".join(lines)
+
+
+def _write(out: Path, data: dict) -> None:
+    """JSON (atomically) and the markdown rendering of what has been measured so far."""
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=float))
+    tmp.replace(out.with_suffix(".json"))
+    out.with_suffix(".md").write_text(render(data))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     out = RESULTS / own.name
     if own.from_json:
         data = json.loads(Path(own.from_json).read_text())
+        out.with_suffix(".md").write_text(render(data))
     else:
         import torch
 
@@ -270,32 +326,50 @@ def main(argv: list[str] | None = None) -> int:
             fb.build_feature_cache(args)
         fb._setup(args)  # partitions, cached features, threads, quiet logs
         task = fb.task_config(args, "iid")
-        test_fn = make_evaluate_fn(task, "test")
-        _, test_labels = eval_split(task, "test")
+        test_task = replace(task, eval_examples=own.test_examples)
+        test_fn = make_evaluate_fn(test_task, "test")
+        _, test_labels = eval_split(test_task, "test")
         t0 = time.perf_counter()
-        fed = fedavg(task, args, sorted(own.fed_rounds), own.seed, test_fn)
-        n_union = args.clients * _per_client(task, args)
-        matched = [f["example_passes"] / n_union for f in fed]
-        cen = central(
-            task, args, [round(x, 3) for x in matched] + own.central_epochs, own.seed, test_fn
-        )
-        opt = linear_optimum(task, cen[0]["examples"]) if args.local_mode == "head" else None
         data = {
-            "linear_optimum": opt,
+            "linear_optimum": None,
             "command": "python benchmarks/federated_central.py "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}",
             "settings": fb._settings(args),
             "test_examples": len(test_labels),
             "majority": max(np.mean(test_labels), 1 - np.mean(test_labels)),
-            "seconds": time.perf_counter() - t0,
-            "fedavg": fed,
-            "central": cen,
+            "fed_rounds_asked": sorted(own.fed_rounds),
+            "finished": False,
+            "seconds": 0.0,
+            "fedavg": [],
+            "central": [],
         }
-        out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=float))
-    md = render(data)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+
+        def record(key: str):
+            def add(row: dict) -> None:  # a stopped run keeps every row measured so far
+                data[key].append(row)
+                data["seconds"] = time.perf_counter() - t0
+                _write(out, data)
+
+            return add
+
+        fed = fedavg(task, args, sorted(own.fed_rounds), own.seed, test_fn, record("fedavg"))
+        n_union = args.clients * _per_client(task, args)
+        matched = [f["example_passes"] / n_union for f in fed]
+        central(
+            task,
+            args,
+            [round(x, 3) for x in matched] + own.central_epochs,
+            own.seed,
+            test_fn,
+            record("central"),
+        )
+        if args.local_mode == "head":
+            data["linear_optimum"] = linear_optimum(task, data["central"][0]["examples"])
+        data["finished"] = True
+        data["seconds"] = time.perf_counter() - t0
+        _write(out, data)
+    print(out.with_suffix(".md").read_text())
     return 0
 
 

@@ -299,3 +299,20 @@ def test_client_replies_carry_only_what_the_private_releases_use(llama, method):
                 assert 0.0 <= metrics["loss_before"] <= cfg.loss_bound
             else:
                 assert metrics == {}
+
+
+def test_on_epoch_sees_the_parameters_a_shorter_run_ends_with(bert):
+    """One run scored at several epoch counts = separate runs of those lengths."""
+    lm = load_local_model(bert, "bias", RANK, 0)
+    texts, labels = _texts(12)
+    seen = {}
+    long = _task(bert, "bias", local_epochs=3)
+    local_train(
+        lm, lm.initial, texts, labels, long, np.random.default_rng(5),
+        lambda k, p: seen.__setitem__(k, p),
+    )  # fmt: skip
+    assert sorted(seen) == [1, 2, 3]
+    for k in (1, 2):
+        u, _ = _train(lm, _task(bert, "bias", local_epochs=k), texts, labels, seed=5)
+        for a, s, b in zip(seen[k], lm.initial, u, strict=True):
+            np.testing.assert_allclose(a, s + b, rtol=1e-5, atol=1e-6)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -325,11 +325,14 @@ def local_train(
     labels: Sequence[int],
     task: TaskConfig,
     rng: np.random.Generator,
+    on_epoch: Callable[[int, list[np.ndarray]], None] | None = None,
 ) -> tuple[list[np.ndarray], float]:
     """Train from ``start``; returns (update = new - start, mean training loss).
 
     The update has one array per trainable tensor (adapters or biases, and the head), in the
-    order of ``lm.trainable``: nothing frozen travels.
+    order of ``lm.trainable``: nothing frozen travels. ``on_epoch(k, params)``, if given, sees
+    a copy of the parameters after each epoch k (1-based) of the one optimizer's run, so a
+    benchmark can score several epoch counts in one run; it must not touch ``lm``.
     """
     lm.set_arrays(start)
     named = lm.parameters_by_name()
@@ -338,11 +341,13 @@ def local_train(
     y = torch.as_tensor(list(labels))
     ids = lm.encode(texts, task.max_length)
     losses = []
-    for _ in range(task.local_epochs):
+    for epoch in range(1, task.local_epochs + 1):
         for idx in _batches(len(texts), task.local_batch_size, rng):
             opt.zero_grad(set_to_none=True)
             losses.append(backward_batch(lm, texts, ids, y, idx, task.max_length))
             opt.step()
+        if on_epoch is not None:
+            on_epoch(epoch, lm.get_arrays())
     new = lm.get_arrays()
     lm.set_arrays(start)
     update = [n - np.asarray(s, dtype=n.dtype) for n, s in zip(new, start, strict=True)]
