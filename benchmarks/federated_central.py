@@ -6,20 +6,26 @@ Both sides use the same data, model, local trainer and evaluation:
   with no noise and no clipping (``method=fixed``, z = 0, C far above any update), IID
   clients, m expected clients per round, R rounds of E local epochs each;
 - **central**: the clients' trainer (``dpfit.federated.client.local_train``: AdamW, the same
-  learning rate, batch size and features) run once on the union of every client's examples,
-  for the epochs that match FedAvg's example-passes (R E m n / (N n) epochs, n examples per
-  client), and also for more epochs, to show where central training levels off.
+  learning rate, batch size and features) run once, one optimizer, on the union of every
+  client's examples, scored after the epochs that match FedAvg's example-passes
+  (R E m n / (N n) epochs, n examples per client) and after ``--central-epochs``, to show
+  where central training levels off.
 
-Test accuracy is measured on the server's held-out test split, the same examples for both.
-Every option of ``benchmarks/federated.py`` (task, clients, local training, feature cache)
-is accepted and means the same; the defaults are that benchmark's (head mode: a linear head
-on cached frozen MiniLM features, 1000 clients of 10 examples, 100 a round).
+Test accuracy is measured on the server's held-out test split (``--test-examples``, default
+all of it), the same examples for both. Every option of ``benchmarks/federated.py`` (task,
+clients, local training, feature cache) is accepted and means the same; the defaults are that
+benchmark's (head mode: a linear head on cached frozen MiniLM features, 1000 clients of 10
+examples, 100 a round).
 
-    python benchmarks/federated_central.py --fed-rounds 10 30 100             # head mode
-    python benchmarks/federated_central.py --local-mode bias --clients 100 \\
-        --clients-per-round 100 --fed-rounds 5 --name federated_central_bias  # BiTFiT
+    python benchmarks/federated_central.py --fed-rounds 5 10 30 100 \\
+        --central-epochs 1 5 10 30 --eval-examples 0                       # head mode
+    python benchmarks/federated_central.py --local-mode bias --clients 10 \\
+        --clients-per-round 10 --examples-per-client 50 --lr 3e-3 \\
+        --fed-rounds 1 2 4 8 12 --central-epochs 1 3 --eval-examples 300 \\
+        --name federated_central_bias                                      # BiTFiT
 
-Writes ``benchmarks/results/<name>.{json,md}``; ``--from-json`` re-renders the markdown.
+Writes ``benchmarks/results/<name>.{json,md}`` after every measurement, so a stopped run keeps
+what it measured (its table says it stopped); ``--from-json`` re-renders the markdown.
 """
 
 from __future__ import annotations

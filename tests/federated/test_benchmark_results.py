@@ -66,3 +66,19 @@ def test_recorded_tuned_runs_spent_tuning_plus_training(recorded):
             settings["tuning_share"] * r["epsilon_target"], rel=1e-3
         )
         assert r["epsilon"] > r["tuning_epsilon"] + 0.5 * r["epsilon_target"]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob("federated_central*.json")))
+def test_committed_central_comparison_is_rendered_from_its_json(name):
+    """FedAvg against central: the markdown is the rendering of the committed measurements."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "fed_central", ROOT / "benchmarks" / "federated_central.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    assert module.render(data) == (RESULTS / f"{name}.md").read_text()
