@@ -299,11 +299,22 @@ def render(data: dict) -> str:
         best_c = max(cen, key=lambda r: r["test_accuracy"])
         gap_same = _nearest(cen, last["example_passes"])["test_accuracy"] - last["test_accuracy"]
         gap_best = best_c["test_accuracy"] - last["test_accuracy"]
+        learned = best_c["test_accuracy"] > data["majority"] + 0.01
+        verdict = "met" if max(gap_same, gap_best) <= TARGET else "NOT met"
+        if not learned:
+            verdict = "not judged: central training learned nothing"
+            lines += [
+                f"Central training did not learn: its best test accuracy "
+                f"({best_c['test_accuracy']:.4f}) is the majority class's "
+                f"({data['majority']:.4f}). At these settings the comparison below says "
+                "nothing about the pipeline.",
+                "",
+            ]
         lines += [
             f"At FedAvg's last checkpoint ({last['rounds']} rounds): central minus FedAvg is "
             f"{gap_same:+.4f} at the nearest example-passes measured and {gap_best:+.4f} "
             f"against central's best epoch count ({best_c['epochs']:g}); the target is at most "
-            f"{TARGET:.2f} ({'met' if max(gap_same, gap_best) <= TARGET else 'NOT met'}).",
+            f"{TARGET:.2f} ({verdict}).",
             "",
         ]
     return "\n".join(lines)
