@@ -154,3 +154,18 @@ def test_default_run_follows_its_rule():
 
     m = server_cfg.clients_per_round
     assert noise_to_clip(m) <= 0.5 < noise_to_clip(m - 10)
+
+
+def test_client_learning_rate_follows_the_local_mode_unless_given():
+    from dpfit.federated.cli import LOCAL_LR
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def lr(*argv: str) -> float:
+        return configs(parser.parse_args(list(argv)))[1].lr
+
+    assert lr() == LOCAL_LR["head"] == 1e-2  # the default run trains heads
+    assert lr("--local-mode", "bias") == LOCAL_LR["bias"] < LOCAL_LR["head"]
+    assert lr("--local-mode", "lora") == LOCAL_LR["lora"]
+    assert lr("--local-mode", "bias", "--lr", "0.05") == 0.05
