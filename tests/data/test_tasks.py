@@ -103,3 +103,21 @@ def test_csvs_load_back_as_the_same_task(convention, tmp_path):
 def test_unknown_task_name_lists_the_choices():
     with pytest.raises(KeyError, match="rotten-tomatoes"):
         tasks.load_task("nope")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_convention_split_keeps_the_party_balance(seed):
+    """Each party's speakers are split on their own: a plain split by speaker put 78% of one
+    party in the test set at seed 1, below which every classifier scored."""
+    t = tasks.convention_party_task(seed=seed)
+    share = [sum(t.train.labels) / len(t.train), sum(t.test.labels) / len(t.test)]
+    assert abs(share[0] - share[1]) < 0.04
+    assert t.majority_rate() < 0.6
+
+
+def test_stratified_group_split_refuses_a_group_with_two_labels():
+    from dpfit.data.bundled import TextExample
+
+    examples = [TextExample(f"text {i}", i % 2, "same speaker") for i in range(10)]
+    with pytest.raises(ValueError, match="two labels"):
+        tasks._split_within_labels(examples, ("a", "b"), 0, "mixed")
