@@ -131,22 +131,19 @@ def _pretrain_of(r: dict) -> str:
 
 def pretrain(model: str, args) -> str:
     """Pretrain once per (model, recipe) on the public 10% (cached in the work folder)."""
-    from dpfit.vision.pretrain import PRETRAIN_DEFAULTS
-
     suffix = "" if args.pretrain == "legacy" else f"-{args.pretrain}"
     out = Path(args.work) / f"pretrained-{model}-s{args.image_size}{suffix}"
     if (out / "model" / "dpfit-vision.json").is_file():
         return str(out / "model")
-    recipe = {**PRETRAIN_DEFAULTS, **PRETRAINS[args.pretrain]}
-    augment = recipe.pop("augment")
     spec = {
         "kind": "pretrain",
+        "recipe": PRETRAINS[args.pretrain],  # over dpfit pretrain's defaults, in the worker
         "train": dict(
             task="image-classification", model=model, non_private=True, epsilon=None,
-            mode="full", output=str(out), **recipe,
+            mode="full", output=str(out),
         ),
         "image": dict(split="public", public_fraction=0.1, image_size=args.image_size,
-                      max_eval_examples=args.eval_examples, augment=augment),
+                      max_eval_examples=args.eval_examples),
     }  # fmt: skip
     res = _spawn(spec)
     _append(
@@ -172,10 +169,10 @@ def cmd_utility(args) -> None:
                     if _key(key) in done or not _claim(key, args.work):
                         print(f"skip (done or taken by another stream): {key}", flush=True)
                         continue
-                    model_dir = model_dir or pretrain(model, args)
-                    cfg = row_config(row, model_dir, eps, seed, args)
                     print(f"run: {key}", flush=True)
                     try:
+                        model_dir = model_dir or pretrain(model, args)
+                        cfg = row_config(row, model_dir, eps, seed, args)
                         res = _spawn({"kind": "train", **cfg})
                     except BaseException:
                         _claim(key, args.work, release=True)
@@ -233,8 +230,12 @@ def _train_worker(spec: dict) -> dict:
     def on_step(row, total: int) -> None:
         cpu["end"] = time.process_time()
 
-    from dpfit.vision.pretrain import pretrain
+    from dpfit.vision.pretrain import PRETRAIN_DEFAULTS, pretrain
 
+    if spec["kind"] == "pretrain":
+        recipe = {**PRETRAIN_DEFAULTS, **spec["recipe"]}
+        spec["image"]["augment"] = recipe.pop("augment")
+        spec["train"].update(recipe)
     config = TrainConfig(**spec["train"], task_options=ImageOptions(**spec["image"]))
     run = pretrain if spec["kind"] == "pretrain" else train  # pretraining's length rule
     m = run(config, on_step=on_step, on_note=on_note).metrics
