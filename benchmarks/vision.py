@@ -39,7 +39,14 @@ files in ``--work``). The committed rows came from
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
         --private-examples 10000 --batch-size 256 --rows dp-bitfit dp-full 2+bitfit 1+bitfit
 
-each under ``nice -n 10``, several streams at once.
+each under ``nice -n 10``, several streams at once, all from the ``legacy`` public checkpoint
+(``--pretrain legacy``: 3 epochs at a constant lr 2e-3, no augmentation). The default
+``--pretrain default`` uses ``dpfit pretrain``'s own defaults (dpfit.vision.pretrain: epochs
+from the public n, cosine lr, shift augmentation); rows record which checkpoint they started
+from and the report keeps the two apart. From it, one stream, one row at a time:
+
+    python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
+        --private-examples 27000 --batch-size 512 --rows dp-full 2+bitfit dp-bitfit
 """
 
 from __future__ import annotations
