@@ -30,7 +30,7 @@ def test_pretrain_epochs_aim_at_a_step_count_within_bounds():
 
 def test_dpfit_pretrain_uses_the_rule_cosine_and_shift_by_default(tiny_npz, tmp_path, capsys,
                                                                  monkeypatch):  # fmt: skip
-    monkeypatch.setattr(pt, "PRETRAIN_STEPS", 6)  # keep the run short: 130 images, 3 a pass
+    monkeypatch.setattr(pt, "PRETRAIN_STEPS", 12)  # keep the run short: 130 images, 3 a pass
     out = tmp_path / "pre"
     assert main(["pretrain", "--data", str(tiny_npz), "--public-fraction", "0.3",
                  "--batch-size", "64", "--output", str(out), "--threads", "1", "--quiet",
@@ -38,8 +38,8 @@ def test_dpfit_pretrain_uses_the_rule_cosine_and_shift_by_default(tiny_npz, tmp_
     captured = capsys.readouterr()
     m = json.loads(captured.out.strip().splitlines()[-1])
     n = round(0.3 * 432)
-    assert m["train_examples"] == n and m["epochs"] == pt.pretrain_epochs(n, 64) == 3
-    assert m["steps"] == 3 * -(-n // 64) and m["lr_schedule"] == "cosine"
+    assert m["train_examples"] == n and m["epochs"] == pt.pretrain_epochs(n, 64) == 4
+    assert m["steps"] == 4 * -(-n // 64) and m["lr_schedule"] == "cosine"
     assert "pretraining length from the public n=130" in captured.err
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["config"]["task_options"]["augment"] == "shift"
