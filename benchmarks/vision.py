@@ -39,7 +39,14 @@ files in ``--work``). The committed rows came from
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
         --private-examples 10000 --batch-size 256 --rows dp-bitfit dp-full 2+bitfit 1+bitfit
 
-each under ``nice -n 10``, several streams at once.
+each under ``nice -n 10``, several streams at once, all from the ``legacy`` public checkpoint
+(``--pretrain legacy``: 3 epochs at a constant lr 2e-3, no augmentation). The default
+``--pretrain default`` uses ``dpfit pretrain``'s own defaults (dpfit.vision.pretrain: epochs
+from the public n, cosine lr, shift augmentation); rows record which checkpoint they started
+from and the report keeps the two apart. From it, one stream, one row at a time:
+
+    python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
+        --private-examples 27000 --batch-size 512 --rows dp-full 2+bitfit dp-bitfit
 """
 
 from __future__ import annotations
@@ -111,24 +118,44 @@ def row_config(row: str, model_dir: str, eps: float, seed: int, args) -> dict:
     return {"train": {**base, "full_epochs": x, "lr": LR_FULL}, "image": image}
 
 
+# The public checkpoint a row starts from. "legacy": the first recipe (3 epochs, constant
+# lr 2e-3, no augmentation), which rows from before this field was recorded used; "default":
+# `dpfit pretrain`'s defaults (dpfit.vision.pretrain: epochs from the public n, cosine lr,
+# shift augmentation).
+PRETRAINS = {
+    "legacy": dict(epochs=3, lr_schedule="constant", augment="none"),
+    "default": dict(epochs=None),
+}
+PRETRAIN_LABELS = {
+    "legacy": "3 epochs, constant lr",
+    "default": "dpfit pretrain defaults: epochs from public n, cosine lr, shift augmentation",
+}
+
+
+def _pretrain_of(r: dict) -> str:
+    return r.get("pretrain") or "legacy"
+
+
 def pretrain(model: str, args) -> str:
-    """Pretrain once per model on the public 10% (cached in the work folder)."""
-    out = Path(args.work) / f"pretrained-{model}-s{args.image_size}"
+    """Pretrain once per (model, recipe) on the public 10% (cached in the work folder)."""
+    suffix = "" if args.pretrain == "legacy" else f"-{args.pretrain}"
+    out = Path(args.work) / f"pretrained-{model}-s{args.image_size}{suffix}"
     if (out / "model" / "dpfit-vision.json").is_file():
         return str(out / "model")
     spec = {
         "kind": "pretrain",
+        "recipe": PRETRAINS[args.pretrain],  # over dpfit pretrain's defaults, in the worker
         "train": dict(
             task="image-classification", model=model, non_private=True, epsilon=None,
-            mode="full", epochs=args.pretrain_epochs, batch_size=128, physical_batch_size=128,
-            lr=2e-3, output=str(out),
+            mode="full", output=str(out),
         ),
         "image": dict(split="public", public_fraction=0.1, image_size=args.image_size,
                       max_eval_examples=args.eval_examples),
     }  # fmt: skip
     res = _spawn(spec)
     _append(
-        RESULTS / "vision_pretrain.jsonl", {"model": model, "image_size": args.image_size, **res}
+        RESULTS / "vision_pretrain.jsonl",
+        {"model": model, "image_size": args.image_size, "pretrain": args.pretrain, **res},
     )
     return str(out / "model")
 
@@ -145,14 +172,14 @@ def cmd_utility(args) -> None:
                     key = dict(model=model, row=row, eps=None if row.startswith("nonpriv") else eps,
                                seed=seed, image_size=args.image_size, epochs=args.epochs,
                                private_examples=args.private_examples,
-                               batch_size=args.batch_size)  # fmt: skip
+                               batch_size=args.batch_size, pretrain=args.pretrain)  # fmt: skip
                     if _key(key) in done or not _claim(key, args.work):
                         print(f"skip (done or taken by another stream): {key}", flush=True)
                         continue
-                    model_dir = model_dir or pretrain(model, args)
-                    cfg = row_config(row, model_dir, eps, seed, args)
                     print(f"run: {key}", flush=True)
                     try:
+                        model_dir = model_dir or pretrain(model, args)
+                        cfg = row_config(row, model_dir, eps, seed, args)
                         res = _spawn({"kind": "train", **cfg})
                     except BaseException:
                         _claim(key, args.work, release=True)
@@ -182,7 +209,7 @@ def _claim(key: dict, work: str, release: bool = False) -> bool:
 
 def _key(r: dict) -> tuple:
     return tuple(r.get(k) for k in ("model", "row", "eps", "seed", "image_size", "epochs",
-                                    "private_examples", "batch_size"))  # fmt: skip
+                                    "private_examples", "batch_size")) + (_pretrain_of(r),)  # fmt: skip
 
 
 OLD_DEFAULT_BATCH = 128  # rows from before the batch was recorded ran with this default
@@ -210,11 +237,18 @@ def _train_worker(spec: dict) -> dict:
     def on_step(row, total: int) -> None:
         cpu["end"] = time.process_time()
 
+    from dpfit.vision.pretrain import PRETRAIN_DEFAULTS, pretrain
+
+    if spec["kind"] == "pretrain":
+        recipe = {**PRETRAIN_DEFAULTS, **spec["recipe"]}
+        spec["image"]["augment"] = recipe.pop("augment")
+        spec["train"].update(recipe)
     config = TrainConfig(**spec["train"], task_options=ImageOptions(**spec["image"]))
-    m = train(config, on_step=on_step, on_note=on_note).metrics
+    run = pretrain if spec["kind"] == "pretrain" else train  # pretraining's length rule
+    m = run(config, on_step=on_step, on_note=on_note).metrics
     keep = ("accuracy", "eval_n", "epsilon", "delta", "noise_multiplier", "sample_rate", "steps",
             "train_examples", "trainable_params", "trainable_fraction", "train_time_s", "mode",
-            "trains", "final_train_loss", "batch_size")  # fmt: skip
+            "trains", "final_train_loss", "batch_size", "epochs", "lr", "lr_schedule")  # fmt: skip
     import resource
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -336,10 +370,14 @@ def cmd_report(args) -> None:
     lines.append("")
     if pre:
         lines += ["## Public pretraining (non-private, 10% of the training set)", "",
-                  "| model | size | public images | test acc (images) | time (s) |", "|---|---|---|---|---|"]  # fmt: skip
+                  "| model | checkpoint | size | public images | epochs (steps) | test acc (images) | time (s) | CPU (s) |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for p in pre:
-            lines.append(f"| {p['model']} | {p['image_size']} | {p['train_examples']} | "
-                         f"{p['accuracy']:.3f} ({p['eval_n']}) | {p['train_time_s']:.0f} |")  # fmt: skip
+            epochs = p.get("epochs", 3)
+            cpu = f"{p['train_cpu_s']:.0f}" if "train_cpu_s" in p else "-"
+            lines.append(f"| {p['model']} | {_pretrain_of(p)}: {PRETRAIN_LABELS[_pretrain_of(p)]} | "
+                         f"{p['image_size']} | {p['train_examples']} | {epochs} ({p['steps']}) | "
+                         f"{p['accuracy']:.3f} ({p['eval_n']}) | {p['train_time_s']:.0f} | {cpu} |")  # fmt: skip
         lines.append("")
     summary: dict = {"rows": {}, "checks": {}}
     if runs:
@@ -378,16 +416,17 @@ def _runs_table(runs: list[dict], summary: dict) -> list[str]:
     """One table per setting (model, private images, batch, epochs, size); mean over seeds."""
     settings: dict = {}
     for r in runs:
-        setting = (r["model"], r["train_examples"], _batch(r), r["epochs"], r["image_size"])
+        setting = (r["model"], r["train_examples"], _batch(r), r["epochs"], r["image_size"],
+                   _pretrain_of(r))  # fmt: skip
         settings.setdefault(setting, {}).setdefault((r["row"], r["eps"]), []).append(r)
     order = {k: i for i, k in enumerate(ROWS)}
     out: list[str] = []
-    for (model, n, b, epochs, size), groups in sorted(
-        settings.items(), key=lambda kv: (kv[0][0], -kv[0][1])
+    for (model, n, b, epochs, size, pre), groups in sorted(
+        settings.items(), key=lambda kv: (kv[0][0], kv[0][5] == "legacy", -kv[0][1])
     ):
-        name = f"{model}/n{n}/B{b}/e{epochs}/s{size}"
+        name = f"{model}/n{n}/B{b}/e{epochs}/s{size}" + ("" if pre == "legacy" else f"/{pre}")
         any_r = next(iter(groups.values()))[0]
-        out += [f"## {model}: private fine-tuning from the public checkpoint "
+        out += [f"## {model}: private fine-tuning from the {pre} public checkpoint "
                 f"({n} private images, logical batch {b}, {epochs} epochs, {size}x{size}, "
                 f"{any_r['eval_n']} test images)", "",
                 "| row | eps (spent) | seeds | test accuracy (mean ± sd) | train wall (s) "
@@ -625,7 +664,8 @@ def main(argv=None) -> None:
     u.add_argument("--eps", nargs="+", type=float, default=[8.0, 2.0])
     u.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     u.add_argument("--epochs", type=int, default=3)
-    u.add_argument("--pretrain-epochs", type=int, default=3)
+    u.add_argument("--pretrain", choices=sorted(PRETRAINS), default="default",
+                   help="the public checkpoint's recipe (legacy: the first rows' 3 epochs)")  # fmt: skip
     u.add_argument("--batch-size", type=int, default=64)
     u.add_argument("--physical-batch-size", type=int, default=64)
     u.add_argument("--max-grad-norm", type=float, default=1.0)

@@ -335,9 +335,10 @@ def run_train(args: argparse.Namespace) -> int:
     return run_config(train_config_from_args(args), args)
 
 
-def run_config(config, args: argparse.Namespace, command: str = "train") -> int:
+def run_config(config, args: argparse.Namespace, command: str = "train", run=None) -> int:
     """Run `config` with a progress bar, then print the result table (or --json): the one
-    output path of ``dpfit train`` and ``dpfit pretrain``."""
+    output path of ``dpfit train`` and ``dpfit pretrain``. `run` replaces
+    :func:`dpfit.train.train` (same signature), e.g. pretraining's length rule."""
     from tqdm.auto import tqdm
 
     from dpfit import distributed
@@ -369,7 +370,7 @@ def run_config(config, args: argparse.Namespace, command: str = "train") -> int:
         bar.update(1)
 
     try:
-        result = train(config, on_step=on_step, on_note=on_note)
+        result = (run or train)(config, on_step=on_step, on_note=on_note)
     finally:
         if bar is not None:
             bar.close()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from dpfit import checkpoint as ckpt
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
+from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
 from dpfit.models import count_bias_parameters
 from dpfit.recipe import Recipe, default_delta, resolve_recipe
 from dpfit.reporting import StepRow, peak_memory_mb, plot_steps, write_json, write_steps_csv
@@ -86,6 +87,7 @@ class TrainConfig:
     max_grad_norm: float | None = None
     clipping: str | None = None
     lr: float | None = None
+    lr_schedule: str = "constant"  # constant | cosine (dpfit.lr_schedules), per logical step
     optimizer: str = "adamw"  # adamw | sgd (momentum 0.9)
     weight_decay: float = 0.0
     max_length: int | None = None
@@ -116,6 +118,10 @@ class TrainConfig:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule must be one of {sorted(LR_SCHEDULES)}, got {self.lr_schedule!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
@@ -748,6 +754,10 @@ def train(
                     bsz = int(next(iter(batch.values())).shape[0])
                     acc_loss += float(loss.detach()) * bsz
                     acc_n += bsz
+                if config.lr_schedule != "constant":  # this logical step's rate
+                    set_lr(
+                        optimizer, config.lr * lr_factor(config.lr_schedule, len(rows), total_steps)
+                    )
                 if stepper.step(optimizer):
                     # empty Poisson batches are noise-only steps the engine takes on its own
                     record(epoch)
@@ -812,6 +822,7 @@ def _metrics(
         "epochs": config.epochs,
         "batch_size": config.batch_size,
         "lr": config.lr,
+        "lr_schedule": config.lr_schedule,
         "max_length": config.max_length,
         "trainable_params": summary.trainable,
         "total_params": summary.total,

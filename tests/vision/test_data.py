@@ -122,3 +122,45 @@ def test_pixels_fixed_normalisation_channels_and_resize():
         labels[5],
         labels[0],
     ]
+
+
+def _dots(b: int, size: int = 14) -> torch.Tensor:
+    """Model inputs (b, 1, size, size): black, with one white pixel at the centre."""
+    x = torch.full((b, 1, size, size), -1.0)
+    x[:, :, size // 2, size // 2] = 1.0
+    return x
+
+
+def test_shift_augmentation_moves_each_image_within_its_bound():
+    x = _dots(200)
+    g = torch.Generator().manual_seed(0)
+    out = vd.augment_pixels(x, "shift", generator=g)
+    assert out.shape == x.shape and out.is_contiguous() and out.stride(1) == 14 * 14
+    pad = max(1, round(vd.SHIFT_FRACTION * 14))
+    where = (out[:, 0] == 1.0).nonzero()[:, 1:] - 7  # one white pixel per image, moved
+    assert where.shape == (200, 2) and where.abs().max() == pad  # never beyond the bound
+    moves = {tuple(w) for w in where.tolist()}
+    assert len(moves) == (2 * pad + 1) ** 2  # every shift occurs: images move independently
+    assert (out == -1.0).sum() == 200 * (14 * 14 - 1)  # nothing else appears (black padding)
+    assert torch.equal(vd.augment_pixels(x, "none"), x)
+    again = vd.augment_pixels(x, "shift", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again, out)  # seeded: resumable
+    with pytest.raises(ValueError, match="augment must be one of"):
+        vd.augment_pixels(x, "rotate")
+
+
+def test_shift_flip_mirrors_about_half_and_only_training_batches_are_augmented():
+    x = torch.full((400, 1, 14, 14), -1.0)
+    x[:, :, 2, 2] = 1.0  # a mark near the left edge: mirroring moves it to column 11
+    out = vd.augment_pixels(x, "shift-flip", generator=torch.Generator().manual_seed(1))
+    col = (out[:, 0] == 1.0).nonzero()[:, 2]
+    assert col.shape == (400,) and set(col.tolist()) <= {1, 2, 3, 10, 11, 12}
+    assert 0.4 < (col >= 10).float().mean() < 0.6
+    images, labels = patterns(8, 12)
+    data = vd.ImageData(images[:, None], labels, CLASSES, "x")
+    plain = ImageCollate(data)(list(range(8)))["pixel_values"]
+    torch.manual_seed(0)
+    aug = ImageCollate(data, augment="shift")(list(range(8)))["pixel_values"]
+    assert not torch.equal(aug, plain)
+    with pytest.raises(ValueError, match="augment must be one of"):
+        ImageCollate(data, augment="rotate")

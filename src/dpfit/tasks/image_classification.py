@@ -33,6 +33,7 @@ from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
 from dpfit.tasks.labels import check_data_label_names
 from dpfit.vision.data import (
+    AUGMENTS,
     FASHION_MNIST,
     ImageCollate,
     ImageData,
@@ -63,6 +64,7 @@ class ImageOptions:
     max_eval_examples: int | None = None
     replace_batchnorm: bool = False  # a user model's BatchNorm -> GroupNorm
     head_only: bool = False  # DP last layer: the head alone trains
+    augment: str = "none"  # training batches only: none | shift | shift-flip (vision.data)
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -71,6 +73,8 @@ class ImageOptions:
             raise ValueError(f"public_fraction must be in [0, 1), got {self.public_fraction}")
         if self.image_size is not None and self.image_size < 4:
             raise ValueError(f"image_size must be >= 4, got {self.image_size}")
+        if self.augment not in AUGMENTS:
+            raise ValueError(f"augment must be one of {AUGMENTS}, got {self.augment!r}")
         if self.max_eval_examples is not None and self.max_eval_examples < 1:
             raise ValueError(f"max_eval_examples must be >= 1, got {self.max_eval_examples}")
 
@@ -301,7 +305,8 @@ class ImageClassificationTask:
 
     def collate(self, prep: Prepared, position_ids: bool) -> Callable[[list], dict]:
         spec = prep.state["image_model"].spec
-        return ImageCollate(prep.state["train"], spec.in_channels, spec.image_size)
+        augment = prep.state["options"].augment
+        return ImageCollate(prep.state["train"], spec.in_channels, spec.image_size, augment)
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         return F.cross_entropy(model(batch["pixel_values"]), batch["labels"])

@@ -14,6 +14,8 @@ _EXPORTS = {
     "load_images": "dpfit.vision.data",
     "public_private_split": "dpfit.vision.data",
     "ImageModel": "dpfit.vision.models",
+    "pretrain": "dpfit.vision.pretrain",
+    "pretrain_epochs": "dpfit.vision.pretrain",
     "build_model": "dpfit.vision.models",
     "load_image_model": "dpfit.vision.models",
     "save_image_model": "dpfit.vision.models",

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 
 TASK = "image-classification"
-# Pretraining defaults (each flag overrides): training every weight from scratch wants more
-# than the fine-tuning recipe's non-private step; sized for FashionMNIST-scale data on CPUs.
-PRETRAIN_DEFAULTS = dict(epochs=3, batch_size=128, physical_batch_size=128, lr=2e-3)
+AUGMENTS = ("none", "shift", "shift-flip")  # dpfit.vision.data.AUGMENTS (no torch import here)
 
 
 def _fraction(s: str) -> float:
@@ -103,10 +101,24 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("public split")
     _image_options(g, p)
     g = p.add_argument_group("optimisation (non-private)")
-    g.add_argument("--epochs", type=_positive_int, help="passes over the public data (3)")
+    g.add_argument(
+        "--epochs",
+        type=_positive_int,
+        help="passes over the public data (default: about 2,000 steps, 3 to 40 epochs, from "
+        "the number of public images)",
+    )
     g.add_argument("--batch-size", type=_positive_int, help="(128)")
     g.add_argument("--physical-batch-size", type=_positive_int, help="(128)")
-    g.add_argument("--lr", type=float, help="(2e-3)")
+    g.add_argument("--lr", type=float, help="peak learning rate (2e-3)")
+    g.add_argument(
+        "--lr-schedule", choices=("constant", "cosine"), help="(cosine: peak lr down to 0)"
+    )
+    g.add_argument(
+        "--augment",
+        choices=AUGMENTS,
+        help="training augmentation (shift: random moves of up to 1/14 of the side; "
+        "shift-flip: also mirror left-right, wrong for digits or text)",
+    )
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
@@ -121,11 +133,14 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true")
 
 
-def image_options_from_args(args: argparse.Namespace, split: str = "private"):
+def image_options_from_args(
+    args: argparse.Namespace, split: str = "private", augment: str = "none"
+):
     """The image task's own options (``TrainConfig.task_options``) from parsed arguments."""
     from dpfit.tasks.image_classification import ImageOptions
 
     return ImageOptions(
+        augment=augment,
         split=split,
         public_fraction=args.public_fraction,
         split_seed=args.split_seed,
@@ -152,11 +167,14 @@ def _value(args: argparse.Namespace, name: str, defaults: dict):
 def pretrain_config_from_args(args: argparse.Namespace):
     """``dpfit pretrain``: the training run, non-private, every weight, on the public split."""
     from dpfit.train import TrainConfig
+    from dpfit.vision.pretrain import PRETRAIN_DEFAULTS
 
     d = PRETRAIN_DEFAULTS
     return TrainConfig(
         task=TASK,
-        task_options=image_options_from_args(args, split="public"),
+        task_options=image_options_from_args(
+            args, split="public", augment=_value(args, "augment", d)
+        ),
         model=args.model,
         data=args.data,
         eval_data=args.eval_data,
@@ -170,6 +188,7 @@ def pretrain_config_from_args(args: argparse.Namespace):
         batch_size=_value(args, "batch_size", d),
         physical_batch_size=_value(args, "physical_batch_size", d),
         lr=_value(args, "lr", d),
+        lr_schedule=_value(args, "lr_schedule", d),
         optimizer=args.optimizer,
         weight_decay=args.weight_decay,
         seed=args.seed,
@@ -210,9 +229,10 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
 
 def run_pretrain(args: argparse.Namespace) -> int:
     from dpfit.cli import _set_threads, run_config
+    from dpfit.vision.pretrain import pretrain
 
     _set_threads(getattr(args, "threads", "auto"))
-    return run_config(pretrain_config_from_args(args), args, "pretrain")
+    return run_config(pretrain_config_from_args(args), args, "pretrain", run=pretrain)
 
 
 def run_evaluate(args: argparse.Namespace) -> int:

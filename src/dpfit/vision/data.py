@@ -171,22 +171,66 @@ def to_pixels(
     return torch.empty(x.shape, dtype=x.dtype).copy_(x)
 
 
+# Label-preserving training augmentations (``augment``): "shift" moves each image by up to
+# SHIFT_FRACTION of its side in each direction (a random crop of the image padded with black,
+# as in the usual "pad 4, crop 32" of CIFAR training); "shift-flip" also mirrors half the
+# images left-right (right for clothes or scenes, wrong for digits or text).
+AUGMENTS = ("none", "shift", "shift-flip")
+SHIFT_FRACTION = 1 / 14  # 2 pixels at 28x28
+
+
+def augment_pixels(x: torch.Tensor, kind: str, generator: torch.Generator | None = None):
+    """A randomly shifted (and for "shift-flip" mirrored) copy of model inputs (B, C, H, W).
+
+    Each image moves independently; uncovered pixels are black (-1 after the fixed
+    normalisation). Randomness comes from `generator` (default: torch's global generator,
+    which checkpoints save, so a resumed run draws the same augmentations)."""
+    if kind not in AUGMENTS:
+        raise ValueError(f"augment must be one of {AUGMENTS}, got {kind!r}")
+    if kind == "none" or x.shape[0] == 0:
+        return x
+    b, _, h, w = x.shape
+    pad = max(1, round(SHIFT_FRACTION * min(h, w)))
+    padded = F.pad(x, (pad, pad, pad, pad), value=-1.0)
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+    rows = (dy[:, None] + torch.arange(h))[:, :, None]  # (B, H, 1)
+    cols = (dx[:, None] + torch.arange(w))[:, None, :]  # (B, 1, W)
+    out = padded[torch.arange(b)[:, None, None], :, rows, cols]  # (B, H, W, C)
+    out = out.permute(0, 3, 1, 2)
+    if kind == "shift-flip":
+        flip = torch.rand(b, generator=generator) < 0.5
+        out = torch.where(flip[:, None, None, None], out.flip(-1), out)
+    return torch.empty(out.shape, dtype=out.dtype).copy_(out)  # canonical NCHW (see to_pixels)
+
+
 class ImageCollate:
     """Turns a list of example indices into ``{"pixel_values", "labels"}`` tensors.
 
     The privacy engine's loader hands the collate a list of dataset items; the dataset is
-    ``range(len(data))``, so items are indices and a batch is one numpy gather.
+    ``range(len(data))``, so items are indices and a batch is one numpy gather. `augment`
+    (training only) applies :func:`augment_pixels` to each batch.
     """
 
-    def __init__(self, data: ImageData, channels: int | None = None, size: int | None = None):
+    def __init__(
+        self,
+        data: ImageData,
+        channels: int | None = None,
+        size: int | None = None,
+        augment: str = "none",
+    ):
+        if augment not in AUGMENTS:
+            raise ValueError(f"augment must be one of {AUGMENTS}, got {augment!r}")
         self.data = data
         self.channels = channels
         self.size = size
+        self.augment = augment
 
     def __call__(self, items: list[int]) -> dict[str, torch.Tensor]:
         idx = np.asarray(items, dtype=np.int64)
+        pixels = to_pixels(self.data.images[idx], self.channels, self.size)
         return {
-            "pixel_values": to_pixels(self.data.images[idx], self.channels, self.size),
+            "pixel_values": augment_pixels(pixels, self.augment),
             "labels": torch.from_numpy(self.data.labels[idx].astype(np.int64)),
         }
 
