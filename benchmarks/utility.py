@@ -280,7 +280,12 @@ def markdown(summary: dict, header: str, failures: list[dict]) -> str:
     for name in names:
         cells = [_cell(summary[t].get(name)) for t in tasks]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Training sizes and resolved defaults of the dpfit rows (seed 0 run):", ""]
+    lines += [
+        "",
+        "Training sizes and resolved defaults of the dpfit rows (first seed run; the probe "
+        "phase alone is the mean over the seeds run):",
+        "",
+    ]
     lines.append(
         "| task | row | n train | n test | batch | epochs | steps | head-first steps "
         "| probe phase alone (%) | lr | epsilon |"
