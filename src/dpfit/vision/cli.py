@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+from dpfit.lr_schedules import LR_SCHEDULES
+from dpfit.vision.augment_names import AUGMENTS
+
 TASK = "image-classification"
-AUGMENTS = ("none", "shift", "shift-flip")  # dpfit.vision.data.AUGMENTS (no torch import here)
 
 
 def _fraction(s: str) -> float:
@@ -111,7 +113,7 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--physical-batch-size", type=_positive_int, help="(128)")
     g.add_argument("--lr", type=float, help="peak learning rate (2e-3)")
     g.add_argument(
-        "--lr-schedule", choices=("constant", "cosine"), help="(cosine: peak lr down to 0)"
+        "--lr-schedule", choices=sorted(LR_SCHEDULES), help="(cosine: peak lr down to 0)"
     )
     g.add_argument(
         "--augment",

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfit.errors import DPFitError
+from dpfit.vision.augment_names import AUGMENTS
 
 FASHION_MNIST = "fashion-mnist"
 FASHION_MNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
@@ -171,11 +172,7 @@ def to_pixels(
     return torch.empty(x.shape, dtype=x.dtype).copy_(x)
 
 
-# Label-preserving training augmentations (``augment``): "shift" moves each image by up to
-# SHIFT_FRACTION of its side in each direction (a random crop of the image padded with black,
-# as in the usual "pad 4, crop 32" of CIFAR training); "shift-flip" also mirrors half the
-# images left-right (right for clothes or scenes, wrong for digits or text).
-AUGMENTS = ("none", "shift", "shift-flip")
+# "shift" moves an image by up to SHIFT_FRACTION of its side (see dpfit.vision.augment_names).
 SHIFT_FRACTION = 1 / 14  # 2 pixels at 28x28
 
 
