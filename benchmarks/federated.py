@@ -70,6 +70,7 @@ from dpfit.federated import app as fed_app
 from dpfit.federated import client as fed_client
 from dpfit.federated.accounting import calibrate_noise_multiplier
 from dpfit.federated.app import LocalGrid, make_evaluate_fn, run_local
+from dpfit.federated.cli import LOCAL_LR
 from dpfit.federated.client import TaskConfig
 from dpfit.federated.clipping import LacClip, clip_rule_class, one_hot_vote
 from dpfit.federated.strategy import ServerConfig
@@ -245,7 +246,7 @@ def task_config(args: argparse.Namespace, partition: str) -> TaskConfig:
         max_length=args.max_length,
         local_epochs=args.local_epochs,
         local_batch_size=args.local_batch_size,
-        lr=args.lr,
+        lr=args.lr if args.lr is not None else LOCAL_LR[args.local_mode],
         num_clients=args.clients,
         partition=partition,
         alpha=args.alpha,
@@ -514,7 +515,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-mode", default="head", choices=fed_client.LOCAL_MODES)
     p.add_argument("--local-epochs", type=int, default=2)
     p.add_argument("--local-batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="client lr (default: by local mode, as dpfit federated)",
+    )
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--examples-per-client", type=int, default=10, help="cap; 0 = all")
     p.add_argument("--eval-examples", type=int, default=300)
