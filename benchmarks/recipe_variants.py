@@ -96,9 +96,10 @@ def adopt(tag: str, row_key: str) -> None:
     kept, moved = [], []
     for line in SUITE_LOG.read_text().splitlines():
         if line.strip():
-            (moved if json.loads(line).get("key") in keys or stale(line, row) else kept).append(
-                line
-            )
+            r = json.loads(line)
+            if r.get("adopted_from") == f"recipe_variants.jsonl {tag}" and r.get("key") in keys:
+                continue  # adopted before: replaced by the same run below, not superseded
+            (moved if r.get("key") in keys or stale(line, row) else kept).append(line)
     with SUPERSEDED.open("a") as f:
         f.writelines(line + "\n" for line in moved)
     for r in chosen:
