@@ -93,6 +93,11 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` as one row of elements (itself when already 1-D: no reshape call per bias)."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 def gaussian_noise(
     shape: torch.Size,
     std: float,
@@ -107,8 +112,10 @@ def gaussian_noise(
     if not secure:
         if generator is None:
             raise ValueError("gaussian_noise needs a generator unless secure=True")
-        z = torch.randn(shape, generator=generator, dtype=torch.float32)
-        return (z * std).to(device=like.device, dtype=like.dtype)
+        z = torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
+        if z.dtype == like.dtype and z.device == like.device:
+            return z
+        return z.to(device=like.device, dtype=like.dtype)
     n = math.prod(shape)
     m = n + (n % 2)
     u = os_uniform(m)
@@ -190,6 +197,7 @@ class PrivacyEngine:
         self._plans = self._plan_layers(model)
         self._params = self._ordered_trainable(model)
         self._layout = FlatLayout(self._params)
+        self._all_positions = tuple(range(len(self._params)))
         self._names = {p: n for n, p in model.named_parameters()}
         self.noise_multiplier = self._resolve_noise_multiplier()
         self._max_steps = self._compute_max_steps()
@@ -212,7 +220,7 @@ class PrivacyEngine:
         self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
         self._eps_cache: dict[tuple[int, float], float] = {}
-        self._tolerances: dict[tuple[torch.dtype, ...], torch.Tensor] = {}  # gradient check
+        self._tolerances: dict[tuple[torch.dtype, ...], list[float]] = {}  # gradient check
         self._loader: PoissonDataLoader | None = None
         log.info(
             "PrivacyEngine: %d trainable tensors, sigma=%.4f, q=%.5f, R=%g, clipping=%s",
@@ -478,8 +486,10 @@ class PrivacyEngine:
         return hook
 
     def _accumulate(self, p: nn.Parameter, g: torch.Tensor, fid: int) -> None:
-        slot = self._per_example.setdefault(p, {})
-        if fid in slot:
+        slot = self._per_example.get(p)
+        if slot is None:
+            self._per_example[p] = {fid: g}
+        elif fid in slot:
             slot[fid] = slot[fid] + g  # the module ran more than once in this forward
         else:
             slot[fid] = g
@@ -598,21 +608,23 @@ class PrivacyEngine:
         return per_ex
 
     def _check_against_autograd(
-        self, per_ex: dict[nn.Parameter, torch.Tensor], dense: torch.Tensor | None
+        self,
+        per_ex: dict[nn.Parameter, torch.Tensor],
+        dense: torch.Tensor | None,
+        plain: list[nn.Parameter],
+        factored: list[nn.Parameter],
     ) -> None:
         """Per-example gradients must add up to autograd's `.grad` of every parameter.
 
-        dense: the non-factored per-example gradients side by side, (rows, elements), in
-        parameter order (as `_dense_rows` builds them), not yet scaled. One fused reduction and
-        one host sync per step: this runs every step.
+        dense: the non-factored per-example gradients side by side, (rows, elements), of the
+        parameters `plain` in parameter order, not yet scaled; `factored`: those held as
+        `OuterGrad`. One fused reduction and one host sync per step: this runs every step.
         """
         names = self._names
-        plain, factored = [], []
         for p in self._params:
             g = per_ex.get(p)
-            if g is None and p.grad is None:
-                continue
-            if g is None or p.grad is None:
+            grad = p.grad
+            if (g is None) != (grad is None):
                 raise GradientMismatchError(
                     f"parameter '{names.get(p)}' got a gradient dpfit did not see per example "
                     "(used outside its module's forward, e.g. through a functional call)"
@@ -620,19 +632,21 @@ class PrivacyEngine:
                     else f"parameter '{names.get(p)}' has per-example gradients but no .grad; "
                     "do not zero gradients between backward and engine.step"
                 )
-            (factored if is_factored(g) else plain).append(p)
         if not plain and not factored:
             return
         # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
         sq_parts, checked = [], []  # rows: squared error norm, squared reference norm
         if plain:
             assert dense is not None
-            ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
-            ids = self._layout.segment_ids(
-                tuple(self._layout.position(p) for p in plain), ref.device
-            )
-            diff = dense.sum(0).to(ref.device) - ref
-            both = torch.stack([diff * diff, ref * ref])
+            ref = torch.cat([_flat(p.grad) for p in plain])
+            if ref.dtype != torch.float32:
+                ref = ref.float()
+            if len(plain) == len(self._params):
+                positions = self._all_positions
+            else:
+                positions = tuple(self._layout.position(p) for p in plain)
+            ids = self._layout.segment_ids(positions, ref.device)
+            both = torch.stack([dense.sum(0).to(ref.device) - ref, ref]).square_()
             sq_parts.append(ref.new_zeros(2, len(plain)).index_add_(1, ids, both))
             checked += plain
         if factored:
@@ -646,23 +660,23 @@ class PrivacyEngine:
             sq_parts.append(torch.stack([errs, norms]).pow(2))
             checked += factored
         sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts, 1)
-        err, ref_norms = sq.sqrt()
+        # compared on the host: one transfer, then a loop over parameters, instead of a few
+        # more tensor ops (each costs more than the loop at these sizes)
+        sq_errs, sq_refs = sq.tolist()
         dtypes = tuple(p.grad.dtype for p in checked)
         rel_tols = self._tolerances.get(dtypes)
-        if rel_tols is None or rel_tols.device != err.device:
-            rel_tols = torch.tensor(
-                [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes], device=err.device
-            )
+        if rel_tols is None:
+            rel_tols = [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes]
             self._tolerances[dtypes] = rel_tols
-        bad = err > rel_tols * ref_norms + 1e-6
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            raise GradientMismatchError(
-                f"per-example gradients of '{names.get(checked[i])}' do not add up to "
-                f"autograd's (relative error {err[i] / (ref_norms[i] + 1e-12):.2e}). The "
-                "parameter is used in a way its sampler does not capture, or the batch axis "
-                "is not where declared (batch_first / batch_dims)."
-            )
+        for p, sq_err, sq_ref, tol in zip(checked, sq_errs, sq_refs, rel_tols, strict=True):
+            err, ref_norm = math.sqrt(sq_err), math.sqrt(sq_ref)
+            if err > tol * ref_norm + 1e-6:
+                raise GradientMismatchError(
+                    f"per-example gradients of '{names.get(p)}' do not add up to "
+                    f"autograd's (relative error {err / (ref_norm + 1e-12):.2e}). The "
+                    "parameter is used in a way its sampler does not capture, or the batch "
+                    "axis is not where declared (batch_first / batch_dims)."
+                )
 
     def _expected_rows(self, batch_size: int | None) -> int | None:
         """How many examples this physical batch holds, as the loader drew it (or as the
@@ -736,12 +750,21 @@ class PrivacyEngine:
             )
         (n,) = sizes
         self._check_batch_axis(n, self._expected_rows(batch_size))
-        plain = [p for p in self._params if p in per_ex and not is_factored(per_ex[p])]
-        factored = [p for p in self._params if p in per_ex and is_factored(per_ex[p])]
+        plain: list[nn.Parameter] = []
+        factored: list[nn.Parameter] = []
+        for p in self._params:
+            g = per_ex.get(p)
+            if g is not None:
+                (factored if is_factored(g) else plain).append(p)
         # every plain per-example gradient side by side: one norm, one clip, one matmul
-        dense = torch.cat([per_ex[p].reshape(n, -1) for p in plain], 1).float() if plain else None
+        dense = None
+        if plain:
+            rows = [per_ex[p] for p in plain]
+            dense = torch.cat([g if g.dim() == 2 else g.reshape(n, -1) for g in rows], 1)
+            if dense.dtype != torch.float32:
+                dense = dense.float()
         if self.config.check_gradients:
-            self._check_against_autograd(per_ex, dense)
+            self._check_against_autograd(per_ex, dense, plain, factored)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
         # the loss scale multiplies each example's norm and its row: applied to the n norms
@@ -777,7 +800,8 @@ class PrivacyEngine:
         """Add a clipped contribution to this logical batch's flat sum: of parameter `p`, or
         of every trainable parameter (p None, `clipped` laid out as self._layout)."""
         if p is None and self._sum is None:
-            self._sum = clipped.float()  # a fresh tensor (the clipping matmul's result)
+            # a fresh tensor (the clipping matmul's result), float32 as the flat layout is
+            self._sum = clipped if clipped.dtype == torch.float32 else clipped.float()
             return
         if self._sum is None:
             self._sum = self._layout.zeros()
@@ -965,6 +989,7 @@ class PrivacyEngine:
         self._plans = self._plan_layers(self.model)
         self._params = self._ordered_trainable(self.model)
         self._layout = FlatLayout(self._params)
+        self._all_positions = tuple(range(len(self._params)))
         self._register_hooks()
         if remaining_steps is not None:
             if self.config.target_epsilon is None:
