@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "dpfit/engine.py"
+CLIPPED_SUM = "dpfit/clipped_sum.py"
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ MUTATIONS = (
             (
                 ENGINE,
                 "noise = gaussian_noise(summed.shape, std,",
-                "noise = gaussian_noise(summed.shape, std if self._sum is not None else 0.0,",
+                "noise = gaussian_noise(summed.shape, std if bool(summed.any()) else 0.0,",
             ),
         ),
         ("tests/test_sampling.py::test_empty_logical_batches_release_full_noise",),
@@ -90,7 +91,13 @@ MUTATIONS = (
     Mutation(
         "physical-batches-not-accumulated",
         "each physical batch's clipped sum replaces the running sum instead of adding to it",
-        ((ENGINE, "self._sum += clipped.to(self._sum.device)", "self._sum = clipped.float()"),),
+        (
+            (
+                CLIPPED_SUM,
+                "self._sum += clipped.to(self._sum.device)",
+                "self._sum = clipped.float()",
+            ),
+        ),
         ("tests/test_engine.py::test_virtual_steps_equal_one_big_batch",),
     ),
     Mutation(
@@ -104,8 +111,8 @@ MUTATIONS = (
         "per-example gradients summed without clipping",
         (
             (
-                ENGINE,
-                "factors = self._clip_fn(sq.sqrt(), self.max_grad_norm)",
+                CLIPPED_SUM,
+                "factors = clip_fn(sq.sqrt(), max_grad_norm)",
                 "factors = torch.ones_like(sq)",
             ),
         ),
