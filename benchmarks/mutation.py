@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "dpfit/engine.py"
 CLIPPED_SUM = "dpfit/clipped_sum.py"
+PER_EXAMPLE = "dpfit/per_example.py"
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,12 @@ MUTATIONS = (
         "per-example row count not compared with the batch the loader drew",
         ((ENGINE, "if expected is None or rows == expected:", "if True:"),),
         ("tests/test_engine.py", "-k", "sequence_first or batch_size"),
+    ),
+    Mutation(
+        "forwards-mixed",
+        "gradients of two forward passes reach one step (rows of two batches summed)",
+        ((PER_EXAMPLE, "if len(fids) > 1:", "if False:"),),
+        ("tests/test_engine.py::test_gradients_of_two_forward_passes_in_one_step_are_refused",),
     ),
     Mutation(
         "bf16-norms",
