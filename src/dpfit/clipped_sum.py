@@ -74,19 +74,15 @@ class ClippedSum:
         max_grad_norm: float,
         scale: float,
     ) -> None:
-        """Clip each example of `batch` to norm `max_grad_norm` and add it to the sum.
+        """Scale each example of `batch` by its clip factor (to norm `max_grad_norm` at most)
+        and add it to the sum.
 
         scale: the loss scale of each row (the batch size for a mean loss); it multiplies each
         example's norm and its row, so it is applied to the n norms and n factors, not to every
         element of the per-example matrix.
         """
-        n, per_ex, plain, factored, dense = (
-            batch.rows,
-            batch.per_example,
-            batch.plain,
-            batch.factored,
-            batch.dense,
-        )
+        n, per_ex, dense = batch.rows, batch.per_example, batch.dense
+        plain, factored = batch.plain, batch.factored
         if dense is not None:
             sq = dense.pow(2).sum(1) * scale**2
         else:
