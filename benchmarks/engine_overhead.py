@@ -6,8 +6,10 @@ inflate), optionally for an older revision of the engine side by side in the sam
 
 One process stands for one rank of benchmarks/distributed.py: its tiny encoder (d=128, seq
 32), Poisson batches of expected size 32 (half of that benchmark's logical batch) through the
-engine's loader, against fixed batches of 32. Each round runs one worker process per source
-tree (order flipped every round); inside a worker the two arms alternate step by step.
+engine's loader, against fixed batches of 32, and DP-BiTFiT once more without the per-step
+gradient check (`check_gradients=False`) to show what that check costs. Each round runs one
+worker process per source tree (order flipped every round); inside a worker the arms alternate
+step by step.
 `--baseline REV` extracts `src/` of that git revision into a temporary folder and measures it
 the same way. Writes benchmarks/results/engine_overhead.{json,md}.
 """
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,24 +46,27 @@ def worker(steps: int) -> dict:
     torch.set_num_threads(1)
     data = bench.Tokens()
 
-    dp_model = bench.make_model("bias")
-    engine = dpfit.PrivacyEngine(
-        dp_model, expected_batch_size=PER_RANK, sample_size=bench.N, noise_multiplier=1.0
-    )
-    dp_opt = torch.optim.SGD(engine.parameters(), lr=0.01)
-    # older revisions (--baseline) have no optimizer= (empty batches, rare here, step late)
-    takes_optimizer = "optimizer" in inspect.signature(engine.data_loader).parameters
-    extra = {"optimizer": dp_opt} if takes_optimizer else {}
-    batches = iter(engine.data_loader(data, physical_batch_size=bench.PHYS, **extra))
+    def dp_arm(**kw: bool) -> Callable[[], int]:
+        model = bench.make_model("bias")
+        engine = dpfit.PrivacyEngine(
+            model, expected_batch_size=PER_RANK, sample_size=bench.N, noise_multiplier=1.0, **kw
+        )
+        opt = torch.optim.SGD(engine.parameters(), lr=0.01)
+        # older revisions (--baseline) have no optimizer= (empty batches, rare here, step late)
+        takes_optimizer = "optimizer" in inspect.signature(engine.data_loader).parameters
+        extra = {"optimizer": opt} if takes_optimizer else {}
+        batches = iter(engine.data_loader(data, physical_batch_size=bench.PHYS, **extra))
 
-    def dp_step() -> int:
-        n = 0
-        while True:
-            x, y = next(batches)
-            nn.functional.cross_entropy(dp_model(x), y).backward()
-            n += len(x)
-            if engine.step(dp_opt):
-                return n
+        def step() -> int:
+            n = 0
+            while True:
+                x, y = next(batches)
+                nn.functional.cross_entropy(model(x), y).backward()
+                n += len(x)
+                if engine.step(opt):
+                    return n
+
+        return step
 
     np_model = bench.make_model("bias")
     np_opt = torch.optim.SGD([p for p in np_model.parameters() if p.requires_grad], lr=0.01)
@@ -77,13 +83,18 @@ def worker(steps: int) -> dict:
         np_opt.zero_grad()
         return PER_RANK
 
-    arms = {"dp": dp_step, "nonprivate": np_step}
+    arms = {
+        "dp": dp_arm(),
+        "nonprivate": np_step,
+        "dp_no_check": dp_arm(check_gradients=False),
+    }
     for step in arms.values():  # warm-up
         step(), step()
     cpu = {name: 0.0 for name in arms}
     examples = {name: 0 for name in arms}
     for i in range(steps):
-        for name in list(arms) if i % 2 == 0 else list(reversed(arms)):
+        order = list(arms)[i % len(arms) :] + list(arms)[: i % len(arms)]
+        for name in order if i % 2 == 0 else list(reversed(order)):
             c = time.thread_time()
             examples[name] += arms[name]()
             cpu[name] += time.thread_time() - c
@@ -151,6 +162,10 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]], loads: list[flo
             "overhead_min": min(over),
             "overhead_max": max(over),
             "overhead_per_round": over,
+            # the per-step gradient check, as a share of the non-private cost per example
+            "gradient_check_median": statistics.median(
+                (r["dp"] - r["dp_no_check"]) / r["nonprivate"] for r in rs
+            ),
         }
     result = {
         "command": " ".join(["python benchmarks/engine_overhead.py", *sys.argv[1:]]),
@@ -167,7 +182,8 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]], loads: list[flo
     rows = "\n".join(
         f"| {name} | {s['nonprivate_cpu_ms_per_example_median']:.3f} | "
         f"{s['dp_cpu_ms_per_example_median']:.3f} | {100 * s['overhead_median']:.1f}% "
-        f"({100 * s['overhead_min']:.1f}% to {100 * s['overhead_max']:.1f}%) |"
+        f"({100 * s['overhead_min']:.1f}% to {100 * s['overhead_max']:.1f}%) | "
+        f"{100 * s['gradient_check_median']:.1f}% |"
         for name, s in summary.items()
     )
     load = ", ".join(f"{x:.1f}" for x in loads)
@@ -179,10 +195,12 @@ Poisson batches of expected size {PER_RANK} through the engine's loader, against
 bias-only training on fixed batches of {PER_RANK}. CPU (thread) time per example, medians over
 the rounds, {args.steps} steps per arm each; each round is one worker process per source tree,
 the arms alternating inside it. Overhead = DP / non-private - 1 per round: median (min to
-max). 1-minute load average at the start and after each round: {load} ({os.cpu_count()} CPUs).
+max). Gradient check = (DP - DP without the check) / non-private per round, median (the
+check runs on every physical batch by default). 1-minute load average at the start and after
+each round: {load} ({os.cpu_count()} CPUs).
 
-| engine | non-private CPU ms/example | DP-BiTFiT CPU ms/example | overhead |
-|---|---|---|---|
+| engine | non-private CPU ms/example | DP-BiTFiT CPU ms/example | overhead | gradient check |
+|---|---|---|---|---|
 {rows}
 """
     (RESULTS / "engine_overhead.md").write_text(md)

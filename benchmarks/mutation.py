@@ -28,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "dpfit/engine.py"
+CLIPPED_SUM = "dpfit/clipped_sum.py"
+PER_EXAMPLE = "dpfit/per_example.py"
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ MUTATIONS = (
             (
                 ENGINE,
                 "noise = gaussian_noise(summed.shape, std,",
-                "noise = gaussian_noise(summed.shape, std if self._sum is not None else 0.0,",
+                "noise = gaussian_noise(summed.shape, std if bool(summed.any()) else 0.0,",
             ),
         ),
         ("tests/test_sampling.py::test_empty_logical_batches_release_full_noise",),
@@ -90,7 +92,13 @@ MUTATIONS = (
     Mutation(
         "physical-batches-not-accumulated",
         "each physical batch's clipped sum replaces the running sum instead of adding to it",
-        ((ENGINE, "self._sum += clipped.to(self._sum.device)", "self._sum = clipped.float()"),),
+        (
+            (
+                CLIPPED_SUM,
+                "self._sum += clipped.to(self._sum.device)",
+                "self._sum = clipped.float()",
+            ),
+        ),
         ("tests/test_engine.py::test_virtual_steps_equal_one_big_batch",),
     ),
     Mutation(
@@ -104,8 +112,8 @@ MUTATIONS = (
         "per-example gradients summed without clipping",
         (
             (
-                ENGINE,
-                "factors = self._clip_fn(sq.sqrt(), self.max_grad_norm)",
+                CLIPPED_SUM,
+                "factors = clip_fn(sq.sqrt(), max_grad_norm)",
                 "factors = torch.ones_like(sq)",
             ),
         ),
@@ -219,6 +227,12 @@ MUTATIONS = (
         "per-example row count not compared with the batch the loader drew",
         ((ENGINE, "if expected is None or rows == expected:", "if True:"),),
         ("tests/test_engine.py", "-k", "sequence_first or batch_size"),
+    ),
+    Mutation(
+        "forwards-mixed",
+        "gradients of two forward passes reach one step (rows of two batches summed)",
+        ((PER_EXAMPLE, "if len(fids) > 1:", "if False:"),),
+        ("tests/test_engine.py::test_gradients_of_two_forward_passes_in_one_step_are_refused",),
     ),
     Mutation(
         "bf16-norms",

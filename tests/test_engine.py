@@ -384,6 +384,16 @@ def test_step_without_engine_loader_is_refused():
         engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
 
 
+def test_gradients_of_two_forward_passes_in_one_step_are_refused():
+    # rows of two batches summed row by row would give one row two examples' gradients
+    model = small_model()
+    engine = make_engine(model)
+    x1, x2 = torch.randn(3, 5, 6), torch.randn(3, 5, 6)
+    (model(x1).sum() + model(x2).sum()).backward()
+    with pytest.raises(dpfit.SamplingError, match="more than one forward"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+
+
 def test_shuffled_dataloader_is_refused():
     model = small_model()
     engine = dpfit.PrivacyEngine(model, expected_batch_size=8, sample_size=40, noise_multiplier=1.0)

@@ -319,3 +319,53 @@ class PrivacyLedger:
     @classmethod
     def from_state_dict(cls, sd: dict) -> PrivacyLedger:
         return cls(sd["delta"], sd["accountant"], [StepRecord(**r) for r in sd["records"]])
+
+
+def max_steps_within(
+    ledger: PrivacyLedger,
+    target_epsilon: float | None,
+    noise_multiplier: float,
+    sample_rate: float,
+    planned_steps: int | None,
+    accountant: str,
+) -> int | None:
+    """Largest total step count (the ledger's steps plus more at `noise_multiplier` and
+    `sample_rate`) whose epsilon stays within `target_epsilon`; None without a target."""
+    target = target_epsilon
+    if target is None:
+        return None
+    if noise_multiplier == 0:
+        return ledger.steps
+
+    def fits(k: int, grid: float = PLD_DISCRETIZATION) -> bool:
+        extra = (StepRecord(noise_multiplier, sample_rate, k),) if k else ()
+        return ledger.epsilon(extra=extra, pld_discretization=grid) <= target
+
+    # PLD: search on a coarser (pessimistic, so never larger) grid, then settle on the
+    # grid epsilon is reported with; RDP ignores the grid
+    search = PLD_SEARCH_DISCRETIZATION
+    if not fits(0):
+        return ledger.steps
+
+    def last_fitting(lo: int, hi: int, grid: float) -> int:
+        """Given fits(lo) and not fits(hi): the largest k in [lo, hi) that fits."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid, grid) else (lo, mid)
+        return lo
+
+    lo, hi = 0, max(1, planned_steps or 1)
+    while fits(hi, search):
+        lo, hi = hi, hi * 2
+        if hi > 10**9:
+            return None
+    lo = last_fitting(lo, hi, search)
+    if accountant == "pld":  # settle on the reporting grid, O(log) evaluations
+        if not fits(lo):
+            lo = last_fitting(0, lo, PLD_DISCRETIZATION)
+        else:
+            step = 1
+            while fits(lo + step):
+                lo, step = lo + step, step * 2
+            lo = last_fitting(lo, lo + step, PLD_DISCRETIZATION)
+    return ledger.steps + lo

@@ -1,10 +1,13 @@
-"""PrivacyEngine: per-example gradients from the backward pass, clipping, noise, accounting.
+"""PrivacyEngine: DP-SGD on the trainable parameters, coordinating one concern per module.
 
-Bias gradients are read where the output gradient passes each layer (a tensor hook on the
-layer's output, registered by a forward hook that caches nothing). Only layers whose
-non-bias parameters train (a new head, full mode) keep their input for the backward pass.
-All state lives here, keyed by module or parameter; the user's objects are never modified
-beyond registering hooks, and `detach()` removes those.
+* dpfit.per_example: which module reports which parameter, and the hooks that read
+  per-example gradients from the backward pass (state kept there, removed by `detach()`);
+* dpfit.gradient_check: they must add up to autograd's `.grad` (every physical batch);
+* dpfit.clipped_sum: clip each example and add it to the logical batch's flat sum;
+* dpfit.noise: the Gaussian noise, drawn once per logical step on that sum (here, in
+  `_noised_update`, which also divides, reduces across ranks and records the step);
+* dpfit.sampling: the Poisson loader, which reports logical batches to a tracker;
+* dpfit.schedule, dpfit.distributed, dpfit.accounting: phases, data parallelism, epsilon.
 """
 
 from __future__ import annotations
@@ -12,20 +15,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpfit import grad_sample  # noqa: F401  (registers the samplers)
-from dpfit.accounting import (
-    PLD_DISCRETIZATION,
-    PLD_SEARCH_DISCRETIZATION,
-    PrivacyLedger,
-    StepRecord,
-    noise_multiplier_for,
-)
+from dpfit.accounting import PrivacyLedger, max_steps_within, noise_multiplier_for
+from dpfit.clipped_sum import ClippedSum, arrange
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
 from dpfit.distributed import (
@@ -37,21 +34,16 @@ from dpfit.distributed import (
     shard_indices,
     unwrap_ddp,
 )
-from dpfit.errors import (
-    BatchAxisError,
-    BatchNormError,
-    BudgetExhaustedError,
-    DistributedError,
-    GradientMismatchError,
-    NoTrainableParametersError,
-    SamplingError,
-    UnsupportedLayerError,
-)
+from dpfit.errors import BatchAxisError, BudgetExhaustedError, DistributedError, SamplingError
 from dpfit.flat import FlatLayout
-from dpfit.grad_sample.full import is_factored, norm_sampler_for
-from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
+from dpfit.gradient_check import AutogradCheck
+
+# the engine calls gaussian_noise through this module's name: the seam that the audit tests'
+# fault injection patches (dpfit.engine.gaussian_noise)
+from dpfit.noise import gaussian_noise
 from dpfit.params import is_bias
-from dpfit.rng import make_generator, os_uniform
+from dpfit.per_example import LayerPlan, PerExampleHooks, batch_rows, plan_layers
+from dpfit.rng import make_generator
 from dpfit.sampling import LogicalStepTracker, PoissonBatchSampler, PoissonDataLoader
 from dpfit.schedule import (
     Phase,
@@ -65,57 +57,7 @@ from dpfit.schedule import (
 
 log = logging.getLogger(__name__)
 
-_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-@dataclass
-class _LayerPlan:
-    """The trainable parameters one hooked module is responsible for."""
-
-    name: str
-    entry: SamplerEntry
-    batch_dim: int
-    params: dict[str, nn.Parameter] = field(default_factory=dict)  # local name -> param
-    needs_input: bool = False
-    # full mode: a factored (ghost norm / book-keeping) sampler from grad_sample.full
-    weight_fn: Callable | None = None
-
-
-def find_batchnorms(model: nn.Module) -> list[str]:
-    return [n or "<root>" for n, m in model.named_modules() if isinstance(m, _BATCHNORMS)]
-
-
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
-        return x[0]
-    return None
-
-
-def gaussian_noise(
-    shape: torch.Size,
-    std: float,
-    generator: torch.Generator | None,
-    secure: bool,
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """N(0, std^2) noise; with `secure`, from os.urandom through Box-Muller in float64
-    (`generator` is then unused and may be None)."""
-    if std == 0:
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    if not secure:
-        if generator is None:
-            raise ValueError("gaussian_noise needs a generator unless secure=True")
-        z = torch.randn(shape, generator=generator, dtype=torch.float32)
-        return (z * std).to(device=like.device, dtype=like.dtype)
-    n = math.prod(shape)
-    m = n + (n % 2)
-    u = os_uniform(m)
-    u1, u2 = u[: m // 2], u[m // 2 :]
-    r = torch.sqrt(-2.0 * torch.log(u1))
-    z = torch.cat([r * torch.cos(2 * math.pi * u2), r * torch.sin(2 * math.pi * u2)])[:n]
-    return (z.reshape(shape) * std).to(device=like.device, dtype=like.dtype)
+__all__ = ["PrivacyEngine", "gaussian_noise", "get_clipping"]
 
 
 class PrivacyEngine:
@@ -187,10 +129,8 @@ class PrivacyEngine:
             set_trainable(model, mode, self._bias_selection)
         self._clip_fn = get_clipping(clipping)
         self.ledger = PrivacyLedger(target_delta, accountant)
-        self._plans = self._plan_layers(model)
-        self._params = self._ordered_trainable(model)
-        self._layout = FlatLayout(self._params)
         self._names = {p: n for n, p in model.named_parameters()}
+        self._set_trainables()
         self.noise_multiplier = self._resolve_noise_multiplier()
         self._max_steps = self._compute_max_steps()
         self._insecure_seed = insecure_seed is not None
@@ -199,20 +139,12 @@ class PrivacyEngine:
             check_identical(self._params, self._dist)
         # noised updates of empty logical batches reduced before any optimizer was seen
         self._early_updates: list[dict[nn.Parameter, torch.Tensor]] = []
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending_loader_state: dict | None = None
         self._warned_late_empty = False
-        self._register_hooks()
-        # per-step state
-        self._forward_id = 0
-        self._per_example: dict[nn.Parameter, dict[int, torch.Tensor]] = {}
-        # the running sum of clipped per-example gradients of this logical batch, laid out
-        # flat (self._layout); None until its first physical batch
-        self._sum: torch.Tensor | None = None
+        self._hooks.attach()  # last: a construction that fails leaves the model untouched
         self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
         self._eps_cache: dict[tuple[int, float], float] = {}
-        self._tolerances: dict[tuple[torch.dtype, ...], torch.Tensor] = {}  # gradient check
         self._loader: PoissonDataLoader | None = None
         log.info(
             "PrivacyEngine: %d trainable tensors, sigma=%.4f, q=%.5f, R=%g, clipping=%s",
@@ -271,86 +203,26 @@ class PrivacyEngine:
     def _ordered_trainable(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for _, p in model.named_parameters() if p.requires_grad]
 
-    def _batch_dim(self, name: str, entry: SamplerEntry) -> int:
-        overrides = dict(self.config.batch_dims)
-        if name in overrides:
-            return overrides[name]
-        if entry.batch_axis_fixed:
-            return 0
-        return 0 if self.config.batch_first else 1
+    def _set_trainables(self) -> None:
+        """Plan the model's trainable parameters (at construction and on a phase switch):
+        their hooks (attached by the caller), flat layout, running clipped sum, gradient check."""
+        plans = plan_layers(
+            self.model, self.config.mode, self.config.batch_first, dict(self.config.batch_dims)
+        )
+        self._hooks = PerExampleHooks(self.model, plans)
+        self._params = self._ordered_trainable(self.model)
+        self._layout = FlatLayout(self._params)
+        self._clipped = ClippedSum(self._layout)
+        self._check = AutogradCheck(self._params, self._layout, self._names)
 
-    def _plan_layers(self, model: nn.Module) -> dict[nn.Module, _LayerPlan]:
-        bns = find_batchnorms(model)
-        if bns:
-            raise BatchNormError(
-                f"BatchNorm layers {bns} mix examples in their batch statistics, so per-example "
-                "gradients (and DP) are undefined. Replace them with GroupNorm "
-                "(dpfit.add_biases(model, replace_batchnorm=True) or CLI --replace-batchnorm)."
-            )
-        trainable = {p: n for n, p in model.named_parameters() if p.requires_grad}
-        if not trainable:
-            raise NoTrainableParametersError(
-                "no parameter of the model requires grad; call dpfit.make_bias_trainable(model) "
-                "(and dpfit.add_biases(model) first if the model has no biases)"
-            )
-        owned: dict[nn.Parameter, str] = {}
-        plans: dict[nn.Module, _LayerPlan] = {}
-        claimed: set[nn.Module] = set()
-        for mname, module in model.named_modules():
-            if module in claimed:
-                continue
-            entry = lookup(module)
-            if entry is None:
-                continue
-            plan = _LayerPlan(mname, entry, self._batch_dim(mname, entry))
-            if entry.capture is not None:
-                for sub in module.modules():
-                    if sub is not module:
-                        claimed.add(sub)
-                for local in entry.capture_params:
-                    p = module.get_parameter(local)
-                    if p in trainable:
-                        plan.params[local] = p
-                other = [n for n, p in module.named_parameters() if p in trainable]
-                extra = [n for n in other if n not in entry.capture_params]
-                if extra:
-                    raise UnsupportedLayerError(
-                        f"{type(module).__name__} '{mname}' has trainable {extra}; only "
-                        f"{list(entry.capture_params)} are supported there. Freeze them."
-                    )
-            else:
-                for local, p in module.named_parameters(recurse=False):
-                    if p not in trainable:
-                        continue
-                    if local in entry.bias_params and entry.bias is not None:
-                        plan.params[local] = p
-                    elif local in entry.weight_params and entry.weight is not None:
-                        plan.params[local] = p
-                        plan.needs_input = True
-            if plan.needs_input and self.config.mode == "full":
-                plan.weight_fn = norm_sampler_for(module)
-            if plan.params:
-                plans[module] = plan
-                for p in plan.params.values():
-                    owned.setdefault(p, plan.name)
-        missing = [
-            f"{name} (in {type(model.get_submodule(name.rsplit('.', 1)[0]) if '.' in name else model).__name__})"
-            for p, name in trainable.items()
-            if p not in owned
-        ]
-        if missing:
-            raise UnsupportedLayerError(
-                "no per-example gradient sampler for trainable parameters: "
-                + ", ".join(missing[:20])
-                + (f" (+{len(missing) - 20} more)" if len(missing) > 20 else "")
-                + ". Freeze them (dpfit.make_bias_trainable), or register a sampler with "
-                "dpfit.grad_sample.register_bias_sampler / register_weight_sampler. "
-                f"Supported layers: {', '.join(registered_layers())}"
-            )
-        heavy = [p.name for p in plans.values() if p.needs_input]
-        if heavy:
-            log.info("per-example weight gradients (input kept for backward) in: %s", heavy)
-        return plans
+    # the per-example state, as the tests' oracle and fault injection reach it
+    @property
+    def _plans(self) -> dict[nn.Module, LayerPlan]:
+        return self._hooks.plans
+
+    @property
+    def _per_example(self) -> dict[nn.Parameter, dict[int, Any]]:
+        return self._hooks.per_example
 
     def _resolve_noise_multiplier(self) -> float:
         cfg = self.config
@@ -370,119 +242,19 @@ class PrivacyEngine:
 
     def _compute_max_steps(self) -> int | None:
         """Largest total step count whose epsilon stays within target_epsilon."""
-        target = self.config.target_epsilon
-        if target is None:
-            return None
-        if self.noise_multiplier == 0:
-            return self.ledger.steps
-
-        def fits(k: int, grid: float = PLD_DISCRETIZATION) -> bool:
-            extra = (StepRecord(self.noise_multiplier, self.sample_rate, k),) if k else ()
-            return self.ledger.epsilon(extra=extra, pld_discretization=grid) <= target
-
-        # PLD: search on a coarser (pessimistic, so never larger) grid, then settle on the
-        # grid epsilon is reported with; RDP ignores the grid
-        search = PLD_SEARCH_DISCRETIZATION
-        if not fits(0):
-            return self.ledger.steps
-
-        def last_fitting(lo: int, hi: int, grid: float) -> int:
-            """Given fits(lo) and not fits(hi): the largest k in [lo, hi) that fits."""
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid, grid) else (lo, mid)
-            return lo
-
-        lo, hi = 0, max(1, self.config.planned_steps or 1)
-        while fits(hi, search):
-            lo, hi = hi, hi * 2
-            if hi > 10**9:
-                return None
-        lo = last_fitting(lo, hi, search)
-        if self.config.accountant == "pld":  # settle on the reporting grid, O(log) evaluations
-            if not fits(lo):
-                lo = last_fitting(0, lo, PLD_DISCRETIZATION)
-            else:
-                step = 1
-                while fits(lo + step):
-                    lo, step = lo + step, step * 2
-                lo = last_fitting(lo, lo + step, PLD_DISCRETIZATION)
-        return self.ledger.steps + lo
-
-    def _register_hooks(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._on_root_forward))
-        for module, plan in self._plans.items():
-            if plan.entry.capture is not None:
-                self._handles.append(module.register_forward_hook(self._capture_hook(plan)))
-            else:
-                self._handles.append(module.register_forward_hook(self._forward_hook(plan)))
+        return max_steps_within(
+            self.ledger,
+            self.config.target_epsilon,
+            self.noise_multiplier,
+            self.sample_rate,
+            self.config.planned_steps,
+            self.config.accountant,
+        )
 
     def detach(self) -> None:
         """Remove every hook; the model is left exactly as it was before the engine."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._per_example.clear()
-        self._sum = None
-
-    # ------------------------------------------------------------------ hooks
-    def _on_root_forward(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
-            self._forward_id += 1
-
-    def _forward_hook(self, plan: _LayerPlan) -> Callable:
-        # resolved once here, not on every forward: these hooks run for every layer and pass
-        entry, params, bd = plan.entry, plan.params, plan.batch_dim
-        bias_fn = entry.bias if any(local in entry.bias_params for local in params) else None
-        weight_fn = (plan.weight_fn or entry.weight) if plan.needs_input else None
-        accumulate = self._accumulate
-
-        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
-            if out is None or not out.requires_grad:
-                return
-            act = inputs[0].detach() if weight_fn is not None else None
-            fid = self._forward_id
-
-            def on_grad(g: torch.Tensor) -> None:
-                if act is None:
-                    res = bias_fn(module, g, bd)
-                elif bias_fn is None:
-                    res = weight_fn(module, act, g, bd)
-                else:
-                    res = {**bias_fn(module, g, bd), **weight_fn(module, act, g, bd)}
-                for local, p in params.items():
-                    per = res.get(local)
-                    if per is not None:
-                        accumulate(p, per, fid)
-
-            out.register_hook(on_grad)
-
-        return hook
-
-    def _capture_hook(self, plan: _LayerPlan) -> Callable:
-        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            fid = self._forward_id
-
-            def emit(local: str, g: torch.Tensor) -> None:
-                p = plan.params.get(local)
-                if p is not None:
-                    self._accumulate(p, g, fid)
-
-            plan.entry.capture(module, inputs, output, emit)
-
-        return hook
-
-    def _accumulate(self, p: nn.Parameter, g: torch.Tensor, fid: int) -> None:
-        slot = self._per_example.setdefault(p, {})
-        if fid in slot:
-            slot[fid] = slot[fid] + g  # the module ran more than once in this forward
-        else:
-            slot[fid] = g
+        self._hooks.detach()
+        self._clipped.clear()
 
     # ------------------------------------------------------------------ data
     def data_loader(
@@ -581,88 +353,9 @@ class PrivacyEngine:
         return True
 
     # ------------------------------------------------------------------ step
-    def _collect(self) -> dict[nn.Parameter, torch.Tensor]:
-        per_ex: dict[nn.Parameter, torch.Tensor] = {}
-        fids = {fid for slot in self._per_example.values() for fid in slot}
-        if len(fids) > 1:
-            self._per_example.clear()
-            raise SamplingError(
-                "gradients from more than one forward pass reached this step; call "
-                "engine.step(optimizer) after every backward (it accumulates physical batches "
-                "into one logical step), and run the model once per batch"
-            )
-        for p, slot in self._per_example.items():
-            (g,) = slot.values()
-            per_ex[p] = g
-        self._per_example.clear()
-        return per_ex
-
-    def _check_against_autograd(
-        self, per_ex: dict[nn.Parameter, torch.Tensor], dense: torch.Tensor | None
-    ) -> None:
-        """Per-example gradients must add up to autograd's `.grad` of every parameter.
-
-        dense: the non-factored per-example gradients side by side, (rows, elements), in
-        parameter order (as `_dense_rows` builds them), not yet scaled. One fused reduction and
-        one host sync per step: this runs every step.
-        """
-        names = self._names
-        plain, factored = [], []
-        for p in self._params:
-            g = per_ex.get(p)
-            if g is None and p.grad is None:
-                continue
-            if g is None or p.grad is None:
-                raise GradientMismatchError(
-                    f"parameter '{names.get(p)}' got a gradient dpfit did not see per example "
-                    "(used outside its module's forward, e.g. through a functional call)"
-                    if g is None
-                    else f"parameter '{names.get(p)}' has per-example gradients but no .grad; "
-                    "do not zero gradients between backward and engine.step"
-                )
-            (factored if is_factored(g) else plain).append(p)
-        if not plain and not factored:
-            return
-        # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
-        sq_parts, checked = [], []  # rows: squared error norm, squared reference norm
-        if plain:
-            assert dense is not None
-            ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
-            ids = self._layout.segment_ids(
-                tuple(self._layout.position(p) for p in plain), ref.device
-            )
-            diff = dense.sum(0).to(ref.device) - ref
-            both = torch.stack([diff * diff, ref * ref])
-            sq_parts.append(ref.new_zeros(2, len(plain)).index_add_(1, ids, both))
-            checked += plain
-        if factored:
-            dev = sq_parts[0].device if sq_parts else factored[0].grad.device
-            totals = [per_ex[p].sum(0).float() for p in factored]
-            refs = [p.grad.float() for p in factored]
-            errs = torch.stack(
-                [e.to(dev) for e in torch._foreach_norm(torch._foreach_sub(totals, refs))]
-            )
-            norms = torch.stack([r.to(dev) for r in torch._foreach_norm(refs)])
-            sq_parts.append(torch.stack([errs, norms]).pow(2))
-            checked += factored
-        sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts, 1)
-        err, ref_norms = sq.sqrt()
-        dtypes = tuple(p.grad.dtype for p in checked)
-        rel_tols = self._tolerances.get(dtypes)
-        if rel_tols is None or rel_tols.device != err.device:
-            rel_tols = torch.tensor(
-                [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes], device=err.device
-            )
-            self._tolerances[dtypes] = rel_tols
-        bad = err > rel_tols * ref_norms + 1e-6
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            raise GradientMismatchError(
-                f"per-example gradients of '{names.get(checked[i])}' do not add up to "
-                f"autograd's (relative error {err[i] / (ref_norms[i] + 1e-12):.2e}). The "
-                "parameter is used in a way its sampler does not capture, or the batch axis "
-                "is not where declared (batch_first / batch_dims)."
-            )
+    def _collect(self) -> dict[nn.Parameter, Any]:
+        """This physical batch's per-example gradients (a seam for the audit's fault injection)."""
+        return self._hooks.collect()
 
     def _expected_rows(self, batch_size: int | None) -> int | None:
         """How many examples this physical batch holds, as the loader drew it (or as the
@@ -720,51 +413,14 @@ class PrivacyEngine:
             raise SamplingError(
                 "engine.step() was called without a backward pass since the last step"
             )
-        sizes = {g.shape[0] for g in per_ex.values()}
-        if len(sizes) == 2 and 1 in sizes:
-            ones = [self._names[p] for p, g in per_ex.items() if g.shape[0] == 1]
-            raise GradientMismatchError(
-                f"{ones[:5]} saw an input with batch size 1 while other layers saw "
-                f"{max(sizes)}: that input was broadcast across the batch (e.g. position ids "
-                "of shape (1, L)), so its gradient mixes examples. Pass it with the batch "
-                "axis expanded, e.g. position_ids=torch.arange(L).expand(B, L)."
-            )
-        if len(sizes) != 1:
-            raise GradientMismatchError(
-                f"per-example gradients disagree on the batch size ({sorted(sizes)}): some layer "
-                "sees the batch on another axis; set batch_first=False or batch_dims={name: axis}"
-            )
-        (n,) = sizes
+        n = batch_rows(per_ex, self._names)
         self._check_batch_axis(n, self._expected_rows(batch_size))
-        plain = [p for p in self._params if p in per_ex and not is_factored(per_ex[p])]
-        factored = [p for p in self._params if p in per_ex and is_factored(per_ex[p])]
-        # every plain per-example gradient side by side: one norm, one clip, one matmul
-        dense = torch.cat([per_ex[p].reshape(n, -1) for p in plain], 1).float() if plain else None
+        batch = arrange(per_ex, self._params, n)
         if self.config.check_gradients:
-            self._check_against_autograd(per_ex, dense)
+            self._check(batch)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
-        # the loss scale multiplies each example's norm and its row: applied to the n norms
-        # and n factors, not to every element of `dense`
-        if dense is not None:
-            sq = dense.pow(2).sum(1) * scale**2
-        else:
-            sq = torch.zeros(n, dtype=torch.float32, device=per_ex[factored[0]].device)
-        for p in factored:  # full mode: norm from Gram matrices, sum by book-keeping
-            sq = sq + per_ex[p].sq_norms().to(sq.device) * scale**2
-        factors = self._clip_fn(sq.sqrt(), self.max_grad_norm)
-        if dense is not None:
-            clipped = (factors * scale) @ dense
-            if len(plain) == len(self._params):  # the usual case: the whole buffer at once
-                self._add_to_sum(None, clipped)
-            else:
-                offset = 0
-                for p in plain:
-                    k = p.numel()
-                    self._add_to_sum(p, clipped[offset : offset + k])
-                    offset += k
-        for p in factored:
-            self._add_to_sum(p, per_ex[p].weighted_sum(factors * scale).float())
+        self._clipped.clip_into(batch, self._clip_fn, self.max_grad_norm, scale)
         for p in per_ex:
             p.grad = None
         if self.config.sampling == "user-poisson":
@@ -774,17 +430,8 @@ class PrivacyEngine:
         return self._finish_logical_step(optimizer)
 
     def _add_to_sum(self, p: nn.Parameter | None, clipped: torch.Tensor) -> None:
-        """Add a clipped contribution to this logical batch's flat sum: of parameter `p`, or
-        of every trainable parameter (p None, `clipped` laid out as self._layout)."""
-        if p is None and self._sum is None:
-            self._sum = clipped.float()  # a fresh tensor (the clipping matmul's result)
-            return
-        if self._sum is None:
-            self._sum = self._layout.zeros()
-        if p is None:
-            self._sum += clipped.to(self._sum.device)
-        else:
-            self._sum[self._layout.span(p)] += clipped.reshape(-1).to(self._sum.device)
+        """Add a clipped contribution to this logical batch's sum (dpfit.clipped_sum)."""
+        self._clipped.add(p, clipped)
 
     def _apply_deferred(self, optimizer: torch.optim.Optimizer) -> None:
         """Steps of empty logical batches drawn before any optimizer was known."""
@@ -822,7 +469,7 @@ class PrivacyEngine:
         batches take part with zeros.
         """
         if self._max_steps is not None and self.ledger.steps + 1 > self._max_steps:
-            self._sum = None
+            self._clipped.clear()
             raise BudgetExhaustedError(
                 f"the privacy budget epsilon={self.config.target_epsilon} at "
                 f"delta={self.target_delta} is spent after {self.ledger.steps} steps "
@@ -833,7 +480,7 @@ class PrivacyEngine:
         denom = float(self.config.expected_batch_size)
         if self._dist is not None and not self._dist.is_main:
             std = 0.0  # the noise is added exactly once, by rank 0
-        summed = self._sum if self._sum is not None else self._layout.zeros()
+        summed = self._clipped.take()  # zeros for a logical batch with no examples (here)
         noise = gaussian_noise(summed.shape, std, self._noise_rng, self.config.secure_rng, summed)
         total = summed + noise
         if self._dist is not None:
@@ -843,7 +490,6 @@ class PrivacyEngine:
             p: g if g.dtype == p.dtype else g.to(p.dtype)
             for p, g in zip(self._params, self._layout.views(total), strict=True)
         }
-        self._sum = None
         self.ledger.record(self.noise_multiplier, self.sample_rate)
         return update
 
@@ -954,7 +600,7 @@ class PrivacyEngine:
         parameters. With `remaining_steps` (and a target epsilon) the noise is re-calibrated so
         that the steps already taken plus these meet the target.
         """
-        if self._steps.physical_left or self._sum is not None or self._per_example:
+        if self._steps.physical_left or self._clipped.started or self._per_example:
             raise SamplingError(
                 "switch_phase() in the middle of a logical batch; call it between epochs, "
                 "after engine.step(optimizer) returned True"
@@ -962,10 +608,8 @@ class PrivacyEngine:
         self.detach()
         set_trainable(self.model, mode, self._bias_selection)
         self.config = replace(self.config, mode=mode)
-        self._plans = self._plan_layers(self.model)
-        self._params = self._ordered_trainable(self.model)
-        self._layout = FlatLayout(self._params)
-        self._register_hooks()
+        self._set_trainables()
+        self._hooks.attach()
         if remaining_steps is not None:
             if self.config.target_epsilon is None:
                 raise ValueError("remaining_steps re-calibrates noise: needs target_epsilon")

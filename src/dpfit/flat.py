@@ -21,6 +21,8 @@ class FlatLayout:
         self.sizes = [p.numel() for p in self.params]
         self.offsets = [0, *accumulate(self.sizes)][:-1]
         self.numel = sum(self.sizes)
+        # a split piece of a 1-D parameter already has its shape: no view call for it
+        self._flat = [p.dim() == 1 for p in self.params]
         self._position = {p: i for i, p in enumerate(self.params)}
         self._segments: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -38,7 +40,11 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` cut into tensors shaped like the parameters (views, no copy)."""
-        return [t.view(p.shape) for t, p in zip(flat.split(self.sizes), self.params, strict=True)]
+        pieces = flat.split_with_sizes(self.sizes)  # (Tensor.split adds a Python layer)
+        return [
+            t if is_flat else t.view(p.shape)
+            for t, p, is_flat in zip(pieces, self.params, self._flat, strict=True)
+        ]
 
     def segment_ids(self, positions: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """For the parameters at `positions` laid end to end: each element's index in that

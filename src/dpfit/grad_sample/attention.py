@@ -156,7 +156,9 @@ def mha_capture(layer: nn.Module, inputs: tuple, output: Any, emit: Callable) ->
         if p is not None and p.requires_grad
     }
     names = tuple(targets)
-    variants = _ROUTES.setdefault(layer, [])
+    variants = _ROUTES.get(layer)  # (WeakKeyDictionary.setdefault costs more on every call)
+    if variants is None:
+        variants = _ROUTES[layer] = []
     found = None
     for i, (key, adders) in enumerate(variants):
         if key == names:

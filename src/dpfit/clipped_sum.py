@@ -1,0 +1,127 @@
+"""One logical batch's sum of clipped per-example gradients, laid out flat (dpfit.flat).
+
+Each physical batch's per-example gradients are arranged side by side (`arrange`), each
+example's global norm is taken across every trainable parameter, its clip factor comes from the
+clipping registry (dpfit.clipping), and the clipped rows are added to the running sum with one
+matmul (`ClippedSum.clip_into`). The noise is added once to the finished sum by the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpfit.flat import FlatLayout
+from dpfit.grad_sample.full import is_factored
+
+
+@dataclass
+class PhysicalBatch:
+    """The per-example gradients of one physical batch, arranged for clipping.
+
+    plain: parameters whose per-example gradients are dense, side by side in `dense`
+    (rows, elements) in parameter order, not yet scaled; factored: those held as `OuterGrad`
+    (full mode), whose norms and weighted sums come from their factors.
+    """
+
+    rows: int
+    per_example: dict[nn.Parameter, Any]
+    plain: list[nn.Parameter]
+    factored: list[nn.Parameter]
+    dense: torch.Tensor | None
+
+
+def arrange(
+    per_example: dict[nn.Parameter, Any], params: list[nn.Parameter], rows: int
+) -> PhysicalBatch:
+    """Every plain per-example gradient side by side: one norm, one clip, one matmul."""
+    plain: list[nn.Parameter] = []
+    factored: list[nn.Parameter] = []
+    for p in params:
+        g = per_example.get(p)
+        if g is not None:
+            (factored if is_factored(g) else plain).append(p)
+    dense = None
+    if plain:
+        parts = [per_example[p] for p in plain]
+        dense = torch.cat([g if g.dim() == 2 else g.reshape(rows, -1) for g in parts], 1)
+        if dense.dtype != torch.float32:
+            dense = dense.float()
+    return PhysicalBatch(rows, per_example, plain, factored, dense)
+
+
+class ClippedSum:
+    """The running sum of clipped per-example gradients of the current logical batch."""
+
+    def __init__(self, layout: FlatLayout) -> None:
+        self.layout = layout
+        # flat float32 (layout.numel,); None until the logical batch's first physical batch
+        self._sum: torch.Tensor | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether anything was added since the last `take()`."""
+        return self._sum is not None
+
+    def clip_into(
+        self,
+        batch: PhysicalBatch,
+        clip_fn: Callable[[torch.Tensor, float], torch.Tensor],
+        max_grad_norm: float,
+        scale: float,
+    ) -> None:
+        """Scale each example of `batch` by its clip factor (to norm `max_grad_norm` at most)
+        and add it to the sum.
+
+        scale: the loss scale of each row (the batch size for a mean loss); it multiplies each
+        example's norm and its row, so it is applied to the n norms and n factors, not to every
+        element of the per-example matrix.
+        """
+        n, per_ex, dense = batch.rows, batch.per_example, batch.dense
+        plain, factored = batch.plain, batch.factored
+        if dense is not None:
+            sq = dense.pow(2).sum(1) * scale**2
+        else:
+            sq = torch.zeros(n, dtype=torch.float32, device=per_ex[factored[0]].device)
+        for p in factored:  # full mode: norm from Gram matrices, sum by book-keeping
+            sq = sq + per_ex[p].sq_norms().to(sq.device) * scale**2
+        factors = clip_fn(sq.sqrt(), max_grad_norm)
+        if dense is not None:
+            clipped = (factors * scale) @ dense
+            if len(plain) == len(self.layout.params):  # the usual case: the whole buffer
+                self.add(None, clipped)
+            else:
+                offset = 0
+                for p in plain:
+                    k = p.numel()
+                    self.add(p, clipped[offset : offset + k])
+                    offset += k
+        for p in factored:
+            self.add(p, per_ex[p].weighted_sum(factors * scale).float())
+
+    def add(self, p: nn.Parameter | None, clipped: torch.Tensor) -> None:
+        """Add a clipped contribution: of parameter `p`, or of every trainable parameter
+        (p None, `clipped` laid out as the flat layout)."""
+        if p is None and self._sum is None:
+            # a fresh tensor (the clipping matmul's result), float32 as the flat layout is
+            self._sum = clipped if clipped.dtype == torch.float32 else clipped.float()
+            return
+        if self._sum is None:
+            self._sum = self.layout.zeros()
+        if p is None:
+            self._sum += clipped.to(self._sum.device)
+        else:
+            self._sum[self.layout.span(p)] += clipped.reshape(-1).to(self._sum.device)
+
+    def take(self) -> torch.Tensor:
+        """The finished sum (zeros for a logical batch without examples here); starts anew."""
+        summed = self._sum if self._sum is not None else self.layout.zeros()
+        self._sum = None
+        return summed
+
+    def clear(self) -> None:
+        self._sum = None

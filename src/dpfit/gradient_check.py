@@ -1,0 +1,94 @@
+"""The per-step gradient check: per-example gradients must add up to autograd's `.grad`.
+
+A parameter used where its sampler cannot see it (a functional call reusing a bias), or a batch
+axis other than the declared one, gives per-example rows that do not sum to the parameter's
+gradient; clipping such rows would not bound each example's contribution. The check runs on
+every physical batch (`PrivacyEngine(check_gradients=True)`, the default): one fused reduction
+and one host transfer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dpfit.clipped_sum import PhysicalBatch
+from dpfit.errors import GradientMismatchError
+from dpfit.flat import FlatLayout
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` as one row of elements (itself when already 1-D: no reshape call per bias)."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+class AutogradCheck:
+    """Compares, per parameter, the sum over examples with autograd's gradient."""
+
+    def __init__(
+        self, params: list[nn.Parameter], layout: FlatLayout, names: dict[nn.Parameter, str]
+    ) -> None:
+        self.params = params
+        self.layout = layout
+        self.names = names
+        self._all_positions = tuple(range(len(params)))
+        self._tolerances: dict[tuple[torch.dtype, ...], list[float]] = {}
+
+    def __call__(self, batch: PhysicalBatch) -> None:
+        names, per_ex, plain, factored = self.names, batch.per_example, batch.plain, batch.factored
+        for p in self.params:
+            if (per_ex.get(p) is None) != (p.grad is None):
+                raise GradientMismatchError(
+                    f"parameter '{names.get(p)}' got a gradient dpfit did not see per example "
+                    "(used outside its module's forward, e.g. through a functional call)"
+                    if per_ex.get(p) is None
+                    else f"parameter '{names.get(p)}' has per-example gradients but no .grad; "
+                    "do not zero gradients between backward and engine.step"
+                )
+        if not plain and not factored:
+            return
+        # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
+        sq_parts, checked = [], []  # rows: squared error norm, squared reference norm
+        if plain:
+            assert batch.dense is not None
+            ref = torch.cat([_flat(p.grad) for p in plain])
+            if ref.dtype != torch.float32:
+                ref = ref.float()
+            if len(plain) == len(self.params):
+                positions = self._all_positions
+            else:
+                positions = tuple(self.layout.position(p) for p in plain)
+            ids = self.layout.segment_ids(positions, ref.device)
+            both = torch.stack([batch.dense.sum(0).to(ref.device) - ref, ref]).square_()
+            sq_parts.append(ref.new_zeros(2, len(plain)).index_add_(1, ids, both))
+            checked += plain
+        if factored:
+            dev = sq_parts[0].device if sq_parts else factored[0].grad.device
+            totals = [per_ex[p].sum(0).float() for p in factored]
+            refs = [p.grad.float() for p in factored]
+            errs = torch.stack(
+                [e.to(dev) for e in torch._foreach_norm(torch._foreach_sub(totals, refs))]
+            )
+            norms = torch.stack([r.to(dev) for r in torch._foreach_norm(refs)])
+            sq_parts.append(torch.stack([errs, norms]).pow(2))
+            checked += factored
+        sq = sq_parts[0] if len(sq_parts) == 1 else torch.cat(sq_parts, 1)
+        # compared on the host: one transfer, then a loop over parameters, instead of a few
+        # more tensor ops (each costs more than the loop at these sizes)
+        sq_errs, sq_refs = sq.tolist()
+        dtypes = tuple(p.grad.dtype for p in checked)
+        rel_tols = self._tolerances.get(dtypes)
+        if rel_tols is None:
+            rel_tols = [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes]
+            self._tolerances[dtypes] = rel_tols
+        for p, sq_err, sq_ref, tol in zip(checked, sq_errs, sq_refs, rel_tols, strict=True):
+            err, ref_norm = math.sqrt(sq_err), math.sqrt(sq_ref)
+            if err > tol * ref_norm + 1e-6:
+                raise GradientMismatchError(
+                    f"per-example gradients of '{names.get(p)}' do not add up to "
+                    f"autograd's (relative error {err / (ref_norm + 1e-12):.2e}). The "
+                    "parameter is used in a way its sampler does not capture, or the batch "
+                    "axis is not where declared (batch_first / batch_dims)."
+                )
