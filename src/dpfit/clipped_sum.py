@@ -48,9 +48,7 @@ def arrange(
     dense = None
     if plain:
         parts = [per_example[p] for p in plain]
-        dense = torch.cat([g if g.dim() == 2 else g.reshape(rows, -1) for g in parts], 1)
-        if dense.dtype != torch.float32:
-            dense = dense.float()
+        dense = torch.cat([g.reshape(rows, -1) for g in parts], 1).float()
     return PhysicalBatch(rows, per_example, plain, factored, dense)
 
 
@@ -108,7 +106,7 @@ class ClippedSum:
         (p None, `clipped` laid out as the flat layout)."""
         if p is None and self._sum is None:
             # a fresh tensor (the clipping matmul's result), float32 as the flat layout is
-            self._sum = clipped if clipped.dtype == torch.float32 else clipped.float()
+            self._sum = clipped.float()
             return
         if self._sum is None:
             self._sum = self.layout.zeros()

@@ -19,11 +19,6 @@ from dpfit.errors import GradientMismatchError
 from dpfit.flat import FlatLayout
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """`t` as one row of elements (itself when already 1-D: no reshape call per bias)."""
-    return t if t.dim() == 1 else t.reshape(-1)
-
-
 class AutogradCheck:
     """Compares, per parameter, the sum over examples with autograd's gradient."""
 
@@ -53,9 +48,7 @@ class AutogradCheck:
         sq_parts, checked = [], []  # rows: squared error norm, squared reference norm
         if plain:
             assert batch.dense is not None
-            ref = torch.cat([_flat(p.grad) for p in plain])
-            if ref.dtype != torch.float32:
-                ref = ref.float()
+            ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
             if len(plain) == len(self.params):
                 positions = self._all_positions
             else:

@@ -29,9 +29,7 @@ def gaussian_noise(
         if generator is None:
             raise ValueError("gaussian_noise needs a generator unless secure=True")
         z = torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
-        if z.dtype == like.dtype and z.device == like.device:
-            return z
-        return z.to(device=like.device, dtype=like.dtype)
+        return z.to(device=like.device, dtype=like.dtype)  # itself when they already match
     n = math.prod(shape)
     m = n + (n % 2)
     u = os_uniform(m)

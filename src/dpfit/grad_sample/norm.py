@@ -29,8 +29,6 @@ def _layer_norm_sum_dims(layer: nn.LayerNorm, g: torch.Tensor) -> list[int]:
 @register_bias_sampler(nn.LayerNorm)
 def layer_norm_bias(layer: nn.Module, grad_output: torch.Tensor, batch_dim: int) -> dict:
     g = move_batch_first(grad_output, batch_dim)
-    if g.dim() == 3 and len(layer.normalized_shape) == 1:  # (batch, positions, channels)
-        return {"bias": g.sum(dim=1)}
     dims = _layer_norm_sum_dims(layer, g)
     return {"bias": g.sum(dim=dims) if dims else g}
 

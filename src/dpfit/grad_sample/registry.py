@@ -112,9 +112,5 @@ def move_batch_first(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
 
 def sum_to_channel(g: torch.Tensor, channel_dim: int) -> torch.Tensor:
     """Sum every axis but 0 (batch) and `channel_dim` (after moving batch first)."""
-    nd = g.dim()
-    channel = channel_dim % nd
-    if nd == 3 and channel == 2:  # (batch, positions, channels): this runs for most layers
-        return g.sum(dim=1)
-    dims = [d for d in range(1, nd) if d != channel]
+    dims = [d for d in range(1, g.dim()) if d != channel_dim % g.dim()]
     return g.sum(dim=dims) if dims else g
