@@ -9,7 +9,7 @@ matmul (`ClippedSum.clip_into`). The noise is added once to the finished sum by 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,15 @@ class PhysicalBatch:
     plain: list[nn.Parameter]
     factored: list[nn.Parameter]
     dense: torch.Tensor | None
+    _sq_norms: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def factored_sq_norms(self, p: nn.Parameter) -> torch.Tensor:
+        """Each example's squared gradient norm for a factored parameter, computed once per
+        batch (the gradient check and the clipping both need it)."""
+        sq = self._sq_norms.get(p)
+        if sq is None:
+            sq = self._sq_norms[p] = self.per_example[p].sq_norms()
+        return sq
 
 
 def arrange(
@@ -86,7 +95,7 @@ class ClippedSum:
         else:
             sq = torch.zeros(n, dtype=torch.float32, device=per_ex[factored[0]].device)
         for p in factored:  # full mode: norm from Gram matrices, sum by book-keeping
-            sq = sq + per_ex[p].sq_norms().to(sq.device) * scale**2
+            sq = sq + batch.factored_sq_norms(p).to(sq.device) * scale**2
         factors = clip_fn(sq.sqrt(), max_grad_norm)
         if dense is not None:
             clipped = (factors * scale) @ dense
