@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpfit.grad_sample.registry import register_capture
+from dpfit.grad_sample.registry import register_capture, sum_positions
 
 _MAX_NODES = 20_000
 _BIAS_ADDERS = ("AddBackward0", "AddmmBackward0")  # the ops F.linear uses to add a bias
@@ -182,7 +182,7 @@ def _make_hook(emit: Callable, name: str, sl: tuple[int, int], total: int, bsz: 
 
     def hook(grad_outputs: tuple) -> None:
         g = grad_outputs[0]
-        per = g.reshape(-1, bsz, n).sum(0)  # rows are (position, example), position-major
+        per = sum_positions(g.reshape(-1, bsz, n), 1)  # rows: (position, example), position-major
         if n != total:
             full = per.new_zeros(bsz, total)
             full[:, offset : offset + n] = per

@@ -1,0 +1,53 @@
+"""The shared per-example reductions: the matrix-product path equals torch's reduction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpfit.grad_sample.registry import _matmul_sums, sum_positions, sum_to_channel
+
+
+def reference(g: torch.Tensor, batch_dim: int, kept: int) -> torch.Tensor:
+    g = g.movedim(batch_dim, 0).double()
+    dims = list(range(1, g.dim() - kept))
+    return g.sum(dims) if dims else g
+
+
+@pytest.mark.parametrize(
+    ("shape", "batch_dim", "kept"),
+    [
+        ((5, 7, 3), 0, 1),  # batch-first tokens
+        ((7, 5, 3), 1, 1),  # sequence-first
+        ((5, 2, 3, 4), 0, 1),  # several position axes
+        ((5, 6, 2, 3), 0, 2),  # LayerNorm over the last two axes
+        ((2, 5, 3, 4), 1, 1),  # positions both sides of the batch: plain reduction
+        ((5, 3), 0, 1),  # no positions
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sum_positions_matches_reduction(shape, batch_dim, kept, dtype):
+    g = torch.randn(shape, dtype=torch.float64).to(dtype)
+    got = sum_positions(g, batch_dim, kept)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), reference(g, batch_dim, kept), rtol=1e-5, atol=1e-6)
+
+
+def test_sum_to_channel_axis_one_matches_reduction():
+    g = torch.randn(4, 3, 5, 6)
+    want = g.double().sum((2, 3))
+    torch.testing.assert_close(sum_to_channel(g, 1).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_reduced_matmul_precision_keeps_the_plain_reduction():
+    g = torch.randn(4, 5, 3)
+    assert _matmul_sums(g)
+    assert not _matmul_sums(g.transpose(0, 1))  # a copy would cost more than it saves
+    assert not _matmul_sums(g.bfloat16())
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 / bf16 products: not exact enough
+        assert not _matmul_sums(g)
+        torch.testing.assert_close(sum_positions(g, 0), g.sum(1))
+    finally:
+        torch.set_float32_matmul_precision(old)
