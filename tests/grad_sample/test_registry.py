@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dpfit.grad_sample import registry
 from dpfit.grad_sample.registry import _matmul_sums, sum_positions, sum_to_channel
+
+
+@pytest.fixture(params=["product", "reduction"])
+def path(request, monkeypatch):
+    """Both ways of summing, whatever the tensor's size (the product is used from a size up)."""
+    monkeypatch.setattr(
+        registry, "MATMUL_SUM_MIN_NUMEL", 0 if request.param == "product" else 1 << 62
+    )
+    return request.param
 
 
 def reference(g: torch.Tensor, batch_dim: int, kept: int) -> torch.Tensor:
@@ -26,20 +36,21 @@ def reference(g: torch.Tensor, batch_dim: int, kept: int) -> torch.Tensor:
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sum_positions_matches_reduction(shape, batch_dim, kept, dtype):
+def test_sum_positions_matches_reduction(shape, batch_dim, kept, dtype, path):
     g = torch.randn(shape, dtype=torch.float64).to(dtype)
     got = sum_positions(g, batch_dim, kept)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), reference(g, batch_dim, kept), rtol=1e-5, atol=1e-6)
 
 
-def test_sum_to_channel_axis_one_matches_reduction():
+def test_sum_to_channel_axis_one_matches_reduction(path):
     g = torch.randn(4, 3, 5, 6)
     want = g.double().sum((2, 3))
     torch.testing.assert_close(sum_to_channel(g, 1).double(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_reduced_matmul_precision_keeps_the_plain_reduction():
+def test_product_only_where_it_is_as_exact(monkeypatch):
+    monkeypatch.setattr(registry, "MATMUL_SUM_MIN_NUMEL", 0)
     g = torch.randn(4, 5, 3)
     assert _matmul_sums(g)
     assert not _matmul_sums(g.transpose(0, 1))  # a copy would cost more than it saves

@@ -109,22 +109,21 @@ def _follow(
     """The same adders reached along their recorded routes, each verified to add the same
     slice of the same bias; None when any route leads elsewhere (the graph changed)."""
     found = []
-    for a in adders:
-        node = root
-        for i in a.route:
-            nexts = node.next_functions
-            if i >= len(nexts) or nexts[i][0] is None:
+    try:  # a route index past a node's inputs is a changed graph (IndexError), as is None
+        for a in adders:
+            node = root
+            for i in a.route:
+                node = node.next_functions[i][0]
+                if node is None:
+                    return None
+            if type(node).__name__ not in _BIAS_ADDERS:
                 return None
-            node = nexts[i][0]
-        if type(node).__name__ not in _BIAS_ADDERS:
-            return None
-        nexts = node.next_functions
-        if a.child >= len(nexts) or nexts[a.child][0] is None:
-            return None
-        child, input_nr = nexts[a.child]
-        if _bias_slice(child, input_nr, targets[a.name]) != a.slice:
-            return None
-        found.append((node, a))
+            child, input_nr = node.next_functions[a.child]
+            if child is None or _bias_slice(child, input_nr, targets[a.name]) != a.slice:
+                return None
+            found.append((node, a))
+    except IndexError:
+        return None
     return found
 
 
