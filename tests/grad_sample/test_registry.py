@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import assert_matches_oracle, engine_per_example, make_engine, oracle_per_example
+from torch import nn
 
+import dpfit
 from dpfit.grad_sample import registry
 from dpfit.grad_sample.registry import _matmul_sums, sum_positions, sum_to_channel
 
@@ -62,3 +65,45 @@ def test_product_only_where_it_is_as_exact(monkeypatch):
         torch.testing.assert_close(sum_positions(g, 0), g.sum(1))
     finally:
         torch.set_float32_matmul_precision(old)
+
+
+class _Stack(nn.Module):
+    """Linear, attention, LayerNorm and a convolution in one model, so that the product path
+    runs in every sampler that uses it (sequence-first too)."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.lin = nn.Linear(4, 6)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=batch_first)
+        self.norm = nn.LayerNorm(6)
+        self.conv = nn.Conv1d(6, 6, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        h = h + self.attn(h, h, h)[0]
+        h = self.norm(h)
+        h = h if self.batch_first else h.transpose(0, 1)  # (batch, positions, channels)
+        return self.conv(h.transpose(1, 2))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_product_path_matches_the_oracle(batch_first, monkeypatch):
+    monkeypatch.setattr(registry, "MATMUL_SUM_MIN_NUMEL", 0)
+    model = _Stack(batch_first)
+    dpfit.make_bias_trainable(model)
+    model = model.double()
+    b, t = 3, 6
+    x = torch.randn(b, t, 4) if batch_first else torch.randn(t, b, 4)
+    x = x.double()
+
+    def loss(inp):
+        return model(inp).sin().sum()
+
+    def example(i):
+        return loss(x[i : i + 1] if batch_first else x[:, i : i + 1])
+
+    want = oracle_per_example(model, example, b)
+    engine = make_engine(model, batch_first=batch_first)
+    assert_matches_oracle(engine_per_example(engine, lambda: loss(x)), want)
+    engine.detach()
