@@ -2,16 +2,20 @@
 training of the same model, as CPU time per example (what waiting for a shared core does not
 inflate), optionally for an older revision of the engine side by side in the same run.
 
-    PYTHONPATH=src python benchmarks/engine_overhead.py [--baseline REV] [--rounds 6 --steps 8]
+    PYTHONPATH=src python benchmarks/engine_overhead.py [--model tiny|minilm] [--baseline REV]
+        [--rounds 6 --steps 8]
 
-One process stands for one rank of benchmarks/distributed.py: its tiny encoder (d=128, seq
-32), Poisson batches of expected size 32 (half of that benchmark's logical batch) through the
-engine's loader, against fixed batches of 32, and DP-BiTFiT once more without the per-step
-gradient check (`check_gradients=False`) to show what that check costs. Each round runs one
-worker process per source tree (order flipped every round); inside a worker the arms alternate
-step by step.
+`--model tiny` (default): one process stands for one rank of benchmarks/distributed.py, its tiny
+encoder (d=128, seq 32). `--model minilm`: the bundled all-MiniLM-L6-v2 classifier as dpfit
+loads it (biases + the new head, train mode), on the bundled Rotten Tomatoes texts, every
+example `--max-length` tokens (128, the default maximum; shorter texts padded). DP-BiTFiT draws
+Poisson batches of expected size 32 through the engine's loader; non-private bias-only training
+draws shuffled batches of 32 through a torch DataLoader with the same collate function, so both
+arms do the same data work. DP-BiTFiT runs once more without the per-step gradient check
+(`check_gradients=False`) to show what that check costs. Each round runs one worker process
+per source tree (order flipped every round); inside a worker the arms alternate step by step.
 `--baseline REV` extracts `src/` of that git revision into a temporary folder and measures it
-the same way. Writes benchmarks/results/engine_overhead.{json,md}.
+the same way. Writes benchmarks/results/engine_overhead[_MODEL].{json,md} (no suffix for tiny).
 """
 
 from __future__ import annotations
@@ -26,62 +30,130 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PER_RANK = 32  # one rank's expected share of distributed.py's logical batch of 64
+PHYS = 48  # physical batch cap: almost every Poisson batch of expected size 32 is one pass
+MODELS = {
+    "tiny": "the tiny encoder of `benchmarks/distributed.py` (2 layers, d=128, seq 32)",
+    "minilm": "the bundled all-MiniLM-L6-v2 classifier (6 layers, d=384, biases + head)",
+}
 
 
-def worker(steps: int) -> dict:
-    """CPU seconds per example of each arm, alternating step by step."""
+@dataclass(frozen=True)
+class Workload:
+    """One model's training job: a fresh bias-only model, its data, collate and loss."""
+
+    make_model: Callable[[], Any]
+    data: Any
+    collate: Callable[[list], Any]
+    loss: Callable[[Any, Any], Any]  # (model, batch) -> scalar loss
+    rows: Callable[[Any], int]  # examples in a batch
+
+
+def tiny_workload() -> Workload:
     import torch
     from torch import nn
-
-    import dpfit
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed as bench  # the same model and data
 
+    return Workload(
+        make_model=lambda: bench.make_model("bias"),
+        data=bench.Tokens(),
+        collate=torch.utils.data.default_collate,  # what the engine's loader uses by default
+        loss=lambda model, b: nn.functional.cross_entropy(model(b[0]), b[1]),
+        rows=lambda b: len(b[0]),
+    )
+
+
+def minilm_workload(max_length: int) -> Workload:
+    import dpfit
+    from dpfit.data.text import bundled_rotten_tomatoes
+    from dpfit.models import load_classifier
+    from dpfit.tasks.classification import make_collate
+
+    def make_model():
+        loaded = load_classifier(None, ["rotten", "fresh"], seed=0)
+        dpfit.make_bias_trainable(loaded.model, train_head=loaded.head_names)
+        loaded.model.train()  # as dpfit train runs it (dropout on)
+        return loaded.model
+
+    tokenizer = load_classifier(None, ["rotten", "fresh"], seed=0).tokenizer
+    train = bundled_rotten_tomatoes(seed=0).train
+    enc = tokenizer(
+        list(train.texts), truncation=True, padding="max_length", max_length=max_length
+    )  # fmt: skip
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    data = [{**{k: enc[k][i] for k in keys}, "labels": y} for i, y in enumerate(train.labels)]
+    return Workload(
+        make_model=make_model,
+        data=data,
+        collate=make_collate(tokenizer.pad_token_id),
+        loss=lambda model, b: model(**b).loss,
+        rows=lambda b: len(b["labels"]),
+    )
+
+
+def worker(steps: int, model_name: str, max_length: int) -> dict:
+    """CPU seconds per example of each arm, alternating step by step."""
+    import torch
+
+    import dpfit
+
     torch.set_num_threads(1)
-    data = bench.Tokens()
+    job = tiny_workload() if model_name == "tiny" else minilm_workload(max_length)
+    n_data = len(job.data)
+
+    def forever(loader):  # a new pass when one ends (the DataLoader reshuffles)
+        while True:
+            yield from loader
 
     def dp_arm(**kw: bool) -> Callable[[], int]:
-        model = bench.make_model("bias")
+        model = job.make_model()
         engine = dpfit.PrivacyEngine(
-            model, expected_batch_size=PER_RANK, sample_size=bench.N, noise_multiplier=1.0, **kw
+            model, expected_batch_size=PER_RANK, sample_size=n_data, noise_multiplier=1.0, **kw
         )
         opt = torch.optim.SGD(engine.parameters(), lr=0.01)
         # older revisions (--baseline) have no optimizer= (empty batches, rare here, step late)
         takes_optimizer = "optimizer" in inspect.signature(engine.data_loader).parameters
         extra = {"optimizer": opt} if takes_optimizer else {}
-        batches = iter(engine.data_loader(data, physical_batch_size=bench.PHYS, **extra))
+        loader = engine.data_loader(job.data, job.collate, physical_batch_size=PHYS, **extra)
+        batches = forever(loader)
 
         def step() -> int:
             n = 0
             while True:
-                x, y = next(batches)
-                nn.functional.cross_entropy(model(x), y).backward()
-                n += len(x)
+                batch = next(batches)
+                job.loss(model, batch).backward()
+                n += job.rows(batch)
                 if engine.step(opt):
                     return n
 
         return step
 
-    np_model = bench.make_model("bias")
+    np_model = job.make_model()
     np_opt = torch.optim.SGD([p for p in np_model.parameters() if p.requires_grad], lr=0.01)
-    count = [0]
+    np_loader = torch.utils.data.DataLoader(
+        job.data,
+        batch_size=PER_RANK,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=job.collate,
+        generator=torch.Generator().manual_seed(0),
+    )
+    np_batches = forever(np_loader)
 
     def np_step() -> int:
-        start = (count[0] * PER_RANK) % (bench.N - PER_RANK)
-        count[0] += 1
-        chunk = range(start, start + PER_RANK)
-        x = torch.stack([data[j][0] for j in chunk])
-        y = torch.stack([data[j][1] for j in chunk])
-        nn.functional.cross_entropy(np_model(x), y).backward()
+        batch = next(np_batches)
+        job.loss(np_model, batch).backward()
         np_opt.step()
         np_opt.zero_grad()
-        return PER_RANK
+        return job.rows(batch)
 
     arms = {
         "dp": dp_arm(),
@@ -101,10 +173,11 @@ def worker(steps: int) -> dict:
     return {name: cpu[name] / examples[name] for name in arms}
 
 
-def run_worker(src: Path, steps: int) -> dict:
+def run_worker(src: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", str(steps)],
+        [sys.executable, __file__, "--worker", str(args.steps), "--model", args.model,
+         "--max-length", str(args.max_length)],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -112,13 +185,15 @@ def run_worker(src: Path, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--max-length", type=int, default=128, help="minilm: tokens per example")
     ap.add_argument("--baseline", help="git revision whose engine to measure side by side")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=8, help="steps per arm per worker")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker)))
+        print(json.dumps(worker(args.worker, args.model, args.max_length)))
         return
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -138,7 +213,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(sources) if r % 2 == 0 else list(reversed(sources))
             for name in order:
-                res = run_worker(sources[name], args.steps)
+                res = run_worker(sources[name], args)
                 runs[name].append(res)
                 print(
                     f"round {r} {name}: DP {1000 * res['dp']:.3f} ms/example, non-private "
@@ -172,13 +247,16 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]], loads: list[flo
         "rounds": args.rounds,
         "rounds_done": done,
         "steps_per_arm_per_round": args.steps,
+        "model": args.model,
+        "max_length": args.max_length if args.model == "minilm" else None,
         "expected_batch_size": PER_RANK,
         "load_average_1min": loads,
         "cpus": os.cpu_count(),
         "sources": summary,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    stem = "engine_overhead" if args.model == "tiny" else f"engine_overhead_{args.model}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = "\n".join(
         f"| {name} | {s['nonprivate_cpu_ms_per_example_median']:.3f} | "
         f"{s['dp_cpu_ms_per_example_median']:.3f} | {100 * s['overhead_median']:.1f}% "
@@ -187,12 +265,15 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]], loads: list[flo
         for name, s in summary.items()
     )
     load = ", ".join(f"{x:.1f}" for x in loads)
+    what = MODELS[args.model]
+    if args.model == "minilm":
+        what += f", every example {args.max_length} tokens (bundled Rotten Tomatoes texts, padded)"
     md = f"""# The engine's overhead per example (one process)
 
-Output of `{result["command"]}` ({done} of {args.rounds} rounds done). The tiny encoder of
-`benchmarks/distributed.py` in one process (one thread), standing for one rank: DP-BiTFiT with
-Poisson batches of expected size {PER_RANK} through the engine's loader, against non-private
-bias-only training on fixed batches of {PER_RANK}. CPU (thread) time per example, medians over
+Output of `{result["command"]}` ({done} of {args.rounds} rounds done). Model: {what}, in
+one process (one thread). DP-BiTFiT with Poisson batches of expected size {PER_RANK} through the
+engine's loader, against non-private bias-only training on shuffled batches of {PER_RANK}
+through a torch DataLoader with the same collate function. CPU (thread) time per example, medians over
 the rounds, {args.steps} steps per arm each; each round is one worker process per source tree,
 the arms alternating inside it. Overhead = DP / non-private - 1 per round: median (min to
 max). Gradient check = (DP - DP without the check) / non-private per round, median (the
@@ -203,7 +284,7 @@ each round: {load} ({os.cpu_count()} CPUs).
 |---|---|---|---|---|
 {rows}
 """
-    (RESULTS / "engine_overhead.md").write_text(md)
+    (RESULTS / f"{stem}.md").write_text(md)
     print(md)
 
 

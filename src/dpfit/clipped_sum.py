@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpfit.flat import FlatLayout
-from dpfit.grad_sample.full import is_factored
+from dpfit.grad_sample.full import OuterGrad
 
 
 @dataclass
@@ -50,14 +50,18 @@ def arrange(
     """Every plain per-example gradient side by side: one norm, one clip, one matmul."""
     plain: list[nn.Parameter] = []
     factored: list[nn.Parameter] = []
+    parts: list[torch.Tensor] = []
+    get = per_example.get
     for p in params:
-        g = per_example.get(p)
-        if g is not None:
-            (factored if is_factored(g) else plain).append(p)
-    dense = None
-    if plain:
-        parts = [per_example[p] for p in plain]
-        dense = torch.cat([g.reshape(rows, -1) for g in parts], 1).float()
+        g = get(p)
+        if g is None:
+            continue
+        if isinstance(g, OuterGrad):  # full mode: kept factored
+            factored.append(p)
+        else:
+            plain.append(p)
+            parts.append(g.reshape(rows, -1))
+    dense = torch.cat(parts, 1).float() if parts else None
     return PhysicalBatch(rows, per_example, plain, factored, dense)
 
 

@@ -138,7 +138,7 @@ class PrivacyEngine:
         if self._dist is not None:
             check_identical(self._params, self._dist)
         # noised updates of empty logical batches reduced before any optimizer was seen
-        self._early_updates: list[dict[nn.Parameter, torch.Tensor]] = []
+        self._early_updates: list[list[tuple[nn.Parameter, torch.Tensor]]] = []
         self._pending_loader_state: dict | None = None
         self._warned_late_empty = False
         self._hooks.attach()  # last: a construction that fails leaves the model untouched
@@ -452,14 +452,14 @@ class PrivacyEngine:
         self._apply(optimizer, self._noised_update())
 
     def _apply(
-        self, optimizer: torch.optim.Optimizer, update: dict[nn.Parameter, torch.Tensor]
+        self, optimizer: torch.optim.Optimizer, update: list[tuple[nn.Parameter, torch.Tensor]]
     ) -> None:
-        for p, g in update.items():
+        for p, g in update:
             p.grad = g
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def _noised_update(self) -> dict[nn.Parameter, torch.Tensor]:
+    def _noised_update(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """The released gradient of one logical step: (sum of clipped + noise) / B, accounted.
 
         One noise draw over the flat sum of every trainable parameter (a parameter without
@@ -486,10 +486,10 @@ class PrivacyEngine:
         if self._dist is not None:
             (total,) = all_reduce_sum([total], self._dist)
         total.div_(denom)
-        update = {
-            p: g if g.dtype == p.dtype else g.to(p.dtype)
+        update = [  # (parameter, gradient) pairs: no dict keyed by tensors on every step
+            (p, g if g.dtype == p.dtype else g.to(p.dtype))
             for p, g in zip(self._params, self._layout.views(total), strict=True)
-        }
+        ]
         self.ledger.record(self.noise_multiplier, self.sample_rate)
         return update
 

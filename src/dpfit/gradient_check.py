@@ -15,8 +15,6 @@ weights, by the sum of per-example norms); a capture bug misses whole terms, whi
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -39,25 +37,31 @@ class AutogradCheck:
 
     def __call__(self, batch: PhysicalBatch) -> None:
         names, per_ex, plain, factored = self.names, batch.per_example, batch.plain, batch.factored
-        for p in self.params:
-            if (per_ex.get(p) is None) != (p.grad is None):
-                raise GradientMismatchError(
-                    f"parameter '{names.get(p)}' got a gradient dpfit did not see per example "
-                    "(used outside its module's forward, e.g. through a functional call)"
-                    if per_ex.get(p) is None
-                    else f"parameter '{names.get(p)}' has per-example gradients but no .grad; "
-                    "do not zero gradients between backward and engine.step"
-                )
+        grads = [p.grad for p in self.params]
+        # every parameter seen per example (the usual case) needs no lookup by parameter
+        everything = len(plain) + len(factored) == len(self.params)
+        if not everything or any(g is None for g in grads):
+            for p, grad in zip(self.params, grads, strict=True):
+                if (per_ex.get(p) is None) != (grad is None):
+                    raise GradientMismatchError(
+                        f"parameter '{names.get(p)}' got a gradient dpfit did not see per "
+                        "example (used outside its module's forward, e.g. through a functional "
+                        "call)"
+                        if per_ex.get(p) is None
+                        else f"parameter '{names.get(p)}' has per-example gradients but no "
+                        ".grad; do not zero gradients between backward and engine.step"
+                    )
         if not plain and not factored:
             return
         # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
         sq_parts, checked = [], []  # rows: squared error norm, squared size of what was added
         if plain:
             assert batch.dense is not None
-            ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
             if len(plain) == len(self.params):
+                ref = torch.cat([g.reshape(-1) for g in grads]).float()
                 positions = self._all_positions
             else:
+                ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
                 positions = tuple(self.layout.position(p) for p in plain)
             ids = self.layout.segment_ids(positions, ref.device)
             dense = batch.dense.to(ref.device)
@@ -78,13 +82,13 @@ class AutogradCheck:
         # compared on the host: one transfer, then a loop over parameters, instead of a few
         # more tensor ops (each costs more than the loop at these sizes)
         sq_errs, sq_sizes = sq.tolist()
-        dtypes = tuple(p.grad.dtype for p in checked)
+        dtypes = tuple([p.grad.dtype for p in checked])
         rel_tols = self._tolerances.get(dtypes)
         if rel_tols is None:
             rel_tols = [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes]
             self._tolerances[dtypes] = rel_tols
         for p, sq_err, sq_size, tol in zip(checked, sq_errs, sq_sizes, rel_tols, strict=True):
-            err, size = math.sqrt(sq_err), math.sqrt(sq_size)
+            err, size = sq_err**0.5, sq_size**0.5
             if err > tol * size + 1e-6:
                 raise GradientMismatchError(
                     f"per-example gradients of '{names.get(p)}' do not add up to "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpfit.grad_sample.registry import register_capture
+from dpfit.grad_sample.registry import register_capture, sum_positions
 
 _MAX_NODES = 20_000
 _BIAS_ADDERS = ("AddBackward0", "AddmmBackward0")  # the ops F.linear uses to add a bias
@@ -109,22 +109,21 @@ def _follow(
     """The same adders reached along their recorded routes, each verified to add the same
     slice of the same bias; None when any route leads elsewhere (the graph changed)."""
     found = []
-    for a in adders:
-        node = root
-        for i in a.route:
-            nexts = node.next_functions
-            if i >= len(nexts) or nexts[i][0] is None:
+    try:  # a route index past a node's inputs is a changed graph (IndexError), as is None
+        for a in adders:
+            node = root
+            for i in a.route:
+                node = node.next_functions[i][0]
+                if node is None:
+                    return None
+            if type(node).__name__ not in _BIAS_ADDERS:
                 return None
-            node = nexts[i][0]
-        if type(node).__name__ not in _BIAS_ADDERS:
-            return None
-        nexts = node.next_functions
-        if a.child >= len(nexts) or nexts[a.child][0] is None:
-            return None
-        child, input_nr = nexts[a.child]
-        if _bias_slice(child, input_nr, targets[a.name]) != a.slice:
-            return None
-        found.append((node, a))
+            child, input_nr = node.next_functions[a.child]
+            if child is None or _bias_slice(child, input_nr, targets[a.name]) != a.slice:
+                return None
+            found.append((node, a))
+    except IndexError:
+        return None
     return found
 
 
@@ -182,7 +181,7 @@ def _make_hook(emit: Callable, name: str, sl: tuple[int, int], total: int, bsz: 
 
     def hook(grad_outputs: tuple) -> None:
         g = grad_outputs[0]
-        per = g.reshape(-1, bsz, n).sum(0)  # rows are (position, example), position-major
+        per = sum_positions(g.reshape(-1, bsz, n), 1)  # rows: (position, example), position-major
         if n != total:
             full = per.new_zeros(bsz, total)
             full[:, offset : offset + n] = per

@@ -9,7 +9,7 @@ from dpfit.grad_sample.registry import (
     move_batch_first,
     register_bias_sampler,
     register_weight_sampler,
-    sum_to_channel,
+    sum_positions,
 )
 
 HF_CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -17,8 +17,7 @@ HF_CONV1D = "transformers.pytorch_utils.Conv1D"
 
 @register_bias_sampler(nn.Linear, HF_CONV1D)
 def linear_bias(layer: nn.Module, grad_output: torch.Tensor, batch_dim: int) -> dict:
-    g = move_batch_first(grad_output, batch_dim)
-    return {"bias": sum_to_channel(g, -1)}
+    return {"bias": sum_positions(grad_output, batch_dim)}
 
 
 def _flatten_positions(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dpfit.grad_sample.registry import (
     move_batch_first,
     register_bias_sampler,
     register_weight_sampler,
+    sum_positions,
     sum_to_channel,
 )
 
@@ -28,9 +29,7 @@ def _layer_norm_sum_dims(layer: nn.LayerNorm, g: torch.Tensor) -> list[int]:
 
 @register_bias_sampler(nn.LayerNorm)
 def layer_norm_bias(layer: nn.Module, grad_output: torch.Tensor, batch_dim: int) -> dict:
-    g = move_batch_first(grad_output, batch_dim)
-    dims = _layer_norm_sum_dims(layer, g)
-    return {"bias": g.sum(dim=dims) if dims else g}
+    return {"bias": sum_positions(grad_output, batch_dim, len(layer.normalized_shape))}
 
 
 @register_weight_sampler(nn.LayerNorm)

@@ -11,6 +11,7 @@ importing dpfit never imports them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,7 +111,61 @@ def move_batch_first(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
 
+# below this many elements torch's reduction is as fast as the product (and cheaper to call)
+MATMUL_SUM_MIN_NUMEL = 1 << 20
+
+
+def _matmul_sums(g: torch.Tensor) -> bool:
+    """Whether a sum over positions may run as a product with a ones vector: a large
+    contiguous gradient on CPU, float32 at full matmul precision or float64. There one BLAS pass
+    reads it about twice as fast as torch's reduction over a middle axis (per-example sums of
+    an MLP output in a BERT layer, 32 x 128 x 1536: 2.1 ms vs 4.3 ms), with the same float32
+    accumulation. Elsewhere (GPU, where TF32 may be on; half precision) the plain reduction."""
+    if g.numel() < MATMUL_SUM_MIN_NUMEL or g.device.type != "cpu" or not g.is_contiguous():
+        return False
+    if g.dtype == torch.float64:
+        return True
+    if g.dtype != torch.float32:
+        return False
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # legacy and new precision settings mixed: take no chances
+        return False
+
+
+def sum_positions(g: torch.Tensor, batch_dim: int, kept: int = 1) -> torch.Tensor:
+    """Per-example sums: `g` summed over every axis but `batch_dim` and its last `kept` axes,
+    shaped (batch, *g.shape[-kept:])."""
+    d = g.dim()
+    b = batch_dim % d
+    if d - kept == 1:  # no position axes
+        return g
+    if _matmul_sums(g):
+        shape = g.shape
+        rows = shape[b]
+        lead = math.prod(shape[:b])  # positions before the batch axis (sequence-first)
+        mid = math.prod(shape[b + 1 : d - kept])  # positions after it (batch-first)
+        if lead == 1 or mid == 1:
+            tail = shape[d - kept :]
+            width = math.prod(tail)
+            if lead == 1:  # (B, positions, width): ones(1, positions) @ each example's rows
+                out = torch.matmul(g.new_ones(1, mid), g.view(rows, mid, width))
+            else:  # (positions, B * width)
+                out = g.new_ones(1, lead) @ g.view(lead, rows * width)
+            return out.view(rows, *tail)
+    if d - kept == 2:  # one position axis, the common case
+        return g.sum(1 - b)
+    return g.sum(dim=[i for i in range(d - kept) if i != b])  # leaves (batch, *tail)
+
+
 def sum_to_channel(g: torch.Tensor, channel_dim: int) -> torch.Tensor:
     """Sum every axis but 0 (batch) and `channel_dim` (after moving batch first)."""
-    dims = [d for d in range(1, g.dim()) if d != channel_dim % g.dim()]
+    c = channel_dim % g.dim()
+    if c == g.dim() - 1:
+        return sum_positions(g, 0, 1)
+    if c == 1 and g.dim() > 2 and _matmul_sums(g):  # (B, C, positions) @ ones(positions)
+        rows, channels = g.shape[0], g.shape[1]
+        positions = math.prod(g.shape[2:])
+        return torch.matmul(g.view(rows, channels, positions), g.new_ones(positions))
+    dims = [d for d in range(1, g.dim()) if d != c]
     return g.sum(dim=dims) if dims else g

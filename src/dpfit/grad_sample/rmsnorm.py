@@ -17,6 +17,7 @@ from dpfit.grad_sample.registry import (
     move_batch_first,
     register_bias_sampler,
     register_weight_sampler,
+    sum_positions,
 )
 
 # transformers' LLaMA-family RMSNorms share one formula (normalise in float32, cast back, scale).
@@ -57,14 +58,9 @@ class RMSNormWithBias(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, bias=True"
 
 
-def _sum_positions(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
-    t = move_batch_first(t, batch_dim)
-    return t.reshape(t.shape[0], -1, t.shape[-1]).sum(1)
-
-
 @register_bias_sampler(RMSNormWithBias)
 def rmsnorm_bias(layer: nn.Module, grad_output: torch.Tensor, batch_dim: int) -> dict:
-    return {"bias": _sum_positions(grad_output, batch_dim)}
+    return {"bias": sum_positions(grad_output, batch_dim)}
 
 
 @register_weight_sampler(RMSNormWithBias, *LLAMA_STYLE_RMSNORMS)
@@ -72,7 +68,7 @@ def llama_rmsnorm_weight(
     layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, batch_dim: int
 ) -> dict:
     normed = llama_rms_normalize(inputs, layer.variance_epsilon)
-    return {"weight": _sum_positions(grad_output * normed, batch_dim)}
+    return {"weight": sum_positions(grad_output * normed, batch_dim)}
 
 
 @register_weight_sampler(nn.RMSNorm)

@@ -1,0 +1,139 @@
+"""Where DP-BiTFiT's time per step goes, against non-private bias-only training: forward,
+backward and step, as CPU (thread) time, on one fixed batch.
+
+    PYTHONPATH=src python benchmarks/engine_phases.py [--steps 300]
+
+The tiny encoder of benchmarks/distributed.py (one thread), one fixed batch of 32 for every
+arm and step (no sampling noise in the comparison; the engine runs with
+sampling="user-poisson" so that no loader is involved): non-private bias-only training, the
+engine, and the engine without its per-step gradient check. The arms alternate step by step
+in one process; each phase is reported at the 30th percentile and the median over the steps
+(the lower quantile is less disturbed by other jobs on a shared machine).
+Writes benchmarks/results/engine_phases.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BATCH = 32
+PHASES = ("forward", "backward", "step", "total")
+
+
+def make_arm(kind: str) -> Callable[[], tuple[float, float, float]]:
+    """One training step of `kind`, returning the CPU seconds of its three phases."""
+    import torch
+    from torch import nn
+
+    import dpfit
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import distributed as bench
+
+    data = bench.Tokens()
+    x, y = data.x[:BATCH].clone(), data.y[:BATCH].clone()
+    model = bench.make_model("bias")
+    if kind == "nonprivate":
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+
+        def finish() -> None:
+            opt.step()
+            opt.zero_grad()
+    else:
+        engine = dpfit.PrivacyEngine(
+            model,
+            expected_batch_size=BATCH,
+            sample_size=bench.N,
+            noise_multiplier=1.0,
+            sampling="user-poisson",
+            check_gradients=kind == "dp",
+        )
+        opt = torch.optim.SGD(engine.parameters(), lr=0.0)  # lr 0: every step the same work
+
+        def finish() -> None:
+            engine.step(opt, batch_size=BATCH)
+
+    def run() -> tuple[float, float, float]:
+        t0 = time.thread_time()
+        loss = nn.functional.cross_entropy(model(x), y)
+        t1 = time.thread_time()
+        loss.backward()
+        t2 = time.thread_time()
+        finish()
+        return t1 - t0, t2 - t1, time.thread_time() - t2
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    arms = {kind: make_arm(kind) for kind in ("nonprivate", "dp", "dp_no_check")}
+    for run in arms.values():  # warm-up
+        run(), run(), run()
+    times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in arms}
+    names = list(arms)
+    load = [os.getloadavg()[0]]
+    for i in range(args.steps):
+        for k in names if i % 2 else names[::-1]:
+            times[k].append(arms[k]())
+    load.append(os.getloadavg()[0])
+
+    def quantiles(rows: list[tuple[float, float, float]]) -> dict[str, dict[str, float]]:
+        cols = [*zip(*rows, strict=True), [sum(r) for r in rows]]
+        out = {}
+        for phase, col in zip(PHASES, cols, strict=True):
+            q = statistics.quantiles(col, n=10)
+            out[phase] = {"p30_ms": 1000 * q[2], "median_ms": 1000 * q[4]}
+        return out
+
+    summary = {k: quantiles(v) for k, v in times.items()}
+    result = {
+        "command": " ".join(["python benchmarks/engine_phases.py", *sys.argv[1:]]),
+        "steps": args.steps,
+        "batch": BATCH,
+        "load_average_1min": load,
+        "cpus": os.cpu_count(),
+        "arms": summary,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "engine_phases.json").write_text(json.dumps(result, indent=2) + "\n")
+    base = summary["nonprivate"]
+    rows = []
+    for k, s in summary.items():
+        cells = []
+        for phase in PHASES:
+            p30, extra = s[phase]["p30_ms"], s[phase]["p30_ms"] - base[phase]["p30_ms"]
+            cells.append(f"{p30:.2f}" if k == "nonprivate" else f"{p30:.2f} ({extra:+.2f})")
+        rows.append(f"| {k} | " + " | ".join(cells) + " |")
+    md = f"""# Where the engine's time goes (one process, one fixed batch)
+
+Output of `{result["command"]}`. The tiny encoder of `benchmarks/distributed.py` (one
+thread), one fixed batch of {BATCH} for every step; the arms alternate step by step,
+{args.steps} steps each. CPU (thread) ms per step at the 30th percentile over the steps, in
+brackets the difference to non-private bias-only training. 1-minute load average at the
+start and end: {", ".join(f"{x:.1f}" for x in load)} ({os.cpu_count()} CPUs).
+
+| arm | forward | backward | step | total |
+|---|---|---|---|---|
+{chr(10).join(rows)}
+"""
+    (RESULTS / "engine_phases.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
