@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "dpfit/engine.py"
 CLIPPED_SUM = "dpfit/clipped_sum.py"
 PER_EXAMPLE = "dpfit/per_example.py"
+GRADIENT_CHECK = "dpfit/gradient_check.py"
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,15 @@ MUTATIONS = (
         "gradients of two forward passes reach one step (rows of two batches summed)",
         ((PER_EXAMPLE, "if len(fids) > 1:", "if False:"),),
         ("tests/test_engine.py::test_gradients_of_two_forward_passes_in_one_step_are_refused",),
+    ),
+    Mutation(
+        "gradient-check-blind",
+        "per-example sums never compared with autograd's gradient (a missed use of a bias passes)",
+        ((GRADIENT_CHECK, "if err > tol * size + 1e-6:", "if False:"),),
+        (
+            "tests/test_engine.py::test_bias_used_outside_its_module_is_caught",
+            "tests/test_gradient_check.py",
+        ),
     ),
     Mutation(
         "bf16-norms",
