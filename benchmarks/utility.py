@@ -308,7 +308,9 @@ def markdown(summary: dict, header: str, failures: list[dict]) -> str:
     if failures:
         lines += ["", "Runs that failed:", ""]
         lines += [
-            f"- {f['task']} / {f['row']} / seed {f['seed']}: {f['error'][:160]}" for f in failures
+            f"- {f['task']} / {f['row']} / seed {f['seed']}: {f['error'][:160]}"
+            + (" (run again since; that run is the one in the tables)" if f["rerun"] else "")
+            for f in failures
         ]
     return "\n".join(lines) + "\n"
 
@@ -351,7 +353,12 @@ def write_outputs(records: list[dict], scale: Scale, out: Path, tag: str, seeds)
     import torch
 
     summary = summarize(records, scale)
-    failures = [r for r in records if r.get("scale") == scale.tag() and "error" in r]
+    done = {r["key"] for r in records if "error" not in r}
+    failures = [
+        {**r, "rerun": r["key"] in done}
+        for r in records
+        if r.get("scale") == scale.tag() and "error" in r
+    ]
     size = (
         f"quick mode: a random {scale.max_train} training examples per task (seeded) and a "
         f"random {scale.max_test} test examples"
