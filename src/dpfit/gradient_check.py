@@ -3,8 +3,8 @@
 A parameter used where its sampler cannot see it (a functional call reusing a bias), or a batch
 axis other than the declared one, gives per-example rows that do not sum to the parameter's
 gradient; clipping such rows would not bound each example's contribution. The check runs on
-every physical batch (`PrivacyEngine(check_gradients=True)`, the default): one fused reduction
-and one host transfer.
+every physical batch (`PrivacyEngine(check_gradients=True)`, the default): two reductions over
+the per-example matrix and one host transfer.
 
 The error is measured against the size of what was added, not of the result: per-example
 gradients that nearly cancel (a balanced binary task, a head that already fits) leave a small
@@ -57,11 +57,10 @@ class AutogradCheck:
         sq_parts, checked = [], []  # rows: squared error norm, squared size of what was added
         if plain:
             assert batch.dense is not None
+            ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
             if len(plain) == len(self.params):
-                ref = torch.cat([g.reshape(-1) for g in grads]).float()
                 positions = self._all_positions
             else:
-                ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
                 positions = tuple(self.layout.position(p) for p in plain)
             ids = self.layout.segment_ids(positions, ref.device)
             dense = batch.dense.to(ref.device)

@@ -210,7 +210,6 @@ class PerExampleHooks:
         bias_fn = entry.bias if any(local in entry.bias_params for local in params) else None
         weight_fn = (plan.weight_fn or entry.weight) if plan.needs_input else None
         accumulate = self._accumulate
-        only = next(iter(params.items())) if weight_fn is None and len(params) == 1 else None
 
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
             if not torch.is_grad_enabled():
@@ -218,18 +217,8 @@ class PerExampleHooks:
             out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
             if out is None or not out.requires_grad:
                 return
-            fid = self._forward_id
-            if only is not None:  # one bias, the usual case: no loop over parameters
-                local, p = only
-
-                def on_bias_grad(g: torch.Tensor) -> None:
-                    per = bias_fn(module, g, bd).get(local)
-                    if per is not None:
-                        accumulate(p, per, fid)
-
-                out.register_hook(on_bias_grad)
-                return
             act = inputs[0].detach() if weight_fn is not None else None
+            fid = self._forward_id
 
             def on_grad(g: torch.Tensor) -> None:
                 if act is None:

@@ -153,8 +153,6 @@ def sum_positions(g: torch.Tensor, batch_dim: int, kept: int = 1) -> torch.Tenso
             else:  # (positions, B * width)
                 out = g.new_ones(1, lead) @ g.view(lead, rows * width)
             return out.view(rows, *tail)
-    if d - kept == 2:  # one position axis, the common case
-        return g.sum(1 - b)
     return g.sum(dim=[i for i in range(d - kept) if i != b])  # leaves (batch, *tail)
 
 
