@@ -84,6 +84,12 @@ ROWS = (
         "dpfit",
         {"epsilon": 8.0, "head_first": False},
     ),
+    Row(
+        "dp-8-flat",
+        "DP-BiTFiT eps=8, flat clipping",
+        "dpfit",
+        {"epsilon": 8.0, "clipping": "flat"},
+    ),
     Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
 )
