@@ -1,12 +1,19 @@
 """Data-parallel DP-BiTFiT on this machine: 1 process x 2 threads vs 2 processes x 1 thread
 (gloo), against non-private DDP bias-only, and the bytes all-reduced per step (bias vs full).
 
-    PYTHONPATH=src python benchmarks/distributed.py [--rounds 10 --steps 4]
+    PYTHONPATH=src python benchmarks/distributed.py [--model tiny|larger|minilm]
+        [--rounds 10 --steps 4]
 
-Writes benchmarks/results/distributed.json and distributed.md. Examples/s is the median over
-the measured logical steps of (examples in the step, all ranks) / (step wall time on rank 0).
-A small transformer encoder (2 layers, d=128, sequence 32) keeps it short; the machine's CPUs
-are shared, so absolute figures are noisy; the ratios come from one run.
+Without --model: a tiny (2 layers, d=128, sequence 32) and a larger (d=256, sequence 128)
+transformer encoder, the larger one for half the rounds and steps; writes
+benchmarks/results/distributed.json and distributed.md. `--model NAME`: that model alone, for
+the rounds and steps given; writes distributed_NAME.json/.md. `minilm` is the product's
+default model: the bundled all-MiniLM-L6-v2 classifier as dpfit trains it (biases + the new
+head, dropout on), every example 128 tokens of the bundled Rotten Tomatoes texts: the
+workload of `engine_overhead.py --model minilm` (benchmarks/workloads.py). Examples/s is the
+median over the measured logical steps of (examples in the step, all ranks) / (step wall time
+on rank 0). The machine's CPUs are shared, so absolute figures are noisy; the ratios come
+from one run.
 """
 
 from __future__ import annotations
@@ -29,14 +36,24 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared workloads, when imported from elsewhere
+from workloads import MINILM_MAX_LENGTH, Workload, minilm_workload  # noqa: E402
+
 # PHYS caps a rank's forward pass; a Poisson share of the logical batch (expected B/2 = 32 per
 # rank, sd 5.7) exceeds 48 in about 0.3% of steps, so almost every step is one pass, as the
 # non-private arm's fixed 32 per rank always is (a cap of 32 would split half the DP steps
-# into a full and a tiny pass, whose fixed cost is not the cost of privacy)
+# into a full and a tiny pass, whose fixed cost is not the cost of privacy).
+# The same B and PHYS serve MiniLM: at 128 tokens it costs about 90 ms of CPU per example on
+# one core (benchmarks/results/engine_overhead_minilm.md), so 32 examples per rank make a
+# step of about 3 s on a quiet core (a few seconds: enough steps fit in minutes), and 32 per
+# rank is the batch engine_overhead.py measures in one process, so the two figures compare.
+# A smaller batch would shorten the run but inflate the share of the per-step fixed costs
+# (noise, all-reduce, optimizer) beyond what a real run pays.
 N, B, PHYS, VOCAB = 4096, 64, 48, 1000
-# model size: set per job through the environment (main() runs a tiny and a larger encoder)
+# toy encoder size: set per job through the environment (main() runs a tiny and a larger one)
 D, SEQ = int(os.environ.get("BENCH_D", "128")), int(os.environ.get("BENCH_SEQ", "32"))
 SIZES = {"tiny": (128, 32), "larger": (256, 128)}
+MODELS = ("tiny", "larger", "minilm")
 
 
 class Encoder(nn.Module):
@@ -74,9 +91,34 @@ def make_model(mode: str) -> nn.Module:
     return model
 
 
-def reduced_bytes(mode: str) -> int:
-    """What the engine all-reduces per logical step: every trainable tensor, float32."""
-    return 4 * sum(p.numel() for p in make_model(mode).parameters() if p.requires_grad)
+def toy_workload() -> Workload:
+    """The toy encoder (size from the environment) on random tokens."""
+    return Workload(
+        make_model=lambda: make_model("bias"),
+        data=Tokens(),
+        collate=torch.utils.data.default_collate,  # what the engine's loader uses by default
+        loss=lambda model, b: nn.functional.cross_entropy(model(b[0]), b[1]),
+        rows=lambda b: len(b[0]),
+    )
+
+
+def describe(model: str) -> str:
+    if model == "minilm":
+        return (
+            "bundled all-MiniLM-L6-v2 classifier, 6 layers, d=384, biases + head, "
+            f"{MINILM_MAX_LENGTH} tokens per example (bundled Rotten Tomatoes texts, padded)"
+        )
+    d, seq = SIZES[model]
+    return f"2-layer transformer encoder, d={d}, feed-forward {2 * d}, seq {seq}"
+
+
+def trainable_bytes(model: nn.Module) -> dict[str, int]:
+    """What the engine all-reduces per logical step (every trainable tensor, float32), and
+    what full fine-tuning would (every parameter)."""
+    return {
+        "bias": 4 * sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "full": 4 * sum(p.numel() for p in model.parameters()),
+    }
 
 
 def bundled_model_bytes() -> dict | None:
@@ -98,26 +140,34 @@ def bundled_model_bytes() -> dict | None:
 class DPArm:
     """DP-BiTFiT with the engine's Poisson loader: one logical step per `step()` call."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, job: Workload) -> None:
         import dpfit
 
-        self.world = world
-        self.model = make_model("bias")
+        self.world, self.job = world, job
+        self.model = job.make_model()
         self.engine = dpfit.PrivacyEngine(
-            self.model, expected_batch_size=B, sample_size=N, noise_multiplier=1.0
+            self.model, expected_batch_size=B, sample_size=len(job.data), noise_multiplier=1.0
         )
         self.opt = torch.optim.SGD(self.engine.parameters(), lr=0.01)
-        self.batches = iter(
-            self.engine.data_loader(Tokens(), physical_batch_size=PHYS, optimizer=self.opt)
+        loader = self.engine.data_loader(
+            job.data, job.collate, physical_batch_size=PHYS, optimizer=self.opt
         )
+        self.batches = self.forever(loader)
+
+    @staticmethod
+    def forever(loader):
+        """A new pass when one ends (a pass is len(data) / B logical steps: 64 for the toy
+        encoders, 160 for MiniLM's 10,233 texts; a long run needs more)."""
+        while True:
+            yield from loader
 
     def step(self) -> tuple[int, float, float]:
         """(examples in the logical step on all ranks, wall and CPU seconds on this rank)."""
         n, t, c = 0, time.perf_counter(), time.thread_time()
         while True:
-            x, y = next(self.batches)  # the dataset is much larger than the run: no StopIteration
-            nn.functional.cross_entropy(self.model(x), y).backward()
-            n += len(x)
+            batch = next(self.batches)
+            self.job.loss(self.model, batch).backward()
+            n += self.job.rows(batch)
             if self.engine.step(self.opt):
                 break
         dt, dc = time.perf_counter() - t, time.thread_time() - c
@@ -129,33 +179,38 @@ class DPArm:
 
 class DDPArm:
     """Non-private DDP bias-only: B/W examples per rank per step, physical batches of PHYS
-    (gradient accumulation under no_sync: DDP reduces the bias gradients once per step)."""
+    (gradient accumulation under no_sync: DDP reduces the bias gradients once per step).
+    Without DDP's buffer broadcast in every forward, which the DP arm does not do either (the
+    engine refuses it) and which constant buffers (MiniLM's position ids) do not need."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.model = make_model("bias")
-        self.ddp = nn.parallel.DistributedDataParallel(self.model)
+    def __init__(self, world: int, job: Workload) -> None:
+        from dpfit.distributed import no_forward_buffer_sync
+
+        self.world, self.job = world, job
+        self.model = job.make_model()
+        self.ddp = nn.parallel.DistributedDataParallel(self.model, **no_forward_buffer_sync())
         self.opt = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.01)
-        self.data, self.rank, self.s = Tokens(), dist.get_rank(), 0
+        self.rank, self.s = dist.get_rank(), 0
 
     def step(self) -> tuple[int, float, float]:
-        per_rank = B // self.world
+        per_rank, n = B // self.world, len(self.job.data)
         t, c = time.perf_counter(), time.thread_time()
-        start = ((self.s * self.world + self.rank) * per_rank) % (N - per_rank)
+        start = ((self.s * self.world + self.rank) * per_rank) % (n - per_rank)
         for i in range(0, per_rank, PHYS):
             chunk = range(start + i, start + min(i + PHYS, per_rank))
-            x = torch.stack([self.data[j][0] for j in chunk])
-            y = torch.stack([self.data[j][1] for j in chunk])
+            batch = self.job.collate([self.job.data[j] for j in chunk])
             last = i + PHYS >= per_rank
             with self.ddp.no_sync() if not last else contextlib.nullcontext():
-                nn.functional.cross_entropy(self.ddp(x), y).backward()
+                self.job.loss(self.ddp, batch).backward()
         self.opt.step()
         self.opt.zero_grad()
         self.s += 1
         return B, time.perf_counter() - t, time.thread_time() - c
 
 
-def worker(kind: str, rank: int, world: int, port: int, rounds: int, steps: int, out: Path) -> None:
+def worker(
+    kind: str, model: str, rank: int, world: int, port: int, rounds: int, steps: int, out: Path
+) -> None:
     """kind "interleaved": both arms in the same processes, alternating blocks of `steps`
     steps (the order flips every round) so that drift in the machine's load hits both;
     kind "dp": the DP arm alone (for 1 process x 2 threads)."""
@@ -165,30 +220,32 @@ def worker(kind: str, rank: int, world: int, port: int, rounds: int, steps: int,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=600),
         )
-    arms = {"dp": DPArm(world)}
+    job = minilm_workload() if model == "minilm" else toy_workload()
+    arms = {"dp": DPArm(world, job)}
     if kind == "interleaved":
-        arms["ddp"] = DDPArm(world)
+        arms["ddp"] = DDPArm(world, job)
     for arm in arms.values():  # warm-up
         arm.step(), arm.step()
-    res: dict[str, list[list[tuple[int, float, float]]]] = {name: [] for name in arms}
+    res: dict = {name: [] for name in arms}
     for r in range(rounds):
         order = list(arms) if r % 2 == 0 else list(reversed(arms))
         for name in order:
             res[name].append([arms[name].step() for _ in range(steps)])
+    res["allreduce_bytes"] = trainable_bytes(arms["dp"].model)
     if rank == 0:
         out.write_text(json.dumps(res))
     if world > 1:
         dist.destroy_process_group()
 
 
-def launch(kind: str, world: int, threads: int, rounds: int, steps: int, size: str) -> dict:
-    out = RESULTS / f".distributed-{kind}-{world}.tmp.json"
+def launch(kind: str, world: int, threads: int, rounds: int, steps: int, model: str) -> dict:
+    out = RESULTS / f".distributed-{model}-{kind}-{world}.tmp.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d, seq = SIZES[size]
+    d, seq = SIZES.get(model, SIZES["tiny"])  # the toy size (unused for minilm)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT / "src"),
            "BENCH_D": str(d), "BENCH_SEQ": str(seq)}  # fmt: skip
     procs = [
@@ -198,6 +255,7 @@ def launch(kind: str, world: int, threads: int, rounds: int, steps: int, size: s
                 __file__,
                 "--worker",
                 kind,
+                model,
                 str(r),
                 str(world),
                 str(port),
@@ -211,7 +269,7 @@ def launch(kind: str, world: int, threads: int, rounds: int, steps: int, size: s
     ]
     for p in procs:
         if p.wait() != 0:
-            raise SystemExit(f"{kind} x{world} failed")
+            raise SystemExit(f"{model} {kind} x{world} failed")
     res = json.loads(out.read_text())
     out.unlink()
     return res
@@ -260,56 +318,67 @@ def overhead(inter: dict, world: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, help="this model alone (default: tiny and larger)")
     ap.add_argument("--rounds", type=int, default=10, help="blocks per arm (alternating)")
     ap.add_argument("--steps", type=int, default=4, help="logical steps per block")
-    ap.add_argument("--worker", nargs=7)
+    ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        kind, rank, world, port, rounds, steps, out = args.worker
+        kind, model, rank, world, port, rounds, steps, out = args.worker
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        worker(kind, int(rank), int(world), int(port), int(rounds), int(steps), Path(out))
+        worker(kind, model, int(rank), int(world), int(port), int(rounds), int(steps), Path(out))
         return
+    if args.model is None:
+        plan = {
+            "tiny": (args.rounds, args.steps),
+            "larger": (max(2, args.rounds // 2), max(2, args.steps // 2)),
+        }
+    else:
+        plan = {args.model: (args.rounds, args.steps)}
+    first = next(iter(plan))  # the model of the 1 process x 2 threads run and the byte count
+    command = " ".join(["python benchmarks/distributed.py", *sys.argv[1:]])
     loads = [os.getloadavg()[0]]
     sizes = {}
-    for size, (rounds, steps) in {
-        "tiny": (args.rounds, args.steps),
-        "larger": (max(2, args.rounds // 2), max(2, args.steps // 2)),
-    }.items():
-        d, seq = SIZES[size]
-        inter = launch("interleaved", 2, 1, rounds, steps, size)
+    for model, (rounds, steps) in plan.items():
+        inter = launch("interleaved", 2, 1, rounds, steps, model)
         loads.append(os.getloadavg()[0])
-        sizes[size] = {
-            "model": f"2-layer transformer encoder, d={d}, feed-forward {2 * d}, seq {seq}",
+        if model == first:
+            reduced = inter["allreduce_bytes"]
+        sizes[model] = {
+            "model": describe(model),
             "rounds": rounds,
             "steps_per_block": steps,
             **overhead(inter, 2),
         }
-    one = summarise(launch("dp", 1, 2, max(2, args.rounds // 3), args.steps, "tiny")["dp"], 1, 2)
+    one = summarise(launch("dp", 1, 2, max(2, args.rounds // 3), args.steps, first)["dp"], 1, 2)
     loads.append(os.getloadavg()[0])
-    tiny = sizes["tiny"]
-    bias, full = reduced_bytes("bias"), reduced_bytes("full")
-    minilm = bundled_model_bytes()
+    bias, full = reduced["bias"], reduced["full"]
+    toy = args.model != "minilm"
+    minilm = bundled_model_bytes() if args.model is None else None
     result = {
+        "command": command,
         "expected_batch_size": B,
         "physical_batch_size": PHYS,
-        "vocab": VOCAB,
+        **({"vocab": VOCAB} if toy else {"max_length": MINILM_MAX_LENGTH}),
         "load_average_1min": loads,
         "cpus": os.cpu_count(),
         "sizes": sizes,
         "dp_bitfit_1proc_2threads": one,
-        "dp_2proc_over_1proc_speedup": tiny["dp_bitfit"]["examples_per_s_median"]
+        "dp_2proc_over_1proc_speedup": sizes[first]["dp_bitfit"]["examples_per_s_median"]
         / one["examples_per_s_median"],
         "allreduce_bytes_per_logical_step": {"bias": bias, "full": full},
         "bias_over_full_bytes": bias / full,
-        "bundled_minilm_allreduce_bytes": minilm,
         "note": "both 2-process arms of a size run in the same gloo job, in alternating "
         "blocks; non-private DDP reduces the same float32 bias gradients once per logical step "
         "(accumulating physical batches under no_sync); the machine's 2 CPUs were shared with "
         "other jobs (load averages above), so absolute rates are noisy",
     }
+    if minilm is not None:
+        result["bundled_minilm_allreduce_bytes"] = minilm
+    stem = "distributed" if args.model is None else f"distributed_{args.model}"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "distributed.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
 
     def row(name: str, r: dict) -> str:
         return (
@@ -319,7 +388,7 @@ def main() -> None:
             f"{1000 * r['cpu_s_per_example_median']:.2f} |"
         )
 
-    rows = [row("DP-BiTFiT, tiny", one)]
+    rows = [row(f"DP-BiTFiT, {first}", one)]
     lines = []
     for size, r in sizes.items():
         rows += [row(f"DP-BiTFiT, {size}", r["dp_bitfit"]),
@@ -333,15 +402,23 @@ def main() -> None:
         )
     table = "\n".join(rows)
     overheads = "\n".join(lines)
-    load = ", ".join(f"{x:.1f}" for x in loads)
-    md = f"""# Distributed DP-BiTFiT on this machine (gloo)
+    after = ", ".join(f"{x:.1f}" for x in loads[1:])
+    data = f"vocabulary {VOCAB}" if toy else f"{MINILM_MAX_LENGTH} tokens per example"
+    title = "" if toy else ": the bundled MiniLM classifier"
+    if toy:
+        bytes_note = "(target <= 0.2%; this small model has relatively more biases than a real "
+        bytes_note += "transformer)"
+    else:
+        bytes_note = "(target <= 0.2%; biases + the classification head)"
+    md = f"""# Distributed DP-BiTFiT on this machine (gloo){title}
 
-Output of `python benchmarks/distributed.py --rounds {args.rounds} --steps {args.steps}`.
-Logical batch {B} (Poisson for DP), physical batch {PHYS}, vocabulary {VOCAB}. For each model
-size, the two 2-process arms ran in one gloo job, alternating blocks of logical steps (order
-flipped every round). 1-minute load average at the start and after each job: {load}, on
-{os.cpu_count()} CPUs shared with other jobs: wall-clock rates are noisy; CPU seconds per
-example (thread time, rank 0) are not inflated by waiting for a core.
+Output of `{command}`.
+Logical batch {B} (Poisson for DP), physical batch {PHYS}, {data}. For each model, the two
+2-process arms ran in one gloo job, alternating blocks of logical steps (order flipped every
+round); then DP-BiTFiT alone in 1 process x 2 threads. 1-minute load average before the first
+job: {loads[0]:.1f}; after each job: {after}. The {os.cpu_count()} CPUs were shared with other
+jobs: wall-clock rates are noisy; CPU seconds per example (thread time of rank 0 over the
+examples of all ranks in the step) are not inflated by waiting for a core.
 
 | run | processes x threads | steps | examples/s median (min-max) | step s (median) | CPU ms per example |
 |---|---|---|---|---|---|
@@ -351,19 +428,18 @@ DP-BiTFiT (2 processes) vs non-private DDP bias-only (2 processes), target <= 5%
 
 {overheads}
 
-* 2 processes x 1 thread over 1 process x 2 threads (tiny): {result["dp_2proc_over_1proc_speedup"]:.2f}x
+* 2 processes x 1 thread over 1 process x 2 threads ({first}): {result["dp_2proc_over_1proc_speedup"]:.2f}x
   (on a busy machine 2 threads of one process wait on each other; this ratio mostly measures
   that contention, not what a quiet machine would show).
-* Bytes all-reduced per logical step (float32 trainable parameters, tiny): bias mode {bias:,},
-  full mode {full:,}: {100 * result["bias_over_full_bytes"]:.2f}% (target <= 0.2%; this small
-  model has relatively more biases than a real transformer).
+* Bytes all-reduced per logical step (float32 trainable parameters, {first}): bias mode
+  {bias:,}, full mode {full:,}: {100 * result["bias_over_full_bytes"]:.3f}% {bytes_note}.
 """
     if minilm is not None:
         md += (
             f"* Bundled MiniLM classifier: bias mode {minilm['bias']:,} bytes, full mode "
             f"{minilm['full']:,} bytes per logical step: {100 * minilm['bias_over_full']:.3f}%.\n"
         )
-    (RESULTS / "distributed.md").write_text(md)
+    (RESULTS / f"{stem}.md").write_text(md)
     print(md)
 
 

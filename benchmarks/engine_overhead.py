@@ -30,11 +30,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared workloads, when imported from elsewhere
+from workloads import MINILM_MAX_LENGTH, Workload, minilm_workload  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 PER_RANK = 32  # one rank's expected share of distributed.py's logical batch of 64
 PHYS = 48  # physical batch cap: almost every Poisson batch of expected size 32 is one pass
@@ -44,59 +45,10 @@ MODELS = {
 }
 
 
-@dataclass(frozen=True)
-class Workload:
-    """One model's training job: a fresh bias-only model, its data, collate and loss."""
-
-    make_model: Callable[[], Any]
-    data: Any
-    collate: Callable[[list], Any]
-    loss: Callable[[Any, Any], Any]  # (model, batch) -> scalar loss
-    rows: Callable[[Any], int]  # examples in a batch
-
-
 def tiny_workload() -> Workload:
-    import torch
-    from torch import nn
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed as bench  # the same model and data
 
-    return Workload(
-        make_model=lambda: bench.make_model("bias"),
-        data=bench.Tokens(),
-        collate=torch.utils.data.default_collate,  # what the engine's loader uses by default
-        loss=lambda model, b: nn.functional.cross_entropy(model(b[0]), b[1]),
-        rows=lambda b: len(b[0]),
-    )
-
-
-def minilm_workload(max_length: int) -> Workload:
-    import dpfit
-    from dpfit.data.text import bundled_rotten_tomatoes
-    from dpfit.models import load_classifier
-    from dpfit.tasks.classification import make_collate
-
-    def make_model():
-        loaded = load_classifier(None, ["rotten", "fresh"], seed=0)
-        dpfit.make_bias_trainable(loaded.model, train_head=loaded.head_names)
-        loaded.model.train()  # as dpfit train runs it (dropout on)
-        return loaded.model
-
-    tokenizer = load_classifier(None, ["rotten", "fresh"], seed=0).tokenizer
-    train = bundled_rotten_tomatoes(seed=0).train
-    enc = tokenizer(
-        list(train.texts), truncation=True, padding="max_length", max_length=max_length
-    )  # fmt: skip
-    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
-    data = [{**{k: enc[k][i] for k in keys}, "labels": y} for i, y in enumerate(train.labels)]
-    return Workload(
-        make_model=make_model,
-        data=data,
-        collate=make_collate(tokenizer.pad_token_id),
-        loss=lambda model, b: model(**b).loss,
-        rows=lambda b: len(b["labels"]),
-    )
+    return bench.toy_workload()
 
 
 def worker(steps: int, model_name: str, max_length: int) -> dict:
@@ -186,7 +138,9 @@ def run_worker(src: Path, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    ap.add_argument("--max-length", type=int, default=128, help="minilm: tokens per example")
+    ap.add_argument(
+        "--max-length", type=int, default=MINILM_MAX_LENGTH, help="minilm: tokens per example"
+    )
     ap.add_argument("--baseline", help="git revision whose engine to measure side by side")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=8, help="steps per arm per worker")
