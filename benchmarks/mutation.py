@@ -224,6 +224,37 @@ MUTATIONS = (
         ("tests/test_engine.py", "-k", "secure_rng"),
     ),
     Mutation(
+        "dist-sampling-forked-streams",
+        "distributed: each rank draws its own global sample (OS-seeded) and keeps its part of "
+        "it, so one example can be in two ranks' parts of one logical batch",
+        ((ENGINE, "sampling.manual_seed(shared_seed(self._dist))", "pass"),),
+        ("tests/distributed/test_engine.py::test_the_union_of_rank_parts_is_poisson_at_q",),
+    ),
+    Mutation(
+        "dist-sampling-whole-on-every-rank",
+        "distributed: every rank trains on the whole global sample (each example W times)",
+        (
+            (
+                "dpfit/sampling.py",
+                "chosen = chosen[self.part.rank :: self.part.world_size]",
+                "chosen = chosen",
+            ),
+        ),
+        ("tests/distributed/test_engine.py", "-k", "union or split"),
+    ),
+    Mutation(
+        "dist-secure-draws-not-shared",
+        "distributed secure_rng: each rank draws its own sample from os.urandom",
+        (
+            (
+                "dpfit/sampling.py",
+                "return self.part.share(mine)",
+                "return (os_uniform(self.num_samples) < self.sample_rate).nonzero().flatten()",
+            ),
+        ),
+        ("tests/distributed/test_engine.py::test_secure_draws_are_shared_from_rank_0",),
+    ),
+    Mutation(
         "batch-axis-unchecked",
         "per-example row count not compared with the batch the loader drew",
         ((ENGINE, "if expected is None or rows == expected:", "if True:"),),

@@ -13,7 +13,7 @@ from torch import nn
 from toy_data import Points
 
 import dpfit
-from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader
+from dpfit.sampling import LogicalBatch, PoissonBatchSampler, PoissonDataLoader, RankPart
 
 
 def make_model() -> nn.Module:
@@ -74,6 +74,56 @@ def test_sampler_without_generator_is_os_seeded():
     assert a != b
 
 
+def _ranks(world: int, secure: bool = False, seed: int = 3) -> list[PoissonBatchSampler]:
+    """The samplers of a data-parallel job's ranks, as the engine builds them: one common
+    generator state, or (secure) rank 0's draw handed to the others."""
+    handed: list[torch.Tensor] = []
+
+    def share(idx):  # ranks draw in rank order here: rank 0 first, the others read its draw
+        if idx is not None:
+            handed.append(idx)
+            return idx
+        return handed[-1]
+
+    return [
+        PoissonBatchSampler(
+            1000,
+            0.1,
+            generator=None if secure else torch.Generator().manual_seed(seed),
+            secure=secure,
+            part=RankPart(r, world, share),
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("secure", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_parts_split_one_poisson_sample_evenly(world, secure):
+    """The ranks' parts are disjoint, their union is the one-process draw (same generator
+    state), and no part is larger than another by more than one example."""
+    ranks = _ranks(world, secure)
+    single = PoissonBatchSampler(1000, 0.1, generator=torch.Generator().manual_seed(3))
+    for _ in range(20):
+        parts = [s.draw() for s in ranks]
+        union = sorted(i for p in parts for i in p)
+        assert len(union) == len(set(union))
+        if not secure:
+            assert union == single.draw()
+        sizes = [len(p) for p in parts]
+        assert max(sizes) - min(sizes) <= 1, sizes
+        assert len(union) > 50
+
+
+def test_a_rank_part_needs_a_common_source():
+    with pytest.raises(ValueError, match="share"):
+        PoissonBatchSampler(10, 0.5, secure=True, part=RankPart(0, 2))
+    with pytest.raises(ValueError, match="generator"):
+        PoissonBatchSampler(10, 0.5, part=RankPart(0, 2))
+    with pytest.raises(ValueError, match="outside"):
+        RankPart(2, 2)
+
+
 class Recorder:
     """A LogicalBatchEvents that only records: the loader needs no engine."""
 
@@ -109,7 +159,8 @@ def test_loader_reports_logical_batches_and_their_chunks():
 
 def test_logical_batch_comes_in_index_order_across_its_chunks():
     """Tasks sort their items by length and rely on this order for cheap padding."""
-    sampler = PoissonBatchSampler(100, 0.3, steps_per_epoch=10, indices=torch.arange(1, 200, 2))
+    gen = torch.Generator().manual_seed(0)
+    sampler = PoissonBatchSampler(200, 0.3, steps_per_epoch=10, generator=gen, part=RankPart(1, 2))
     events = Recorder()
     loader = PoissonDataLoader(events, Points(200), sampler, physical_batch_size=7)
     chunks = [idx.tolist() for _, _, idx in loader]

@@ -1,7 +1,7 @@
 """Data-parallel DP-SGD over torch.distributed: what the engine needs from a process group.
 
-One logical batch is the union of every rank's Poisson sample of its own shard (each example
-still joins with probability q, independently), each rank clips into a local sum, and ONE
+Every rank draws the same Poisson sample of the whole dataset (from a stream seeded by rank 0)
+and keeps every world-th example of it, each rank clips its part into a local sum, and ONE
 all-reduce (SUM) per logical step adds the ranks' sums. The Gaussian noise is drawn on rank 0
 only and added to rank 0's local sum before that reduce, so the global sum carries it exactly
 once, and every rank receives the same reduced tensor (hence bit-identical parameters).
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpfit.errors import DistributedError
+from dpfit.rng import secure_seed
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ __all__ = [
     "is_main_process",
     "launch_command",
     "resolve",
-    "shard_indices",
+    "share_from_main",
+    "shared_seed",
     "unwrap_ddp",
 ]
 
@@ -85,9 +87,26 @@ def resolve(process_group: dist.ProcessGroup | None) -> DistContext | None:
     return DistContext(process_group, dist.get_rank(process_group), world)
 
 
-def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
-    """Rank r's examples: r, r+W, r+2W, ... (a partition of range(num_samples))."""
-    return list(range(rank, num_samples, world_size))
+def _main_rank(ctx: DistContext) -> int:
+    return dist.get_global_rank(ctx.group, 0) if ctx.group else 0
+
+
+def shared_seed(ctx: DistContext) -> int:
+    """A seed from rank 0's os.urandom, the same on every rank: the Poisson sampler's common
+    stream (every rank draws the same global sample and keeps its part of it)."""
+    seed = torch.tensor([secure_seed() if ctx.is_main else 0], dtype=torch.int64)
+    dist.broadcast(seed, src=_main_rank(ctx), group=ctx.group)
+    return int(seed.item())
+
+
+def share_from_main(indices: torch.Tensor | None, ctx: DistContext) -> torch.Tensor:
+    """Rank 0's index tensor on every rank (others pass None): its length, then its values."""
+    size = torch.tensor([0 if indices is None else indices.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=_main_rank(ctx), group=ctx.group)
+    out = indices if ctx.is_main else torch.empty(int(size.item()), dtype=torch.int64)
+    if out.numel():
+        dist.broadcast(out, src=_main_rank(ctx), group=ctx.group)
+    return out
 
 
 def all_reduce_sum(tensors: list[torch.Tensor], ctx: DistContext) -> list[torch.Tensor]:
@@ -114,7 +133,7 @@ def check_identical(params: list[torch.Tensor], ctx: DistContext) -> None:
         return
     flat = torch.cat([p.detach().reshape(-1).double() for p in params])
     ref = flat.clone()
-    dist.broadcast(ref, src=dist.get_global_rank(ctx.group, 0) if ctx.group else 0, group=ctx.group)
+    dist.broadcast(ref, src=_main_rank(ctx), group=ctx.group)
     bad = torch.tensor([float(not torch.equal(flat, ref))], device=flat.device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=ctx.group)
     if bad.item():
@@ -128,7 +147,7 @@ def check_identical(params: list[torch.Tensor], ctx: DistContext) -> None:
 def broadcast_module(module: nn.Module, ctx: DistContext) -> None:
     """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model (for
     integrations that build the engine before their framework wraps the model)."""
-    src = dist.get_global_rank(ctx.group, 0) if ctx.group else 0
+    src = _main_rank(ctx)
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.data, src=src, group=ctx.group)

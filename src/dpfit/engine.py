@@ -31,7 +31,8 @@ from dpfit.distributed import (
     check_identical,
     no_sync_context,
     resolve,
-    shard_indices,
+    share_from_main,
+    shared_seed,
     unwrap_ddp,
 )
 from dpfit.errors import BatchAxisError, BudgetExhaustedError, DistributedError, SamplingError
@@ -44,7 +45,7 @@ from dpfit.noise import gaussian_noise
 from dpfit.params import is_bias
 from dpfit.per_example import LayerPlan, PerExampleHooks, batch_rows, plan_layers
 from dpfit.rng import make_generator
-from dpfit.sampling import LogicalStepTracker, PoissonBatchSampler, PoissonDataLoader
+from dpfit.sampling import LogicalStepTracker, PoissonBatchSampler, PoissonDataLoader, RankPart
 from dpfit.schedule import (
     Phase,
     PhaseSpec,
@@ -158,7 +159,9 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ set-up
     def _make_generators(self) -> tuple[torch.Generator | None, torch.Generator | None]:
         """Noise and sampling generators: none with secure_rng (every draw from os.urandom),
-        else seeded from os.urandom, or from insecure_seed (two distinct streams)."""
+        else seeded from os.urandom, or from insecure_seed (two distinct streams). In a
+        data-parallel job the sampling stream is rank 0's on every rank: all ranks draw the
+        same global sample and keep their parts of it; only rank 0 draws noise."""
         if self.config.secure_rng:
             return None, None
         seed = self.config.insecure_seed
@@ -168,17 +171,10 @@ class PrivacyEngine:
                 "so the run is NOT differentially private against anyone who knows it",
                 seed,
             )
-        return make_generator(seed, "noise"), make_generator(seed, self._sampling_stream())
-
-    def _sampling_stream(self, resumed_at: int | None = None) -> str:
-        """Each rank samples its shard from its own stream: shared draws would make the
-        inclusions of examples on different ranks dependent (not Poisson)."""
-        name = "sampling"
-        if self._dist is not None and self._dist.rank > 0:
-            name += f":rank{self._dist.rank}"
-        if resumed_at is not None:
-            name += f":resumed{resumed_at}"
-        return name
+        sampling = make_generator(seed, "sampling")
+        if self._dist is not None and seed is None:
+            sampling.manual_seed(shared_seed(self._dist))
+        return make_generator(seed, "noise"), sampling
 
     @property
     def sample_rate(self) -> float:
@@ -290,19 +286,18 @@ class PrivacyEngine:
                 f"dataset has {len(dataset)} examples but the engine was built with "
                 f"sample_size={self.config.sample_size}; the sampling rate would be wrong"
             )
-        # distributed: this rank's shard, sampled at the same q (the union is Poisson at q)
-        shard = None
+        # distributed: this rank's part of the one global Poisson sample
+        part = None
         if self._dist is not None:
-            shard = shard_indices(len(dataset), self._dist.rank, self._dist.world_size)
+            ctx = self._dist
+            part = RankPart(ctx.rank, ctx.world_size, lambda idx: share_from_main(idx, ctx))
         sampler = PoissonBatchSampler(
-            len(dataset) if shard is None else len(shard),
+            len(dataset),
             self.sample_rate,
             self.config.steps_per_epoch,
             generator=self._sample_rng,
             secure=self.config.secure_rng,
-            indices=shard,
-            # a saved loader state holds rank 0's generator: other ranks keep their own stream
-            restores_generator=self._dist is None or self._dist.is_main,
+            part=part,
         )
         self._loader = PoissonDataLoader(
             self._steps,
@@ -553,13 +548,6 @@ class PrivacyEngine:
         for gen, key in ((self._noise_rng, "noise_rng"), (self._sample_rng, "sample_rng")):
             if gen is not None and sd.get(key) is not None:
                 gen.set_state(sd[key])
-        if self._dist is not None and self._dist.rank > 0 and self._sample_rng is not None:
-            # the checkpoint holds rank 0's sampling stream; copying it would make this shard's
-            # draws equal rank 0's. Poisson steps are independent, so a fresh stream is exact.
-            seed = self.config.insecure_seed
-            self._sample_rng.set_state(
-                make_generator(seed, self._sampling_stream(self.ledger.steps)).get_state()
-            )
         self._steps.pending_empty = int(sd.get("pending_empty", 0))
         self._eps_cache.clear()
         self._max_steps = self._compute_max_steps()

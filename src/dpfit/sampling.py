@@ -4,6 +4,12 @@ This is the sampling the accountant's amplification assumes. A logical batch is 
 physical batches of bounded size (virtual steps), and an empty logical batch is still a step:
 it releases pure noise and is accounted for.
 
+In a data-parallel job every rank draws the same Poisson sample of the whole dataset and keeps
+every world-th of its indices (`RankPart`): the union is exactly the one-process logical batch,
+and the ranks' shares differ by at most one example, so no rank waits on a larger share at the
+step's all-reduce (independent samples of per-rank shards, the other exact design, differ by
+about sqrt(B/W) examples, and the slowest rank sets the pace).
+
 The loader knows nothing of the engine: it reports where logical batches begin and end to any
 `LogicalBatchEvents` (the engine passes a `LogicalStepTracker`, which it then consults).
 """
@@ -28,8 +34,26 @@ __all__ = [
     "LogicalStepTracker",
     "PoissonBatchSampler",
     "PoissonDataLoader",
+    "RankPart",
     "secure_seed",
 ]
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """This process's part of every logical batch in a data-parallel job.
+
+    share: hands rank 0's global draw to every rank (a broadcast); needed only with secure
+    draws, which keep no generator state that the ranks could hold in common.
+    """
+
+    rank: int
+    world_size: int
+    share: Callable[[torch.Tensor | None], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
 class PoissonBatchSampler:
@@ -37,7 +61,8 @@ class PoissonBatchSampler:
 
     Holds its generator state, so a pass can stop after any step and resume exactly there.
     Without a generator it seeds one from os.urandom; with `secure` it uses none and draws
-    every inclusion decision from os.urandom.
+    every inclusion decision from os.urandom. With a `part`, every rank must hold the same
+    generator state (the engine seeds it from rank 0); it yields this rank's indices only.
     """
 
     def __init__(
@@ -47,13 +72,17 @@ class PoissonBatchSampler:
         steps_per_epoch: int | None = None,
         generator: torch.Generator | None = None,
         secure: bool = False,
-        indices: Sequence[int] | None = None,
-        restores_generator: bool = True,
+        part: RankPart | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty")
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if part is not None and part.world_size > 1:
+            if secure and part.share is None:
+                raise ValueError("secure draws in a data-parallel job need part.share")
+            if not secure and generator is None:
+                raise ValueError("a data-parallel part needs the generator every rank shares")
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps_per_epoch = steps_per_epoch or max(1, round(1 / sample_rate))
@@ -62,26 +91,28 @@ class PoissonBatchSampler:
             generator = torch.Generator().manual_seed(secure_seed())
         self.generator = None if secure else generator
         self.position = 0  # logical steps completed in the current pass
-        # a shard (this rank's examples): draws are over the shard, reported as its indices
-        if indices is not None and len(indices) != num_samples:
-            raise ValueError("indices must have num_samples entries")
-        self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long)
-        # False where a saved state's generator is not this sampler's own (the engine's loader
-        # on ranks other than 0: each rank has its own stream, a checkpoint holds rank 0's)
-        self.restores_generator = restores_generator
+        self.part = None if part is None or part.world_size == 1 else part
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def draw(self) -> list[int]:
-        if self.secure:
-            mask = os_uniform(self.num_samples) < self.sample_rate
-        else:
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-        chosen = mask.nonzero().flatten()
-        if self.indices is not None:
-            chosen = self.indices[chosen]
+        """This process's indices of the next logical batch, ascending."""
+        chosen = self._draw_all()
+        if self.part is not None:
+            chosen = chosen[self.part.rank :: self.part.world_size]
         return chosen.tolist()
+
+    def _draw_all(self) -> torch.Tensor:
+        if not self.secure:
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            return mask.nonzero().flatten()
+        if self.part is None:
+            return (os_uniform(self.num_samples) < self.sample_rate).nonzero().flatten()
+        mine = None
+        if self.part.rank == 0:
+            mine = (os_uniform(self.num_samples) < self.sample_rate).nonzero().flatten()
+        return self.part.share(mine)
 
     def __iter__(self) -> Iterator[list[int]]:
         while self.position < self.steps_per_epoch:
@@ -96,7 +127,7 @@ class PoissonBatchSampler:
 
     def load_state_dict(self, sd: dict) -> None:
         self.position = int(sd["position"])
-        if self.restores_generator and self.generator is not None and sd.get("rng") is not None:
+        if self.generator is not None and sd.get("rng") is not None:
             self.generator.set_state(sd["rng"])
 
 

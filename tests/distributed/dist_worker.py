@@ -108,25 +108,31 @@ def noise(world: int, epochs: int = 12) -> dict:
     }
 
 
-def streams(world: int) -> dict:
-    """insecure_seed=5 on every rank: 20 draws of this rank's shard (positions within it)."""
+def streams(world: int, secure: bool = False) -> dict:
+    """20 draws of this rank's part: insecure_seed=5 on every rank (comparable with one
+    process), or secure_rng (rank 0's os.urandom draw shared)."""
     engine = dpfit.PrivacyEngine(
-        make_model(), expected_batch_size=32, sample_size=64, noise_multiplier=1.0, insecure_seed=5
+        make_model(),
+        expected_batch_size=32,
+        sample_size=64,
+        noise_multiplier=1.0,
+        insecure_seed=None if secure else 5,
+        secure_rng=secure,
     )
     sampler = engine.data_loader(Points(64)).sampler
-    return {"positions": [[i // world for i in sampler.draw()] for _ in range(20)]}
+    return {"draws": [sampler.draw() for _ in range(20)]}
 
 
 def resumed_streams(world: int, state_path: str) -> dict:
     """Resume from a checkpoint of one process (it holds ITS sampler state) on every rank, then
-    20 draws of this rank's shard (positions within it)."""
+    20 draws of this rank's part."""
     engine = dpfit.PrivacyEngine(
         make_model(), expected_batch_size=32, sample_size=64, noise_multiplier=1.0
     )
     engine.load_state_dict(torch.load(state_path, weights_only=False))
     loader = engine.data_loader(Points(64))
     loader.load_state_dict(torch.load(state_path, weights_only=False)["loader"])  # as the CLI does
-    return {"positions": [[i // world for i in loader.sampler.draw()] for _ in range(20)]}
+    return {"draws": [loader.sampler.draw() for _ in range(20)]}
 
 
 def run_until(world: int, ckdir: str, total: int, die_at: int | None = None) -> dict:
@@ -182,7 +188,7 @@ def main(argv: list[str]) -> None:
         if name == "update":
             results[spec] = update(world, args[0], args[1] == "ddp")
         elif name == "streams":
-            results[spec] = streams(world)
+            results[spec] = streams(world, secure=bool(args) and args[0] == "secure")
         elif name == "resumed_streams":
             results[spec] = resumed_streams(world, args[0])
         elif name == "noise":

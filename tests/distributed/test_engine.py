@@ -29,7 +29,7 @@ def job(tmp_path_factory):
     engine.data_loader(dist_worker.Points(64))
     torch.save(engine.state_dict(), out / "state.pt")
     resumed = f"resumed_streams:{out / 'state.pt'}"
-    codes = launch(out, 2, *UPDATES, "noise", "streams", resumed)
+    codes = launch(out, 2, *UPDATES, "noise", "streams", "streams:secure", resumed)
     assert codes == [0, 0], launch.logs
     return results(out, 2)
 
@@ -75,40 +75,53 @@ def test_epsilon_is_the_single_process_figure(job):
     assert a["record"]["history"] == b["record"]["history"]
 
 
-def test_the_union_of_rank_samples_is_poisson_at_q(job):
-    """Shards are disjoint, no example twice in one logical batch, each drawn w.p. q."""
+def test_the_union_of_rank_parts_is_poisson_at_q(job):
+    """No example twice in one logical batch, each drawn w.p. q, and the ranks' parts
+    differ by at most one example (no rank waits on a larger share)."""
     n, q, steps = 64, 0.25, 48
     d0, d1 = job[0]["noise"]["drawn"], job[1]["noise"]["drawn"]
-    assert all(i % 2 == 0 for s in d0.values() for i in s)
-    assert all(i % 2 == 1 for s in d1.values() for i in s)
     total = 0
     for t in range(1, steps + 1):
-        union = d0.get(t, []) + d1.get(t, [])
+        a, b = d0.get(t, []), d1.get(t, [])
+        union = a + b
         assert len(union) == len(set(union)), f"an example drawn twice in step {t}"
+        assert abs(len(a) - len(b)) <= 1, (t, len(a), len(b))
         total += len(union)
     trials = n * steps
     lo, hi = stats.binom.ppf(ALPHA / 2, trials, q), stats.binom.ppf(1 - ALPHA / 2, trials, q)
     assert lo <= total <= hi, (total, lo, hi)
-    # per rank too: each shard is sampled at q, not q/world or q*world
-    for d in (d0, d1):
-        k = sum(len(s) for s in d.values())
-        lo, hi = (
-            stats.binom.ppf(ALPHA / 2, trials // 2, q),
-            stats.binom.ppf(1 - ALPHA / 2, trials // 2, q),
-        )
-        assert lo <= k <= hi, (k, lo, hi)
 
 
-def test_ranks_sample_from_distinct_streams_even_with_one_insecure_seed(job):
-    """Shared draws would put position k of every shard in or out together: the shards'
-    inclusions would be dependent, not a Poisson sample of the whole."""
-    a, b = job[0]["streams"]["positions"], job[1]["streams"]["positions"]
-    assert sum(x == y for x, y in zip(a, b, strict=True)) <= 1
+def _assert_parts_of(parts: list[list[int]], whole: list[int]) -> None:
+    """Rank r holds every second example of the global sample, starting at its r-th."""
+    assert parts[0] == whole[0::2] and parts[1] == whole[1::2], (parts, whole)
 
 
-def test_resumed_ranks_sample_from_distinct_streams(job):
-    """A checkpoint holds rank 0's sampler state; restoring it on every rank (through the
-    engine and again through the loader, as the CLI does) would make the shards' draws equal."""
+def test_ranks_split_the_one_process_sample(job):
+    """With one insecure seed, the two ranks' parts are exactly the one-process draws: the
+    global sample is drawn once (not once per rank, which would draw examples twice)."""
+    single = dist_worker.streams(1)["draws"]
+    for t, whole in enumerate(single):
+        _assert_parts_of([job[0]["streams"]["draws"][t], job[1]["streams"]["draws"][t]], whole)
+
+
+def test_secure_draws_are_shared_from_rank_0(job):
+    """secure_rng keeps no generator the ranks could share: rank 0's draw is handed over."""
+    a, b = job[0]["streams:secure"]["draws"], job[1]["streams:secure"]["draws"]
+    sizes = 0
+    for x, y in zip(a, b, strict=True):
+        assert not set(x) & set(y) and abs(len(x) - len(y)) <= 1
+        _assert_parts_of([x, y], sorted(x + y))
+        sizes += len(x) + len(y)
+    trials = 20 * 64  # q = 32 / 64
+    lo, hi = stats.binom.ppf(ALPHA / 2, trials, 0.5), stats.binom.ppf(1 - ALPHA / 2, trials, 0.5)
+    assert lo <= sizes <= hi, (sizes, lo, hi)
+
+
+def test_resumed_ranks_continue_the_checkpointed_stream(job):
+    """A one-process checkpoint resumed on 2 ranks: their parts are the draws the one process
+    would make next (the stream is restored on every rank, not forked per rank)."""
     spec = next(k for k in job[0] if k.startswith("resumed_streams"))
-    a, b = job[0][spec]["positions"], job[1][spec]["positions"]
-    assert sum(x == y for x, y in zip(a, b, strict=True)) <= 1
+    single = dist_worker.resumed_streams(1, spec.split(":", 1)[1])["draws"]
+    for t, whole in enumerate(single):
+        _assert_parts_of([job[0][spec]["draws"][t], job[1][spec]["draws"][t]], whole)
