@@ -25,7 +25,7 @@ What changes, and why (docs/trainer.md has the user's view):
 * Each Trainer checkpoint also holds ``dpfit_engine.pt`` (ledger, noise and sampler state;
   secret); resuming needs it, so epsilon after a resume counts every step.
 * Under torchrun, the logical batch is per_device_train_batch_size x world size, each rank
-  samples its shard, the engine reduces clipped sums once per step (rank 0 adds the noise),
+  keeps its part of one global Poisson sample, the engine reduces clipped sums once per step (rank 0 adds the noise),
   each training step runs under DDP's ``no_sync()`` (DDP never averages raw gradients), and an
   empty share is still a step (EMPTY_BATCH), so every rank counts the same steps.
 The user's model gets bias-only training (plus its new head) unless ``bias_only=False``; the
