@@ -91,22 +91,32 @@ def _main_rank(ctx: DistContext) -> int:
     return dist.get_global_rank(ctx.group, 0) if ctx.group else 0
 
 
+def _comm_device(ctx: DistContext) -> torch.device:
+    """Where this backend's collectives take their tensors (NCCL: the current GPU only)."""
+    if dist.get_backend(ctx.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def shared_seed(ctx: DistContext) -> int:
     """A seed from rank 0's os.urandom, the same on every rank: the Poisson sampler's common
     stream (every rank draws the same global sample and keeps its part of it)."""
-    seed = torch.tensor([secure_seed() if ctx.is_main else 0], dtype=torch.int64)
+    value = secure_seed() if ctx.is_main else 0
+    seed = torch.tensor([value], dtype=torch.int64, device=_comm_device(ctx))
     dist.broadcast(seed, src=_main_rank(ctx), group=ctx.group)
     return int(seed.item())
 
 
 def share_from_main(indices: torch.Tensor | None, ctx: DistContext) -> torch.Tensor:
     """Rank 0's index tensor on every rank (others pass None): its length, then its values."""
-    size = torch.tensor([0 if indices is None else indices.numel()], dtype=torch.int64)
+    device = _comm_device(ctx)
+    size = torch.tensor([0 if indices is None else indices.numel()], device=device)
     dist.broadcast(size, src=_main_rank(ctx), group=ctx.group)
-    out = indices if ctx.is_main else torch.empty(int(size.item()), dtype=torch.int64)
-    if out.numel():
+    n = int(size.item())
+    out = indices.to(device) if ctx.is_main else torch.empty(n, dtype=torch.int64, device=device)
+    if n:
         dist.broadcast(out, src=_main_rank(ctx), group=ctx.group)
-    return out
+    return out.cpu()
 
 
 def all_reduce_sum(tensors: list[torch.Tensor], ctx: DistContext) -> list[torch.Tensor]:
