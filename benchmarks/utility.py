@@ -198,6 +198,7 @@ def summarize(records: list[dict], scale: Scale) -> dict:
                 "mean": statistics.fmean(accs),
                 "sd": statistics.stdev(accs) if len(accs) > 1 else None,
                 "seeds": sorted(r["seed"] for r in rs),
+                "by_seed": {r["seed"]: 100 * r["accuracy"] for r in rs},
                 "wall_s": statistics.fmean(r.get("wall_s", 0.0) for r in rs),
                 "epsilon": rs[0].get("epsilon"),
                 "steps": rs[0].get("steps"),
@@ -271,6 +272,38 @@ def targets(summary: dict) -> list[str]:
     return lines
 
 
+# (variant row key, the row it departs from by one choice): compared on the seeds both ran
+VARIANTS = (
+    ("dp-8-flat", "dp-8"),
+    ("dp-8-nohead", "dp-8"),
+    ("np-bias-nohead", "np-bias"),
+    ("np-full", "np-bias"),
+    ("dp-full-8", "dp-8"),
+)
+
+
+def variant_lines(summary: dict) -> list[str]:
+    """Each variant minus the row it departs from, paired by seed (the split, the head's
+    initialisation and the subsample are the seed's; the private noise is not)."""
+    lines = []
+    for vkey, bkey in VARIANTS:
+        vname, bname = ROW_BY_KEY[vkey].name, ROW_BY_KEY[bkey].name
+        for task, rows in summary.items():
+            v, b = rows.get(vname), rows.get(bname)
+            if not v or not b:
+                continue
+            seeds = sorted(set(v["by_seed"]) & set(b["by_seed"]))
+            if not seeds:
+                continue
+            diffs = [v["by_seed"][k] - b["by_seed"][k] for k in seeds]
+            each = ", ".join(f"{d:+.1f} (seed {k})" for k, d in zip(seeds, diffs, strict=True))
+            lines.append(
+                f"- {task}: {vname} minus {bname}: {statistics.fmean(diffs):+.1f} on average "
+                f"over {len(seeds)} seed(s): {each}"
+            )
+    return lines
+
+
 def markdown(summary: dict, header: str, failures: list[dict]) -> str:
     tasks = list(summary)
     names = row_order(summary)
@@ -311,6 +344,14 @@ def markdown(summary: dict, header: str, failures: list[dict]) -> str:
                 f"{probe_cell} | {s['lr']} | {eps} |"
             )
     lines += ["", "Targets on what has finished:", "", *(targets(summary) or ["- (none yet)"])]
+    variants = variant_lines(summary)
+    if variants:
+        lines += [
+            "",
+            "One choice changed, paired by seed (points of test accuracy):",
+            "",
+            *variants,
+        ]
     if failures:
         lines += ["", "Runs that failed:", ""]
         lines += [
