@@ -1,7 +1,8 @@
 """Full mode: factored per-example weight gradients against the microbatch-of-one oracle.
 
-Layer level: every factored sampler's norms (ghost and explicit branch), weighted sums and
-materialised gradients. Engine level: mode="full" with sigma=0 and a tiny clip norm must equal
+Layer level: every full-mode sampler on both branches of mixed ghost clipping (forced by the
+`branch` fixture): the factors kept (their ghost and explicit norms, weighted sums,
+materialised gradients) and the per-example gradients materialised in the hook. Engine level: mode="full" with sigma=0 and a tiny clip norm must equal
 the oracle's clipped sum, for each layer type and for whole transformers models built from
 tiny configs with random weights.
 """
@@ -14,12 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpfit import PrivacyEngine
+from dpfit.grad_sample import full
 from dpfit.grad_sample.full import OuterGrad, norm_sampler_for
 from dpfit.grad_sample.rmsnorm import RMSNormWithBias
 
 torch.set_num_threads(1)
 DT = torch.float64
 REL = 1e-5
+
+
+@pytest.fixture(params=["ghost", "explicit"])
+def branch(request, monkeypatch):
+    """Force mixed ghost clipping's choice: keep the factors, or materialise in the hook."""
+    monkeypatch.setattr(full, "ghost_is_cheaper", lambda *shape: request.param == "ghost")
+    return request.param
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -37,7 +46,7 @@ def oracle_layer_grads(layer: nn.Module, x: torch.Tensor, r: torch.Tensor) -> to
     return torch.stack(out)
 
 
-def check_outer(layer: nn.Module, x: torch.Tensor) -> None:
+def check_outer(layer: nn.Module, x: torch.Tensor, branch: str) -> None:
     y = layer(x)
     r = torch.randn_like(y)
     want = oracle_layer_grads(layer, x, r)
@@ -45,6 +54,8 @@ def check_outer(layer: nn.Module, x: torch.Tensor) -> None:
     got = sampler(layer, x, r, 0)["weight"]
     want_sq = want.flatten(1).pow(2).sum(1)
     c = torch.rand(x.shape[0], dtype=DT)
+    grouped = getattr(layer, "groups", 1) != 1  # grouped convs: always materialised
+    assert isinstance(got, OuterGrad) == (branch == "ghost" and not grouped)
     if isinstance(got, OuterGrad):
         assert rel_err(got.materialize(), want) < REL
         for method in ("ghost", "explicit"):
@@ -56,22 +67,22 @@ def check_outer(layer: nn.Module, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (4, 3, 7), (3, 2, 4, 7)])
-def test_linear(shape):
+def test_linear(shape, branch):
     torch.manual_seed(0)
-    check_outer(nn.Linear(7, 6, dtype=DT), torch.randn(*shape, dtype=DT))
+    check_outer(nn.Linear(7, 6, dtype=DT), torch.randn(*shape, dtype=DT), branch)
 
 
-def test_hf_conv1d():
+def test_hf_conv1d(branch):
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(1)
     layer = Conv1D(6, 5).to(DT)
     nn.init.normal_(layer.weight)
-    check_outer(layer, torch.randn(3, 4, 5, dtype=DT))
+    check_outer(layer, torch.randn(3, 4, 5, dtype=DT), branch)
 
 
 @pytest.mark.parametrize("padding_idx", [None, 0])
-def test_embedding(padding_idx):
+def test_embedding(padding_idx, branch):
     torch.manual_seed(2)
     layer = nn.Embedding(11, 4, padding_idx=padding_idx, dtype=DT)
     ids = torch.randint(0, 11, (4, 9))
@@ -86,9 +97,12 @@ def test_embedding(padding_idx):
         want.append(layer.weight.grad.clone())
     want = torch.stack(want)
     got = norm_sampler_for(layer)(layer, ids, r, 0)["weight"]
-    assert rel_err(got.materialize(), want) < REL
-    for method in ("ghost", "explicit"):
-        assert rel_err(got.sq_norms(method), want.flatten(1).pow(2).sum(1)) < REL
+    assert isinstance(got, OuterGrad) == (branch == "ghost")
+    if isinstance(got, OuterGrad):
+        for method in ("ghost", "explicit"):
+            assert rel_err(got.sq_norms(method), want.flatten(1).pow(2).sum(1)) < REL
+        got = got.materialize()
+    assert rel_err(got, want) < REL
 
 
 @pytest.mark.parametrize(
@@ -98,19 +112,42 @@ def test_embedding(padding_idx):
         dict(kernel_size=3, stride=2, padding=1),
         dict(kernel_size=2, dilation=2, padding="same"),
         dict(kernel_size=3, padding=1, padding_mode="reflect"),
+        dict(kernel_size=2, padding="same"),  # uneven: one more zero on the right
         dict(kernel_size=3, groups=2),
+        dict(kernel_size=3, groups=2, stride=2, padding=2, dilation=2),
     ],
 )
 @pytest.mark.parametrize("dims", [1, 2])
-def test_conv(kwargs, dims):
+def test_conv(kwargs, dims, branch):
     torch.manual_seed(3)
     cls = nn.Conv1d if dims == 1 else nn.Conv2d
     layer = cls(4, 6, dtype=DT, **kwargs)
     x = torch.randn(3, 4, *([7] * dims), dtype=DT)
-    check_outer(layer, x)
+    check_outer(layer, x, branch)
 
 
-def test_tied_embedding_and_linear_cross_terms():
+@pytest.mark.parametrize(
+    ("length", "ghost"),
+    [(1, True), (2, False), (5, False)],  # O * C * K = 8: ghost while 2 L^2 < 8
+)
+@pytest.mark.parametrize("layer_type", ["conv", "linear"])
+def test_mixed_rule_picks_the_branch(length, ghost, layer_type):
+    """Unforced, the sampler keeps the factors exactly when 2 T^2 < p d, and either way its
+    per-example gradients are the oracle's."""
+    torch.manual_seed(11)
+    if layer_type == "conv":
+        layer, x = nn.Conv1d(2, 4, 1, dtype=DT), torch.randn(3, 2, length, dtype=DT)
+    else:
+        layer, x = nn.Linear(2, 4, dtype=DT), torch.randn(3, length, 2, dtype=DT)
+    y = layer(x)
+    r = torch.randn_like(y)
+    got = norm_sampler_for(layer)(layer, x, r, 0)["weight"]
+    assert isinstance(got, OuterGrad) == ghost
+    got = got.materialize() if isinstance(got, OuterGrad) else got
+    assert rel_err(got, oracle_layer_grads(layer, x, r)) < REL
+
+
+def test_tied_embedding_and_linear_cross_terms(branch):
     """A weight used by an embedding and by an output layer: the norm of the sum, not the sum
     of the norms (the cross Gram terms between one-hot and dense factors)."""
     torch.manual_seed(4)
@@ -136,6 +173,10 @@ def test_tied_embedding_and_linear_cross_terms():
     b = norm_sampler_for(head)(head, z.detach(), r, 0)["weight"]
     both = a + b
     assert rel_err(both.sum(0), g_emb) < REL
+    if branch == "explicit":  # materialised in the hooks: a plain sum
+        assert not isinstance(both, OuterGrad)
+        assert rel_err(both, want) < REL
+        return
     for method in ("ghost", "explicit"):
         assert rel_err(both.sq_norms(method), want.flatten(1).pow(2).sum(1)) < REL
     # and an explicit gradient added to a factored one
@@ -244,7 +285,7 @@ LAYER_MODELS = {
 
 @pytest.mark.parametrize("name", sorted(LAYER_MODELS))
 @pytest.mark.parametrize("tiny", [True, False])
-def test_engine_full_sequences(name, tiny):
+def test_engine_full_sequences(name, tiny, branch):
     torch.manual_seed(5)
     model = LAYER_MODELS[name]()
     x = torch.randn(4, 3, 5, dtype=DT)
@@ -252,7 +293,7 @@ def test_engine_full_sequences(name, tiny):
 
 
 @pytest.mark.parametrize("tiny", [True, False])
-def test_engine_full_conv_groupnorm_embedding(tiny):
+def test_engine_full_conv_groupnorm_embedding(tiny, branch):
     torch.manual_seed(6)
 
     class Net(nn.Module):

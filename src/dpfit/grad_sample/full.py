@@ -7,10 +7,17 @@ a product of two small factors. We keep the factors (book-keeping, Bu et al. 202
 
 * take the norm by the *ghost norm* ``||G_i||_F^2 = <A_i A_i^T, H_i H_i^T>`` (Gram matrices of
   size T x T) when that is cheaper than materialising G_i, i.e. when ``2 T^2 < p d`` (the
-  per-layer choice of mixed ghost clipping, Bu et al. 2022), and by materialising G_i
-  otherwise;
+  per-layer choice of mixed ghost clipping, Bu et al. 2022), and then
 * take the clipped weighted sum ``sum_i c_i G_i = (c * H)^T A`` as one matrix product, so no
   second backward pass is needed.
+
+Otherwise (``2 T^2 >= p d``) the sampler materialises G_i [B, p, d] at once, in the backward
+hook, and returns that plain tensor (:func:`settle`): its norm and its clipped sum (one [B] x
+[B, p d] product) then come from the one per-example product, and the factors are freed. That
+is cheaper in time (one ``T p d`` product per example instead of two: the norm's and the
+book-keeping sum's) and in memory: ``p d <= 2 T^2`` implies ``p d <= T (p + d) / sqrt(2)``, so
+B p d numbers take less room than the kept factors B T (p + d) (for a convolution the factor
+A is the unfolded input, kernel-size times larger than the input itself).
 
 One representation, :class:`OuterGrad`, covers nn.Linear, transformers' Conv1D, convolutions
 (through their unfolded patches) and nn.Embedding (whose input factor is a one-hot of the token
@@ -48,6 +55,7 @@ __all__ = [
     "is_factored",
     "norm_sampler_for",
     "register_norm_sampler",
+    "settle",
 ]
 
 
@@ -141,7 +149,7 @@ class OuterGrad:
 
     def use_ghost(self) -> bool:
         """Mixed ghost clipping's rule: Gram matrices when 2 T^2 < p d, else materialise."""
-        return 2 * self.positions**2 < self.rows * self.cols
+        return ghost_is_cheaper(self.positions, self.rows, self.cols)
 
     # -- norms
     def sq_norms(self, method: str | None = None) -> torch.Tensor:
@@ -225,6 +233,17 @@ class OuterGrad:
         return NotImplemented
 
 
+def ghost_is_cheaper(positions: int, rows: int, cols: int) -> bool:
+    """Mixed ghost clipping's per-layer rule (Bu et al. 2022): the two T x T Gram matrices
+    (~2 T^2 per example) against the materialised [rows, cols] gradient."""
+    return 2 * positions**2 < rows * cols
+
+
+def settle(grad: OuterGrad) -> OuterGrad | torch.Tensor:
+    """Keep the factors where ghost norms are cheaper, else materialise now (module docstring)."""
+    return grad if grad.use_ghost() else grad.materialize()
+
+
 def is_factored(g: object) -> bool:
     return isinstance(g, OuterGrad)
 
@@ -265,12 +284,14 @@ def _rows(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- linear layers
 @register_norm_sampler(nn.Linear)
 def linear_outer(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, bd: int):
-    return {"weight": OuterGrad(((_rows(grad_output, bd), _rows(inputs, bd)),), layer.weight.shape)}
+    grad = OuterGrad(((_rows(grad_output, bd), _rows(inputs, bd)),), layer.weight.shape)
+    return {"weight": settle(grad)}
 
 
 @register_norm_sampler(HF_CONV1D)
 def hf_conv1d_outer(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, bd: int):
-    return {"weight": OuterGrad(((_rows(inputs, bd), _rows(grad_output, bd)),), layer.weight.shape)}
+    grad = OuterGrad(((_rows(inputs, bd), _rows(grad_output, bd)),), layer.weight.shape)
+    return {"weight": settle(grad)}
 
 
 # --------------------------------------------------------------------------- embedding
@@ -298,7 +319,7 @@ def embedding_factors(
 @register_norm_sampler(nn.Embedding)
 def embedding_outer(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, bd: int):
     x, y = embedding_factors(layer, inputs, grad_output, bd)
-    return {"weight": OuterGrad(((x, y),), layer.weight.shape)}
+    return {"weight": settle(OuterGrad(((x, y),), layer.weight.shape))}
 
 
 # --------------------------------------------------------------------------- convolutions
@@ -307,7 +328,8 @@ def _pairs(v: int | tuple[int, ...], n: int) -> tuple[int, ...]:
 
 
 def conv_patches(layer: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """Unfolded input patches [B, L, C_in * prod(kernel)], in the weight's (C, k...) order."""
+    """Unfolded input patches [B, C_in * prod(kernel), L], in the weight's (C, k...) order,
+    positions last (F.unfold's own layout, so products over L need no copy)."""
     n = 1 if isinstance(layer, nn.Conv1d) else 2
     k = _pairs(layer.kernel_size, n)
     s = _pairs(layer.stride, n)
@@ -322,14 +344,18 @@ def conv_patches(layer: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
                 pads.append((total // 2, total - total // 2))
     else:
         pads = [(p, p) for p in _pairs(layer.padding, n)]
-    flat_pad = [v for pair in reversed(pads) for v in pair]  # F.pad wants last dim first
-    if any(flat_pad):
-        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
-        x = F.pad(x, flat_pad, mode=mode)
+    unfold_pad: tuple[int, ...] = (0,) * 2
+    if layer.padding_mode == "zeros" and all(a == b for a, b in pads):
+        unfold_pad = tuple(a for a, _ in pads)  # unfold pads itself: no padded copy
+    else:
+        flat_pad = [v for pair in reversed(pads) for v in pair]  # F.pad wants last dim first
+        if any(flat_pad):
+            mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+            x = F.pad(x, flat_pad, mode=mode)
     if n == 1:
         x, k, s, d = x.unsqueeze(2), (1, *k), (1, *s), (1, *d)
-    cols = F.unfold(x, kernel_size=k, dilation=d, stride=s)  # [B, C*K, L]
-    return cols.transpose(1, 2)
+        unfold_pad = (0, unfold_pad[0])
+    return F.unfold(x, kernel_size=k, dilation=d, stride=s, padding=unfold_pad)
 
 
 def _check_conv(layer: nn.Module, inputs: torch.Tensor) -> None:
@@ -343,23 +369,39 @@ def _check_conv(layer: nn.Module, inputs: torch.Tensor) -> None:
 
 @register_weight_sampler(nn.Conv1d, nn.Conv2d)
 def conv_weight(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, bd: int):
-    """Explicit per-example conv weight gradients (any groups), from unfolded patches."""
+    """Explicit per-example conv weight gradients (any groups): one batched product of the
+    output gradient [B, O, L] with the unfolded patches [B, C*K, L] per group, computed in the
+    accumulation dtype (float32 for a half-precision model)."""
     _check_conv(layer, inputs)
+    dt = accumulation_dtype(grad_output.dtype)
     b, groups = inputs.shape[0], layer.groups
-    cols = conv_patches(layer, inputs)  # [B, L, C*K]
-    g = grad_output.reshape(b, layer.out_channels, -1)  # [B, O, L]
-    cols = cols.reshape(b, cols.shape[1], groups, -1).permute(0, 2, 3, 1)  # [B, G, CgK, L]
-    g = g.reshape(b, groups, -1, g.shape[-1])  # [B, G, Og, L]
-    per = torch.einsum("bgol,bgkl->bgok", g, cols)
+    cols = conv_patches(layer, inputs.to(dt))  # [B, C*K, L]
+    positions = cols.shape[-1]
+    g = grad_output.to(dt).reshape(b, layer.out_channels, positions)  # [B, O, L]
+    if groups == 1:
+        per = torch.bmm(g, cols.transpose(1, 2))  # [B, O, C*K]
+    else:
+        cols = cols.view(b, groups, -1, positions)  # [B, G, Cg*K, L]
+        per = torch.matmul(g.view(b, groups, -1, positions), cols.transpose(2, 3))
     return {"weight": per.reshape(b, *layer.weight.shape)}
+
+
+def conv_factors(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, bd: int):
+    """The factored gradient (output gradient, unfolded patches) for ghost norms (groups 1)."""
+    _check_conv(layer, inputs)
+    b = inputs.shape[0]
+    cols = conv_patches(layer, inputs).transpose(1, 2)  # [B, L, C*K]
+    g = grad_output.reshape(b, layer.out_channels, -1).transpose(1, 2)  # [B, L, O]
+    return {"weight": OuterGrad(((g, cols),), layer.weight.shape)}
 
 
 @register_norm_sampler(nn.Conv1d, nn.Conv2d)
 def conv_outer(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, bd: int):
+    """Ghost norms (factors kept) when ``2 L^2 < O * C * K`` with L output positions, else the
+    per-example gradients at once (see the module docstring); grouped convs: always explicit."""
     if layer.groups != 1:
         return conv_weight(layer, inputs, grad_output, bd)
-    _check_conv(layer, inputs)
-    b = inputs.shape[0]
-    cols = conv_patches(layer, inputs)
-    g = grad_output.reshape(b, layer.out_channels, -1).transpose(1, 2)  # [B, L, O]
-    return {"weight": OuterGrad(((g, cols),), layer.weight.shape)}
+    positions = grad_output[0].numel() // layer.out_channels
+    if ghost_is_cheaper(positions, layer.out_channels, layer.weight[0].numel()):
+        return conv_factors(layer, inputs, grad_output, bd)
+    return conv_weight(layer, inputs, grad_output, bd)
