@@ -117,12 +117,28 @@ def test_embedding(padding_idx, branch):
         dict(kernel_size=3, groups=2, stride=2, padding=2, dilation=2),
     ],
 )
-@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("dims", [1, 2, 3])
 def test_conv(kwargs, dims, branch):
     torch.manual_seed(3)
-    cls = nn.Conv1d if dims == 1 else nn.Conv2d
+    cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
     layer = cls(4, 6, dtype=DT, **kwargs)
-    x = torch.randn(3, 4, *([7] * dims), dtype=DT)
+    x = torch.randn(3, 4, *([7 if dims < 3 else 5] * dims), dtype=DT)
+    check_outer(layer, x, branch)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "offset_view", "transposed"])
+def test_conv_input_layouts(layout, branch):
+    """Patches are read as a strided view of the input itself when there is no padding: any
+    strides and storage offset of that input must give the same gradients."""
+    torch.manual_seed(12)
+    layer = nn.Conv2d(3, 5, 2, stride=(1, 2), dilation=(2, 1), dtype=DT)
+    base = torch.randn(4, 4, 7, 8, dtype=DT)
+    if layout == "channels_last":
+        x = base[:, :3].contiguous(memory_format=torch.channels_last)
+    elif layout == "offset_view":
+        x = base[1:, 1:]  # non-zero storage offset
+    else:
+        x = base[:, :3].transpose(2, 3)
     check_outer(layer, x, branch)
 
 
@@ -304,11 +320,13 @@ def test_engine_full_conv_groupnorm_embedding(tiny, branch):
             self.c2 = nn.Conv2d(1, 4, 3, stride=2, dtype=DT)
             self.gn = nn.GroupNorm(2, 4, dtype=DT)
             self.inorm = nn.InstanceNorm1d(6, affine=True, dtype=DT)
+            self.c3 = nn.Conv3d(1, 2, 2, padding=1, dtype=DT)
 
         def forward(self, b):
             h = self.inorm(self.c1(self.emb(b["ids"]).transpose(1, 2)))
             z = self.gn(self.c2(b["img"]))
-            return h.pow(2).sum((1, 2)) + z.pow(2).sum((1, 2, 3))
+            v = self.c3(b["img"][:, :, :4, :4].unsqueeze(1))  # [B, 1, 1, 4, 4] volume
+            return h.pow(2).sum((1, 2)) + z.pow(2).sum((1, 2, 3)) + v.tanh().sum((1, 2, 3, 4))
 
     def loss(model, b):
         return model(b).mean()
