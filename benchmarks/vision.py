@@ -34,7 +34,7 @@ files in ``--work``). The committed rows came from
 
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 1 2 --eps 8 2
     python benchmarks/vision.py utility --models vit-tiny --seeds 0 1 2 --eps 2 8
-    python benchmarks/vision.py scan --sizes 28 56 112 --steps 20
+    python benchmarks/vision.py scan --sizes 28 56 112 --steps 5   # the size scan's table rows
     # the larger point: 10,000 private images, logical batch 256 (117 steps), eps 8
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
         --private-examples 10000 --batch-size 256 --rows dp-bitfit dp-full 2+bitfit 1+bitfit
