@@ -90,6 +90,12 @@ ROWS = (
         "dpfit",
         {"epsilon": 8.0, "clipping": "flat"},
     ),
+    Row(
+        "dp-1-flat",
+        "DP-BiTFiT eps=1, flat clipping",
+        "dpfit",
+        {"epsilon": 1.0, "clipping": "flat"},
+    ),
     Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
 )
@@ -275,6 +281,7 @@ def targets(summary: dict) -> list[str]:
 # (variant row key, the row it departs from by one choice): compared on the seeds both ran
 VARIANTS = (
     ("dp-8-flat", "dp-8"),
+    ("dp-1-flat", "dp-1"),
     ("dp-8-nohead", "dp-8"),
     ("np-bias-nohead", "np-bias"),
     ("np-full", "np-bias"),
