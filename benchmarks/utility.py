@@ -98,6 +98,12 @@ ROWS = (
     ),
     Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
+    Row(
+        "dp-full-8-headfirst",
+        "DP full eps=8, head first",
+        "dpfit",
+        {"epsilon": 8.0, "mode": "full", "head_first": True},
+    ),
 )
 ROW_BY_KEY = {r.key: r for r in ROWS}
 QUICK_TRAIN, QUICK_TEST = 1000, 500
@@ -286,6 +292,7 @@ VARIANTS = (
     ("np-bias-nohead", "np-bias"),
     ("np-full", "np-bias"),
     ("dp-full-8", "dp-8"),
+    ("dp-full-8-headfirst", "dp-full-8"),
 )
 
 
