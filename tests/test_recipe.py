@@ -42,6 +42,9 @@ def test_private_rule_follows_its_constants():
     # LP-FT: the non-private reference in bias mode starts with the head too, at its own lr
     assert np.head_epochs == R.NON_PRIVATE_HEAD_EPOCHS and np.head_lr == R.NON_PRIVATE_HEAD_LR
     assert resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, "full", private=False).head_epochs == 0
+    # private full mode starts from a private probe too: DP full eps 8 from a zero head ended
+    # at the majority class on the utility suite's convention-party task
+    assert resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, "full").head_epochs > 0
     assert resolve_recipe(10_000, 2, 8.0, 1e-5, 1, private=False, head_first=False).head_epochs == 0
     # small data: a few steps per epoch at least, never a batch above n
     for n in (1, 7, 50, 180, 784):

@@ -163,14 +163,15 @@ def resolve_recipe(
         mode: "bias" (biases + head) or "full".
         private: False for the non-private reference.
         head_first: add a linear-probe phase before the bias phase; None: the default (on
-            for classification in bias mode, private or not, see HEAD_FIRST_BY_DEFAULT).
+            for classification in bias mode, private or not, and in private full mode; see
+            HEAD_FIRST_BY_DEFAULT).
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if mode not in PRIVATE_LR:
         raise ValueError(f"mode must be one of {sorted(PRIVATE_LR)}, got {mode!r}")
-    if head_first is None:
-        head_first = HEAD_FIRST_BY_DEFAULT and mode == "bias" and num_classes >= 2
+    if head_first is None:  # private full mode too: a zero head does not move at its lr
+        head_first = HEAD_FIRST_BY_DEFAULT and (mode == "bias" or private) and num_classes >= 2
     del epsilon, delta  # public, and (for now) not needed by the rule
     max_length = MAX_LENGTH
     physical = physical_batch_for(model_params, max_length)
