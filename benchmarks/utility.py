@@ -99,10 +99,10 @@ ROWS = (
     Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
     Row(
-        "dp-full-8-headfirst",
-        "DP full eps=8, head first",
+        "dp-full-8-nohead",
+        "DP full eps=8, no head-first",
         "dpfit",
-        {"epsilon": 8.0, "mode": "full", "head_first": True},
+        {"epsilon": 8.0, "mode": "full", "head_first": False},
     ),
 )
 ROW_BY_KEY = {r.key: r for r in ROWS}
@@ -292,7 +292,7 @@ VARIANTS = (
     ("np-bias-nohead", "np-bias"),
     ("np-full", "np-bias"),
     ("dp-full-8", "dp-8"),
-    ("dp-full-8-headfirst", "dp-full-8"),
+    ("dp-full-8-nohead", "dp-full-8"),
 )
 
 
