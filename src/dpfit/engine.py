@@ -171,9 +171,10 @@ class PrivacyEngine:
                 "so the run is NOT differentially private against anyone who knows it",
                 seed,
             )
-        sampling = make_generator(seed, "sampling")
         if self._dist is not None and seed is None:
-            sampling.manual_seed(shared_seed(self._dist))
+            sampling = torch.Generator().manual_seed(shared_seed(self._dist))
+        else:
+            sampling = make_generator(seed, "sampling")
         return make_generator(seed, "noise"), sampling
 
     @property
