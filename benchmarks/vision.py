@@ -18,8 +18,16 @@ Each row records accuracy, epsilon, wall time of the training loop and the worke
 
 ``scan`` rows: time and memory of one training step at 28, 56 and 112 pixels (FashionMNIST
 upsampled), for non-private bias-only, dpfit DP-BiTFiT, dpfit DP full and Opacus DP full
-(hooks), each in a fresh worker: median wall and CPU time per step, and peak RSS during the
-steps minus RSS just before them (Linux: VmHWM after a reset through /proc/self/clear_refs).
+(hooks), on one fixed batch. Each (round, size, method) runs two fresh workers, methods
+alternating within a size: one takes the median wall and CPU time of the timed steps after
+the warm-up ones; the other, with glibc's mmap threshold pinned (``PINNED_MALLOC``, so that
+RSS follows the live tensors rather than what the heap kept), takes the peak RSS over a few
+steps after the warm-up minus RSS just before them (Linux: VmHWM after a reset through
+/proc/self/clear_refs), and torch's own tensor peak of one step (profiler memory events). The
+report gives each method's median over the rounds of the newest run (``--rounds``). The first
+design (one worker, warm-up step inside the memory window, default allocator) let one-time
+set-up and heap retention into the memory figure: its DP-BiTFiT / non-private ratios of
+1.09-1.17 came from there, not from the step (see benchmarks/results/vision.md).
 
     python benchmarks/vision.py utility --models resnet-gn --eps 8 --rows dp-full dp-bitfit 1+bitfit
     python benchmarks/vision.py scan --sizes 28 56 112
@@ -34,7 +42,7 @@ files in ``--work``). The committed rows came from
 
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 1 2 --eps 8 2
     python benchmarks/vision.py utility --models vit-tiny --seeds 0 1 2 --eps 2 8
-    python benchmarks/vision.py scan --sizes 28 56 112 --steps 5   # the size scan's table rows
+    python benchmarks/vision.py scan --sizes 28 56 112 --steps 20 --rounds 3  # size scan rows
     # the larger point: 10,000 private images, logical batch 256 (117 steps), eps 8
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
         --private-examples 10000 --batch-size 256 --rows dp-bitfit dp-full 2+bitfit 1+bitfit
@@ -259,25 +267,48 @@ def _train_worker(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- size scan
+# glibc malloc with its mmap threshold pinned (which also stops it from moving the threshold up
+# as large blocks are freed): every tensor above 128 KiB gets its own mapping and goes back to
+# the system when freed, so RSS follows the live tensors instead of what the heap kept from
+# earlier steps. With the default dynamic threshold, peak RSS growth over the same steps of the
+# same arm varied by about 50 MB between processes at 112 px.
+MEMORY_STEPS = 3  # steps in the memory window: every step after the warm-up allocates alike
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
 def cmd_scan(args) -> None:
-    done = {(r["method"], r["image_size"], r["model"], r.get("steps")) for r in _read(SCAN)}
-    for size in args.sizes:
-        for method in args.methods:
-            if (method, size, args.model, args.steps) in done:
-                continue
-            spec = {"kind": "scan", "method": method, "image_size": size, "model": args.model,
-                    "batch": args.batch, "steps": args.steps, "warmup": 1}  # fmt: skip
-            print(f"scan: {method} at {size}px", flush=True)
-            try:
-                res = _spawn(spec)
-            except SystemExit as e:  # keep the scan going; the report lists the failure
-                res = {"error": str(e)[-500:]}
-            _append(SCAN, {"method": method, "image_size": size, "model": args.model, **res})
+    """Each (round, size, method) runs two fresh workers: one times the steps under the default
+    allocator, one measures memory under PINNED_MALLOC. Methods alternate within a size and
+    rounds repeat the whole scan, so the arms see the same machine load; the report takes the
+    median over a run's rounds. `--run NAME` resumes a run (rows already in it are skipped)."""
+    run = args.run or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    done = {(r["method"], r["image_size"], r["model"], r.get("round"))
+            for r in _read(SCAN) if r.get("run") == run}  # fmt: skip
+    print(f"scan run {run}", flush=True)
+    for rnd in range(args.rounds):
+        for size in args.sizes:
+            for method in args.methods:
+                if (method, size, args.model, rnd) in done:
+                    continue
+                spec = {"kind": "scan", "method": method, "image_size": size,
+                        "model": args.model, "batch": args.batch, "steps": args.steps,
+                        "warmup": args.warmup}  # fmt: skip
+                print(f"scan: round {rnd}, {method} at {size}px", flush=True)
+                try:
+                    res = _spawn({**spec, "measure": "time"})
+                    res.update(_spawn({**spec, "measure": "memory"}, PINNED_MALLOC))
+                except SystemExit as e:  # keep the scan going; the report lists the failure
+                    res = {"error": str(e)[-500:]}
+                _append(SCAN, {"method": method, "image_size": size, "model": args.model,
+                               "run": run, "round": rnd, "scan_version": SCAN_VERSION,
+                               "warmup": args.warmup, **res})  # fmt: skip
 
 
-def _scan_worker(spec: dict) -> dict:
-    import gc
+SCAN_VERSION = 2  # 2: warm-up outside the memory window, pinned malloc, tensor peak, rounds
 
+
+def _scan_step(spec: dict):
+    """One training step of the scan's method on a fixed batch (a closure)."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -286,7 +317,6 @@ def _scan_worker(spec: dict) -> dict:
     from dpfit.vision.data import to_pixels
     from dpfit.vision.models import build_model
 
-    torch.set_num_threads(_threads())
     size, b, method = spec["image_size"], spec["batch"], spec["method"]
     m = build_model(spec["model"], [str(i) for i in range(10)], 1, size, seed=0)
     model = m.module.train()
@@ -332,28 +362,75 @@ def _scan_worker(spec: dict) -> dict:
             gopt.step()
             gopt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _scan_worker(spec: dict) -> dict:
+    """measure "time": median wall and CPU seconds of the timed steps after the warm-up ones,
+    and, for comparison, the first design's memory figure: peak RSS over warm-up and timed
+    steps minus RSS before them, default allocator (`first_design_memory_mb`).
+    measure "memory" (run under PINNED_MALLOC): peak RSS over MEMORY_STEPS steps minus RSS just
+    before them, the warm-up steps (the first step's one-time set-up: optimizer state, lazily
+    initialised kernels, which differ between methods) left outside; then torch's own peak of
+    tensor bytes allocated during one more step (profiler memory events, allocator-free)."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(_threads())
+    step = _scan_step(spec)
+    out: dict = {"batch": spec["batch"], "steps": spec["steps"], "threads": _threads()}
     gc.collect()
-    resettable = _reset_peak_rss()
-    base = _rss_now()
-    walls, cpus = [], []
-    for i in range(spec["warmup"] + spec["steps"]):
-        w0, c0 = time.perf_counter(), time.process_time()
+    if not _reset_peak_rss():
+        raise SystemExit("the scan needs Linux (/proc/self/clear_refs to reset VmHWM)")
+    first_base = _rss_now()
+    for _ in range(spec["warmup"]):
         step()
-        if i >= spec["warmup"]:
+    gc.collect()
+    if spec["measure"] == "time":
+        walls, cpus = [], []
+        for _ in range(spec["steps"]):
+            w0, c0 = time.perf_counter(), time.process_time()
+            step()
             walls.append(time.perf_counter() - w0)
             cpus.append(time.process_time() - c0)
-    peak = _peak_rss() if resettable else _peak_rss()
-    return {"batch": b, "steps": spec["steps"], "wall_s_per_step": statistics.median(walls),
-            "cpu_s_per_step": statistics.median(cpus), "step_memory_mb": (peak - base) / 2**20,
-            "load_avg": os.getloadavg()[0],
-            "threads": _threads()}  # fmt: skip
+        out.update(wall_s_per_step=statistics.median(walls), cpu_s_per_step=statistics.median(cpus),
+                   load_avg=os.getloadavg()[0],
+                   first_design_memory_mb=(_peak_rss() - first_base) / 2**20)  # fmt: skip
+        return out
+    _reset_peak_rss()
+    base = _rss_now()
+    for _ in range(MEMORY_STEPS):
+        step()
+    out["step_memory_mb"] = (_peak_rss() - base) / 2**20
+    out["tensor_peak_mb"] = _tensor_peak(step) / 2**20
+    out["memory_load_avg"] = os.getloadavg()[0]
+    return out
+
+
+def _tensor_peak(step) -> float:
+    """The most bytes of tensors allocated during one step that are live at once (tensors from
+    before the step are not counted, nor their frees), from the profiler's CPU memory events:
+    torch's allocator calls, whatever the C library keeps."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return float(max([0, *totals]))
 
 
 # ---------------------------------------------------------------------------- report
 def cmd_report(args) -> None:
     runs, scan_all = list(_read(RUNS)), list(_read(SCAN))
-    latest = {(r["method"], r["image_size"], r["model"]): r for r in scan_all if "error" not in r}
-    scan = list(latest.values())  # the newest row per (method, size, model)
+    scan = _scan_rows(scan_all)
     pre = list(_read(RESULTS / "vision_pretrain.jsonl"))
     lines = ["# Private image classification (FashionMNIST): measured rows", ""]
     loads = [r["load_avg"] for r in runs + scan_all if "load_avg" in r]
@@ -385,16 +462,39 @@ def cmd_report(args) -> None:
     if scan:
         lines += ["## Step time and memory by image size (one step, batch "
                   f"{scan[0]['batch']}, {scan[0]['model']})", "",
-                  "| size | method | timed steps | wall s/step | CPU s/step (median) | step memory (MB) |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "Each method in fresh workers, methods alternating within a size and rounds "
+                  "repeating the scan; figures are medians over the newest run's rounds. Time: "
+                  "median over the timed steps after the warm-up, default allocator. Step "
+                  f"memory: peak RSS growth over {MEMORY_STEPS} steps after the warm-up (outside "
+                  "the window), glibc's mmap threshold pinned (`PINNED_MALLOC`) so that RSS follows "
+                  "the live tensors. Tensor peak: the most tensor bytes allocated during one "
+                  "step live at once (torch profiler memory events), whatever the allocator "
+                  "keeps. First design's memory: the earlier scan's figure (peak RSS growth over "
+                  "warm-up and timed steps, default allocator), taken in the timing worker. "
+                  "Rows with one round and no tensor peak are single runs of that first "
+                  "design.", "",
+                  "| size | method | rounds x timed steps | wall s/step | CPU s/step | "
+                  "step memory (MB) | tensor peak (MB) | first design's memory, min-max (MB) "
+                  "| load |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in sorted(scan, key=lambda r: (r["image_size"], SCAN_METHODS.index(r["method"]))):
-            lines.append(f"| {r['image_size']} | {r['method']} | {r['steps']} | {r['wall_s_per_step']:.3f} | "
-                         f"{r['cpu_s_per_step']:.3f} | {r['step_memory_mb']:.1f} |")  # fmt: skip
+            tensor = f"{r['tensor_peak_mb']:.1f}" if "tensor_peak_mb" in r else "-"
+            load = f"{r['load_avg']:.1f}" if "load_avg" in r else "-"
+            lo, hi = r.get("first_design_memory_range_mb", (None, None))
+            first = "-" if lo is None else f"{lo:.1f}-{hi:.1f}"
+            lines.append(f"| {r['image_size']} | {r['method']} | {r.get('rounds', 1)} x {r['steps']} | "
+                         f"{r['wall_s_per_step']:.3f} | {r['cpu_s_per_step']:.3f} | "
+                         f"{r['step_memory_mb']:.1f} | {tensor} | {first} | {load} |")  # fmt: skip
             summary.setdefault("scan", []).append(r)
+        runs_used = sorted({r["run"] for r in scan if "run" in r})
+        if runs_used:
+            lines.append("")
+            lines.append(f"Scan run(s): {', '.join(runs_used)}.")
         lines.append("")
         lines += _scan_ratios(scan, summary)
+    shown = {(r["method"], r["image_size"], r["model"]) for r in scan}
     for r in scan_all:
-        if "error" in r:
+        if "error" in r and (r["method"], r["image_size"], r["model"]) not in shown:
             lines.append(f"- scan {r['method']} at {r['image_size']}px failed: {r['error'][-200:]}")
     if runs or scan:
         _plot(summary, scan, RESULTS / "vision.png")
@@ -507,6 +607,35 @@ def _checks(model: str, name: str, rows: dict, summary: dict) -> list[str]:
     return out
 
 
+SCAN_FIELDS = ("wall_s_per_step", "cpu_s_per_step", "step_memory_mb", "tensor_peak_mb",
+               "first_design_memory_mb", "load_avg")  # fmt: skip
+
+
+def _scan_rows(scan_all: list[dict]) -> list[dict]:
+    """One row per (method, size, model): the median over the rounds of the newest run of the
+    current scan design; failing that, the newest single row of the first design."""
+    ok = [r for r in scan_all if "error" not in r]
+    out = []
+    for key in dict.fromkeys((r["method"], r["image_size"], r["model"]) for r in ok):
+        rows = [r for r in ok if (r["method"], r["image_size"], r["model"]) == key]
+        current = [r for r in rows if r.get("scan_version") == SCAN_VERSION]
+        if not current:
+            out.append(rows[-1])
+            continue
+        newest = max(current, key=lambda r: r["finished"])["run"]
+        rounds = [r for r in current if r["run"] == newest]
+        merged = {**rounds[-1], "rounds": len(rounds)}
+        for f in SCAN_FIELDS:
+            vals = [r[f] for r in rounds if f in r]
+            if vals:
+                merged[f] = statistics.median(vals)
+        first = [r["first_design_memory_mb"] for r in rounds if "first_design_memory_mb" in r]
+        if first:
+            merged["first_design_memory_range_mb"] = (min(first), max(first))
+        out.append(merged)
+    return out
+
+
 def _scan_ratios(scan: list[dict], summary: dict) -> list[str]:
     out = ["### DP-BiTFiT / non-private bias-only, and DP full / DP-BiTFiT", ""]
     by = {(r["image_size"], r["method"]): r for r in scan}
@@ -520,6 +649,11 @@ def _scan_ratios(scan: list[dict], summary: dict) -> list[str]:
             line = (
                 f"- {size}px: DP-BiTFiT / non-private bias-only: CPU time {tr:.2f}, memory {mr:.2f}"
             )
+            if "tensor_peak_mb" in a and "tensor_peak_mb" in b:
+                line += f", tensor peak {a['tensor_peak_mb'] / max(b['tensor_peak_mb'], 1e-9):.3f}"
+            if "first_design_memory_mb" in a and "first_design_memory_mb" in b:
+                first = a["first_design_memory_mb"] / max(b["first_design_memory_mb"], 1e-9)
+                line += f" (first design's memory figure: {first:.2f})"
             for other in ("dpfit-full", "opacus-full"):
                 o = by.get((size, other))
                 if o:
@@ -616,8 +750,8 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _spawn(spec: dict) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(_threads())}
+def _spawn(spec: dict, extra_env: dict | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(_threads()), **(extra_env or {})}
     src = str(HERE.parent / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
@@ -677,7 +811,22 @@ def main(argv=None) -> None:
     s.add_argument("--sizes", nargs="+", type=int, default=[28, 56, 112])
     s.add_argument("--model", default="resnet-gn")
     s.add_argument("--batch", type=int, default=16)
-    s.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up)")
+    s.add_argument("--steps", type=int, default=2, help="timed steps (after the warm-up)")
+    s.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps first, outside the "
+        "memory window (the first step's one-time set-up, the optimizer's state)",
+    )
+    s.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the whole scan; the report "
+        "takes each method's median over the rounds of the newest run",
+    )
+    s.add_argument("--run", default=None, help="resume this run (default: a new one)")
     s.add_argument("--methods", nargs="+", default=list(SCAN_METHODS), choices=SCAN_METHODS)
     sub.add_parser("report")
     w = sub.add_parser("_worker")

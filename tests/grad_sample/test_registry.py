@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import assert_matches_oracle, engine_per_example, make_engine, oracle_per_example
+from tensor_memory import tensor_peak
 from torch import nn
 
 import dpfit
@@ -107,3 +108,27 @@ def test_product_path_matches_the_oracle(batch_first, monkeypatch):
     engine = make_engine(model, batch_first=batch_first)
     assert_matches_oracle(engine_per_example(engine, lambda: loss(x)), want)
     engine.detach()
+
+
+@pytest.mark.parametrize(
+    ("make", "reduce"),
+    [
+        (lambda: torch.randn(8, 16, 64, 64), lambda g: sum_to_channel(g, 1)),  # conv, GroupNorm
+        (
+            lambda: torch.randn(8, 16, 64, 64).to(memory_format=torch.channels_last),
+            lambda g: sum_to_channel(g, 1),
+        ),
+        (lambda: torch.randn(8, 512, 256), lambda g: sum_positions(g, 0)),  # batch-first tokens
+        (lambda: torch.randn(512, 8, 256), lambda g: sum_positions(g, 1)),  # sequence-first
+        (lambda: torch.randn(8, 256, 512).transpose(1, 2), lambda g: sum_positions(g, 0)),
+        (lambda: torch.randn(8, 512, 256, dtype=torch.float64), lambda g: sum_positions(g, 0)),
+        (lambda: torch.randn(8, 128, 16, 64), lambda g: sum_positions(g, 0, 2)),  # LayerNorm
+    ],
+    ids=["nchw", "channels-last", "btc", "tbc", "btc-strided", "float64", "two-kept-axes"],
+)
+def test_per_example_sums_copy_no_gradient(make, reduce, path):
+    """The sums read the output gradient where it lies: no float64, contiguous or reshaped
+    copy of it, which would add a gradient-sized tensor to every bias layer's backward."""
+    g = make()
+    reduce(g)  # kernels' one-time set-up outside the measurement
+    assert tensor_peak(lambda: reduce(g)) < g.numel() * g.element_size() // 16

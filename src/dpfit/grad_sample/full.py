@@ -416,7 +416,14 @@ def conv_factors(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tens
 @register_norm_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv_outer(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, bd: int):
     """Ghost norms (factors kept) when ``2 L^2 < O * C * K`` with L output positions, else the
-    per-example gradients at once (see the module docstring); grouped convs: always explicit."""
+    per-example gradients at once (see the module docstring); grouped convs: always explicit.
+
+    The rule (ghost_is_cheaper, as in `settle`) is applied here, before the patches exist, not
+    by `settle(conv_factors(...))`: the factors are unfolded in the model's dtype, and
+    materialising them would then cast the patches, K times the input, where conv_weight casts
+    the input before unfolding. The results are the same either way (bitwise), and so is
+    float32 memory, but for a bf16 model with k x k kernels that route holds more tensor
+    memory at its peak (benchmarks/conv_settle.py)."""
     if layer.groups != 1:
         return conv_weight(layer, inputs, grad_output, bd)
     positions = grad_output[0].numel() // layer.out_channels

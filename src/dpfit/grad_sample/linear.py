@@ -28,6 +28,10 @@ def _flatten_positions(t: torch.Tensor) -> torch.Tensor:
 def linear_weight(
     layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor, batch_dim: int
 ) -> dict:
+    if inputs.dim() == 2 and batch_dim == 0:
+        # no positions (a classification head): one outer product per example, the same
+        # products as the einsum below without its set-up (a third of its time at 16 x 10 x 64)
+        return {"weight": grad_output.unsqueeze(2) * inputs.unsqueeze(1)}
     a = _flatten_positions(move_batch_first(inputs, batch_dim))
     g = _flatten_positions(move_batch_first(grad_output, batch_dim))
     return {"weight": torch.einsum("bto,bti->boi", g, a)}

@@ -157,13 +157,14 @@ def sum_positions(g: torch.Tensor, batch_dim: int, kept: int = 1) -> torch.Tenso
 
 
 def sum_to_channel(g: torch.Tensor, channel_dim: int) -> torch.Tensor:
-    """Sum every axis but 0 (batch) and `channel_dim` (after moving batch first)."""
+    """Sum every axis but 0 (batch) and `channel_dim` (after moving batch first).
+
+    Channels first (conv, GroupNorm: (B, C, positions)), the positions are the contiguous
+    trailing axes, which torch's reduction reads at full speed: on CPU it beat the product with
+    a ones vector on every resnet-gn feature map tried (benchmarks/channel_sums.py), so no
+    product there (the product pays off for the middle-axis sums of `sum_positions`)."""
     c = channel_dim % g.dim()
     if c == g.dim() - 1:
         return sum_positions(g, 0, 1)
-    if c == 1 and g.dim() > 2 and _matmul_sums(g):  # (B, C, positions) @ ones(positions)
-        rows, channels = g.shape[0], g.shape[1]
-        positions = math.prod(g.shape[2:])
-        return torch.matmul(g.view(rows, channels, positions), g.new_ones(positions))
     dims = [d for d in range(1, g.dim()) if d != c]
     return g.sum(dim=dims) if dims else g
