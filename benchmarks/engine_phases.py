@@ -5,7 +5,7 @@ backward and step, as CPU (thread) time, on one fixed batch.
 
 `--model tiny` (default): the tiny encoder of benchmarks/distributed.py, one fixed batch of 32.
 `--model resnet-gn`: the GroupNorm ResNet of dpfit.vision (biases + the linear head train), one
-fixed batch of 16 images at `--image-size` pixels (28), as in `benchmarks/vision.py scan`, with
+fixed batch of 16 images (`--batch`) at `--image-size` pixels (28), as in `benchmarks/vision.py scan`, with
 AdamW as there. One thread; the same batch for every
 arm and step (no sampling noise in the comparison; the engine runs with
 sampling="user-poisson" so that no loader is involved): non-private bias-only training, the
@@ -45,8 +45,8 @@ def tiny_workload() -> tuple:
     return bench.make_model("bias"), x, y, bench.N, lambda ps: torch.optim.SGD(ps, lr=0.0)
 
 
-def resnet_workload(size: int) -> tuple:
-    """benchmarks/vision.py scan's DP-BiTFiT set-up: resnet-gn, 16 images, AdamW."""
+def resnet_workload(size: int, batch: int = 16) -> tuple:
+    """benchmarks/vision.py scan's DP-BiTFiT set-up: resnet-gn, 16 images (or `batch`), AdamW."""
     import numpy as np
     import torch
 
@@ -58,8 +58,8 @@ def resnet_workload(size: int) -> tuple:
     model = m.module.train()
     dpfit.make_bias_trainable(model, train_head=m.head_names)
     rng = np.random.default_rng(0)
-    x = to_pixels(rng.integers(0, 256, (VISION_BATCH, 1, 28, 28), dtype=np.uint8), 1, size)
-    y = torch.from_numpy(rng.integers(0, 10, VISION_BATCH))
+    x = to_pixels(rng.integers(0, 256, (batch, 1, 28, 28), dtype=np.uint8), 1, size)
+    y = torch.from_numpy(rng.integers(0, 10, batch))
     return model, x, y, 10_000, lambda ps: torch.optim.AdamW(ps, lr=1e-3)
 
 
@@ -111,6 +111,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--model", choices=("tiny", "resnet-gn"), default="tiny")
     ap.add_argument("--image-size", type=int, default=28, help="resnet-gn only")
+    ap.add_argument(
+        "--batch", type=int, default=VISION_BATCH, help="resnet-gn only: images per step"
+    )
     args = ap.parse_args()
     import functools
 
@@ -127,11 +130,13 @@ def main() -> None:
             ),
         )
     else:
-        workload = functools.partial(resnet_workload, args.image_size)
+        workload = functools.partial(resnet_workload, args.image_size, args.batch)
         stem = f"engine_phases_resnet-gn_{args.image_size}"
+        if args.batch != VISION_BATCH:  # the fixed per-step cost against a larger step
+            stem += f"_b{args.batch}"
         what = (
             f"resnet-gn at {args.image_size}x{args.image_size} (biases and the head train, AdamW; "
-            f"one\nthread), one fixed batch of {VISION_BATCH} images for every step"
+            f"one\nthread), one fixed batch of {args.batch} images for every step"
         )
     arms = {kind: make_arm(kind, workload) for kind in ("nonprivate", "dp", "dp_no_check")}
     for run in arms.values():  # warm-up
@@ -158,7 +163,7 @@ def main() -> None:
         "steps": args.steps,
         "model": args.model,
         "image_size": args.image_size if args.model == "resnet-gn" else None,
-        "batch": BATCH if args.model == "tiny" else VISION_BATCH,
+        "batch": BATCH if args.model == "tiny" else args.batch,
         "load_average_1min": load,
         "cpus": os.cpu_count(),
         "arms": summary,
