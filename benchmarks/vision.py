@@ -105,13 +105,15 @@ def row_config(row: str, model_dir: str, eps: float, seed: int, args) -> dict:
         max_train_examples=args.private_examples,
         seed=seed,
         max_grad_norm=args.max_grad_norm,
-        clipping="flat",
+        clipping=getattr(args, "clipping", "flat"),
+        lr_schedule=getattr(args, "lr_schedule", "constant"),
     )
+    lr_full = getattr(args, "lr_full", None) or LR_FULL
     image = dict(image_size=args.image_size, max_eval_examples=args.eval_examples)
     if row.startswith("nonpriv"):
         mode = "full" if row == "nonpriv-full" else "bias"
         train = {**base, "non_private": True, "epsilon": None, "mode": mode,
-                 "lr": LR_FULL if mode == "full" else LR_BIAS}  # fmt: skip
+                 "lr": lr_full if mode == "full" else LR_BIAS}  # fmt: skip
         return {"train": train, "image": image}
     base["epsilon"] = eps
     if row == "dp-head":
@@ -119,11 +121,11 @@ def row_config(row: str, model_dir: str, eps: float, seed: int, args) -> dict:
     if row == "dp-bitfit":
         return {"train": {**base, "mode": "bias", "lr": LR_BIAS}, "image": image}
     if row == "dp-full":
-        return {"train": {**base, "mode": "full", "lr": LR_FULL}, "image": image}
+        return {"train": {**base, "mode": "full", "lr": lr_full}, "image": image}
     x = int(row.split("+")[0])
     if not 0 < x < args.epochs:
         raise SystemExit(f"{row} needs --epochs > {x}")
-    return {"train": {**base, "full_epochs": x, "lr": LR_FULL}, "image": image}
+    return {"train": {**base, "full_epochs": x, "lr": lr_full}, "image": image}
 
 
 # The public checkpoint a row starts from. "legacy": the first recipe (3 epochs, constant
@@ -180,7 +182,8 @@ def cmd_utility(args) -> None:
                     key = dict(model=model, row=row, eps=None if row.startswith("nonpriv") else eps,
                                seed=seed, image_size=args.image_size, epochs=args.epochs,
                                private_examples=args.private_examples,
-                               batch_size=args.batch_size, pretrain=args.pretrain)  # fmt: skip
+                               batch_size=args.batch_size, pretrain=args.pretrain,
+                               variant=variant_of(args))  # fmt: skip
                     if _key(key) in done or not _claim(key, args.work):
                         print(f"skip (done or taken by another stream): {key}", flush=True)
                         continue
@@ -217,7 +220,21 @@ def _claim(key: dict, work: str, release: bool = False) -> bool:
 
 def _key(r: dict) -> tuple:
     return tuple(r.get(k) for k in ("model", "row", "eps", "seed", "image_size", "epochs",
-                                    "private_examples", "batch_size")) + (_pretrain_of(r),)  # fmt: skip
+                                    "private_examples", "batch_size")) + (
+        _pretrain_of(r), r.get("variant") or "")  # fmt: skip
+
+
+def variant_of(args) -> str:
+    """'' for the rows' own optimiser settings, else what departs from them (a row of its own:
+    a measured alternative, kept out of the targets)."""
+    parts = []
+    if args.lr_full not in (None, LR_FULL):
+        parts.append(f"full-phase lr {args.lr_full:g}")
+    if args.lr_schedule != "constant":
+        parts.append(f"{args.lr_schedule} lr")
+    if args.clipping != "flat":
+        parts.append(f"{args.clipping} clipping")
+    return ", ".join(parts)
 
 
 OLD_DEFAULT_BATCH = 128  # rows from before the batch was recorded ran with this default
@@ -515,7 +532,10 @@ def _mean_sd(xs: list[float]) -> str:
 def _runs_table(runs: list[dict], summary: dict) -> list[str]:
     """One table per setting (model, private images, batch, epochs, size); mean over seeds."""
     settings: dict = {}
+    variants = [r for r in runs if r.get("variant")]
     for r in runs:
+        if r.get("variant"):
+            continue
         setting = (r["model"], r["train_examples"], _batch(r), r["epochs"], r["image_size"],
                    _pretrain_of(r))  # fmt: skip
         settings.setdefault(setting, {}).setdefault((r["row"], r["eps"]), []).append(r)
@@ -555,6 +575,34 @@ def _runs_table(runs: list[dict], summary: dict) -> list[str]:
         out.append("")
         summary["rows"][name] = {f"{row}/{eps}": v for (row, eps), v in rows.items()}
         out += _checks(model, name, rows, summary)
+    if variants:
+        out += _variants_table(variants, summary)
+    return out
+
+
+def _variants_table(runs: list[dict], summary: dict) -> list[str]:
+    """Rows run with other optimiser settings than the tables above (not in their targets)."""
+    out = ["## Optimiser variants (other settings than the rows above; not in the targets)", "",
+           "| model | checkpoint | private images | batch | row | variant | eps (spent) | seeds "
+           "| test accuracy | train CPU (s) | steps |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    groups: dict = {}
+    for r in runs:
+        k = (r["model"], _pretrain_of(r), r["train_examples"], _batch(r), r["row"], r["variant"],
+             r["eps"])  # fmt: skip
+        groups.setdefault(k, []).append(r)
+    for (model, pre, n, b, row, variant, eps), rs in sorted(groups.items(), key=str):
+        accs = [r["accuracy"] for r in rs]
+        cpu = statistics.mean(r.get("train_cpu_s", 0.0) for r in rs)
+        eps_s = (
+            "inf" if eps is None else f"{eps:g} ({statistics.mean(r['epsilon'] for r in rs):.2f})"
+        )
+        out.append(f"| {model} | {pre} | {n} | {b} | {LABELS[row]} | {variant} | {eps_s} "
+                   f"| {len(rs)} | {_mean_sd(accs)} | {cpu:.0f} | {rs[0]['steps']} |")  # fmt: skip
+        summary.setdefault("variants", {})[f"{model}/{pre}/n{n}/B{b}/{row}/{variant}/{eps}"] = accs
+    notes = sorted({r["note"] for r in runs if r.get("note")})
+    out += ["", *(f"- {n}" for n in notes)] if notes else []
+    out.append("")
     return out
 
 
@@ -803,6 +851,11 @@ def main(argv=None) -> None:
     u.add_argument("--batch-size", type=int, default=64)
     u.add_argument("--physical-batch-size", type=int, default=64)
     u.add_argument("--max-grad-norm", type=float, default=1.0)
+    u.add_argument(
+        "--lr-full", type=float, help=f"lr of phases that train every weight ({LR_FULL:g})"
+    )
+    u.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"))
+    u.add_argument("--clipping", default="flat", choices=("flat", "automatic"))
     u.add_argument("--private-examples", type=int, default=1_000)
     u.add_argument("--eval-examples", type=int, default=2_000)
     u.add_argument("--image-size", type=int, default=28)
