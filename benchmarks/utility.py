@@ -97,6 +97,12 @@ ROWS = (
         {"epsilon": 1.0, "clipping": "flat"},
     ),
     Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
+    Row(
+        "np-full-headfirst",
+        "non-private full, head first (LP-FT)",
+        "dpfit",
+        {"non_private": True, "mode": "full", "head_first": True},
+    ),
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
     Row(
         "dp-full-8-nohead",
@@ -291,6 +297,7 @@ VARIANTS = (
     ("dp-8-nohead", "dp-8"),
     ("np-bias-nohead", "np-bias"),
     ("np-full", "np-bias"),
+    ("np-full-headfirst", "np-full"),
     ("dp-full-8", "dp-8"),
     ("dp-full-8-nohead", "dp-full-8"),
 )
