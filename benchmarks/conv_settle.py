@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import timeit
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from dpfit.grad_sample.full import conv_factors, conv_outer, settle
+from dpfit.memory import tensor_peak
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (in channels, out channels, kernel, stride, input side)
@@ -35,17 +35,7 @@ def via_settle(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tens
 
 
 def tensor_peak_mb(fn) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max([0, *totals]) / 2**20
+    return tensor_peak(fn) / 2**20
 
 
 def best_ms(fn) -> float:

@@ -426,22 +426,11 @@ def _scan_worker(spec: dict) -> dict:
 
 
 def _tensor_peak(step) -> float:
-    """The most bytes of tensors allocated during one step that are live at once (tensors from
-    before the step are not counted, nor their frees), from the profiler's CPU memory events:
-    torch's allocator calls, whatever the C library keeps."""
-    import tempfile
+    """The most tensor bytes allocated during one step that are live at once (torch's
+    allocator calls, whatever the C library keeps)."""
+    from dpfit.memory import tensor_peak
 
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return float(max([0, *totals]))
+    return float(tensor_peak(step))
 
 
 # ---------------------------------------------------------------------------- report

@@ -15,10 +15,10 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from tensor_memory import tensor_peak
 from torch import nn
 
 import dpfit
+from dpfit.memory import tensor_peak
 
 BATCH, SIDE, WIDTH = 8, 32, 16
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import assert_matches_oracle, engine_per_example, make_engine, oracle_per_example
-from tensor_memory import tensor_peak
 from torch import nn
 
 import dpfit
 from dpfit.grad_sample import registry
 from dpfit.grad_sample.registry import _matmul_sums, sum_positions, sum_to_channel
+from dpfit.memory import tensor_peak
 
 
 @pytest.fixture(params=["product", "reduction"])

@@ -1,4 +1,5 @@
-"""Tensor memory of a call, as torch's allocator sees it (the C library's caching aside)."""
+"""Tensor memory of a call, as torch's allocator sees it (the C library's caching aside): how
+the tests and benchmarks check that the private path holds no more than the non-private one."""
 
 from __future__ import annotations
 
