@@ -227,7 +227,13 @@ MUTATIONS = (
         "dist-sampling-forked-streams",
         "distributed: each rank draws its own global sample (OS-seeded) and keeps its part of "
         "it, so one example can be in two ranks' parts of one logical batch",
-        ((ENGINE, "sampling.manual_seed(shared_seed(self._dist))", "pass"),),
+        (
+            (
+                ENGINE,
+                "torch.Generator().manual_seed(shared_seed(self._dist))",
+                'make_generator(seed, "sampling")',
+            ),
+        ),
         ("tests/distributed/test_engine.py::test_the_union_of_rank_parts_is_poisson_at_q",),
     ),
     Mutation(

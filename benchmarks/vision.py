@@ -105,10 +105,10 @@ def row_config(row: str, model_dir: str, eps: float, seed: int, args) -> dict:
         max_train_examples=args.private_examples,
         seed=seed,
         max_grad_norm=args.max_grad_norm,
-        clipping=getattr(args, "clipping", "flat"),
-        lr_schedule=getattr(args, "lr_schedule", "constant"),
+        clipping=args.clipping,
+        lr_schedule=args.lr_schedule,
     )
-    lr_full = getattr(args, "lr_full", None) or LR_FULL
+    lr_full = args.lr_full or LR_FULL
     image = dict(image_size=args.image_size, max_eval_examples=args.eval_examples)
     if row.startswith("nonpriv"):
         mode = "full" if row == "nonpriv-full" else "bias"
@@ -394,6 +394,8 @@ def _scan_worker(spec: dict) -> dict:
 
     import torch
 
+    from dpfit.memory import tensor_peak
+
     torch.set_num_threads(_threads())
     step = _scan_step(spec)
     out: dict = {"batch": spec["batch"], "steps": spec["steps"], "threads": _threads()}
@@ -420,17 +422,9 @@ def _scan_worker(spec: dict) -> dict:
     for _ in range(MEMORY_STEPS):
         step()
     out["step_memory_mb"] = (_peak_rss() - base) / 2**20
-    out["tensor_peak_mb"] = _tensor_peak(step) / 2**20
+    out["tensor_peak_mb"] = tensor_peak(step) / 2**20
     out["memory_load_avg"] = os.getloadavg()[0]
     return out
-
-
-def _tensor_peak(step) -> float:
-    """The most tensor bytes allocated during one step that are live at once (torch's
-    allocator calls, whatever the C library keeps)."""
-    from dpfit.memory import tensor_peak
-
-    return float(tensor_peak(step))
 
 
 # ---------------------------------------------------------------------------- report
