@@ -98,10 +98,10 @@ ROWS = (
     ),
     Row("np-full", "non-private full", "dpfit", {"non_private": True, "mode": "full"}),
     Row(
-        "np-full-headfirst",
-        "non-private full, head first (LP-FT)",
+        "np-full-nohead",
+        "non-private full, no head-first",
         "dpfit",
-        {"non_private": True, "mode": "full", "head_first": True},
+        {"non_private": True, "mode": "full", "head_first": False},
     ),
     Row("dp-full-8", "DP full eps=8", "dpfit", {"epsilon": 8.0, "mode": "full"}),
     Row(
@@ -297,7 +297,7 @@ VARIANTS = (
     ("dp-8-nohead", "dp-8"),
     ("np-bias-nohead", "np-bias"),
     ("np-full", "np-bias"),
-    ("np-full-headfirst", "np-full"),
+    ("np-full-nohead", "np-full"),
     ("dp-full-8", "dp-8"),
     ("dp-full-8-nohead", "dp-full-8"),
 )

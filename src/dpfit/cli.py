@@ -144,7 +144,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="first train the head on frozen features (one backbone pass), then biases + "
         "head; when private, both phases share one privacy budget (recipe: on for "
-        "classification in bias mode, and in private full mode)",
+        "classification, in every mode)",
     )
     g.add_argument(
         "--head-epochs", type=_positive_int, help="epochs of the --head-first phase (recipe)"
