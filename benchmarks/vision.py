@@ -7,6 +7,8 @@ Setting: a seeded random 10% of FashionMNIST's training set is declared public; 
 ``utility`` rows (one fresh worker process per row, appended to a JSONL file as they finish,
 so an interrupted benchmark resumes where it stopped; rows already present are skipped):
 
+    public-only                     the public checkpoint alone (no private training), scored
+                                    on the rows' test images: what private training must beat
     nonpriv-full, nonpriv-bias      non-private full / bias-only fine-tuning
     dp-head                         DP last layer (the head alone)
     dp-bitfit                       DP-BiTFiT = 0+BiTFiT (biases + head)
@@ -55,6 +57,10 @@ from and the report keeps the two apart. From it, one stream, one row at a time:
 
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
         --private-examples 27000 --batch-size 512 --rows dp-full 2+bitfit dp-bitfit
+    # all 54,000 private images, scored on all 10,000 test images
+    python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
+        --private-examples 54000 --eval-examples 10000 --batch-size 512 \
+        --rows public-only dp-full 2+bitfit dp-bitfit
 """
 
 from __future__ import annotations
@@ -72,8 +78,14 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 RUNS = RESULTS / "vision_runs.jsonl"
 SCAN = RESULTS / "vision_scan.jsonl"
-ROWS = ("nonpriv-full", "nonpriv-bias", "dp-head", "dp-bitfit", "dp-full", "1+bitfit", "2+bitfit")
+ROWS = (
+    "public-only", "nonpriv-full", "nonpriv-bias", "dp-head", "dp-bitfit", "dp-full", "1+bitfit",
+    "2+bitfit",
+)  # fmt: skip
+# rows whose result does not depend on epsilon (run once, under the first --eps)
+NO_EPS_ROWS = ("public-only", "nonpriv-full", "nonpriv-bias")
 LABELS = {
+    "public-only": "public checkpoint alone",
     "nonpriv-full": "non-private full",
     "nonpriv-bias": "non-private bias-only",
     "dp-head": "DP last layer (head)",
@@ -110,6 +122,9 @@ def row_config(row: str, model_dir: str, eps: float, seed: int, args) -> dict:
     )
     lr_full = args.lr_full or LR_FULL
     image = dict(image_size=args.image_size, max_eval_examples=args.eval_examples)
+    if row == "public-only":  # scored on the test images the training rows use (same seed)
+        evaluate = {"model": model_dir, "seed": seed, "private_examples": args.private_examples}
+        return {"evaluate": evaluate, "image": image}
     if row.startswith("nonpriv"):
         mode = "full" if row == "nonpriv-full" else "bias"
         train = {**base, "non_private": True, "epsilon": None, "mode": mode,
@@ -177,9 +192,9 @@ def cmd_utility(args) -> None:
         for seed in args.seeds:
             for eps in args.eps:
                 for row in args.rows:
-                    if row.startswith("nonpriv") and eps != args.eps[0]:
+                    if row in NO_EPS_ROWS and eps != args.eps[0]:
                         continue  # non-private rows do not depend on epsilon
-                    key = dict(model=model, row=row, eps=None if row.startswith("nonpriv") else eps,
+                    key = dict(model=model, row=row, eps=None if row in NO_EPS_ROWS else eps,
                                seed=seed, image_size=args.image_size, epochs=args.epochs,
                                private_examples=args.private_examples,
                                batch_size=args.batch_size, pretrain=args.pretrain,
@@ -191,7 +206,8 @@ def cmd_utility(args) -> None:
                     try:
                         model_dir = model_dir or pretrain(model, args)
                         cfg = row_config(row, model_dir, eps, seed, args)
-                        res = _spawn({"kind": "train", **cfg})
+                        kind = "evaluate" if "evaluate" in cfg else "train"
+                        res = _spawn({"kind": kind, **cfg})
                     except BaseException:
                         _claim(key, args.work, release=True)
                         raise
@@ -545,7 +561,7 @@ def _runs_table(runs: list[dict], summary: dict) -> list[str]:
             cpu = statistics.mean(cpus) if cpus else None
             mem = statistics.mean(r["peak_rss_mb"] for r in rs)
             eps_s = (
-                "inf"
+                ("-" if row == "public-only" else "inf")
                 if eps is None
                 else f"{eps:g} ({statistics.mean(r['epsilon'] for r in rs):.2f})"
             )
@@ -598,6 +614,17 @@ def _checks(model: str, name: str, rows: dict, summary: dict) -> list[str]:
         checks[f"{name}: dp-full eps8 >= 0.85"] = ok
         out.append(f"- DP full at eps=8 reaches {full8['accuracy']:.3f} "
                    f"({'meets' if ok else 'misses'} the 0.85 target)")  # fmt: skip
+    public = rows.get(("public-only", None))
+    if public:
+        for (row, eps), r in sorted(rows.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
+            if eps is not None:
+                checks[f"{name}: {row} eps{eps:g} above the checkpoint alone"] = (
+                    r["accuracy"] > public["accuracy"]
+                )
+        ahead = [f"{LABELS[row]} eps={eps:g} {r['accuracy'] - public['accuracy']:+.3f}"
+                 for (row, eps), r in rows.items() if eps is not None]  # fmt: skip
+        out.append(f"- the public checkpoint alone scores {public['accuracy']:.3f} on the same "
+                   "test images; each private row minus it: " + "; ".join(ahead))  # fmt: skip
     for eps in sorted({e for _, e in rows if e is not None}):
         r0, r1 = rows.get(("dp-bitfit", eps)), rows.get(("1+bitfit", eps))
         r2, full = rows.get(("2+bitfit", eps)), rows.get(("dp-full", eps))
@@ -794,9 +821,35 @@ def _spawn(spec: dict, extra_env: dict | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _evaluate_worker(spec: dict) -> dict:
+    """The checkpoint alone on the test images a training row with this seed is scored on."""
+    import torch
+
+    from dpfit.tasks.image_classification import evaluate_images
+    from dpfit.vision.data import load_fashion_mnist
+    from dpfit.vision.models import load_image_model, read_record
+
+    torch.set_num_threads(_threads())
+    model = load_image_model(spec["evaluate"]["model"])
+    test = load_fashion_mnist("test")
+    n = spec["image"].get("max_eval_examples")
+    if n is not None and n < len(test):  # the subset dpfit train scores (same call, same seed)
+        test = test.subsample(n, seed=spec["evaluate"]["seed"])
+    res = evaluate_images(model, test)
+    n_private = spec["evaluate"]["private_examples"]
+    if n_private is None:  # all of the private side, as the training rows then use
+        n_private = read_record(spec["evaluate"]["model"])["pretrained_on"]["n_private"]
+    return {"accuracy": res["accuracy"], "eval_n": res["n"], "epsilon": None, "steps": 0,
+            "train_examples": n_private,
+            "train_time_s": 0.0, "train_cpu_s": 0.0, "trainable_fraction": 0.0,
+            "peak_rss_mb": _peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
+
+
 def _worker(spec: dict) -> None:
     if spec["kind"] == "scan":
         out = _scan_worker(spec)
+    elif spec["kind"] == "evaluate":
+        out = _evaluate_worker(spec)
     else:
         out = _train_worker(spec)
     print(json.dumps(out))

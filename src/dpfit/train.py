@@ -526,16 +526,19 @@ def _head_phase(
     return state
 
 
-def _score_head(task, prep, model, config, device, note: Callable[[str], None]) -> dict:
-    """The linear probe alone on the evaluation data (public), before the biases train: shows
-    what the fine-tuning phase adds over it. Empty if the run has no evaluation data."""
+def _score_before(
+    task, prep, model, config, device, note: Callable[[str], None], what: str
+) -> dict:
+    """The model before the (next) training phase, on the evaluation data (public): the
+    starting checkpoint, or the linear probe alone before the biases train. Shows what
+    training adds over it. Empty if the run has no evaluation data."""
     try:
         scores = task.evaluate(prep, model, config, device)
     except Exception:  # noqa: BLE001 - a diagnostic only; the final evaluation reports errors
-        logger.exception("evaluating the head-first phase failed")
+        logger.exception("evaluating %s failed", what)
         return {}
     if "accuracy" in scores:
-        note(f"head-first: accuracy of the linear probe alone {scores['accuracy']:.4f}")
+        note(f"accuracy of {what}: {scores['accuracy']:.4f}")
     return scores
 
 
@@ -646,6 +649,11 @@ def train(
     sigma = None
     head_state = None
     head_scores: dict = {}
+    start_scores: dict = {}
+    if prep.starts_trained and resume_path is None:
+        start_scores = _score_before(
+            task, prep, model, config, device, note, "the starting model, before training"
+        )
     t_loop = time.perf_counter()
     if head_steps and not config.non_private:
         sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
@@ -654,7 +662,9 @@ def train(
             head_state = _head_phase(  # None when non-private: no ledger to carry
                 model, items, collate, config, n, delta, sigma or 0.0, head_steps, device, note
             )
-        head_scores = _score_head(task, prep, model, config, device, note)
+        head_scores = _score_before(
+            task, prep, model, config, device, note, "head-first: the linear probe alone"
+        )
     if config.non_private:
         loader = ShuffledBatches(
             items, batch_size, config.physical_batch_size, collate, config.seed
@@ -794,6 +804,14 @@ def train(
     )  # fmt: skip
     if "accuracy" in head_scores:
         metrics["head_first_accuracy"] = head_scores["accuracy"]
+    if "accuracy" in start_scores:
+        metrics["start_accuracy"] = start_scores["accuracy"]
+        if "accuracy" in scores and scores["accuracy"] < start_scores["accuracy"]:
+            note(
+                f"training lowered accuracy on the evaluation data from "
+                f"{start_scores['accuracy']:.4f} (the starting model) to {scores['accuracy']:.4f}: "
+                "the starting model is the better one here"
+            )
     result = TrainResult(metrics, rows, model, prep.tokenizer, privacy, notes)
     if config.output and is_main_process():  # distributed: rank 0 writes
         result.output_dir = save_outputs(result, config, task, prep, errors)

@@ -46,6 +46,7 @@ def test_cli_private_run_learns_generated_task(tiny_npz, tmp_path, capsys):
     assert main(args) == 0
     m = _json(capsys)
     assert m["accuracy"] >= 0.6, m["accuracy"]  # four classes: chance is 0.25
+    assert "start_accuracy" not in m  # a factory model starts untrained: nothing to score
     assert m["eval_n"] == 48 and m["train_examples"] == 432  # 10% held out of the file
     q = 64 / 432
     assert m["sample_rate"] == pytest.approx(q)
@@ -77,6 +78,10 @@ def test_pretrain_public_then_private_bitfit_then_evaluate(tiny_npz, tmp_path, c
     assert m["train_examples"] == 432 - round(0.3 * 432)
     assert "public split from the pretrained model's record" in captured.err
     assert m["private"] and 0 < m["trainable_fraction"] < 0.05  # biases + head
+    # the checkpoint is scored before training, on the same held-out images as pretraining's
+    # final score (the same model, the same split seed)
+    assert m["start_accuracy"] == m_pre["accuracy"]
+    assert "accuracy of the starting model, before training" in captured.err
     # private step rows carry no per-step loss or batch size (un-noised private statistics)
     header = (fine / "steps.csv").read_text().splitlines()[0].split(",")
     assert tuple(header) == PRIVATE_STEP_FIELDS

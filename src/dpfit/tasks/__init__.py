@@ -28,6 +28,9 @@ class Prepared:
     state: dict = field(default_factory=dict)  # task-private: data splits, baselines
     biases_added: bool = False  # the task already added biases (DP-BiTFiT-Add)
     head_only: bool = False  # the head modules alone train (DP last layer), no biases
+    # the model arrives trained for these classes (a public checkpoint with its head): the
+    # loop scores it before training, so a run shows what private training added to it
+    starts_trained: bool = False
 
 
 class Task(Protocol):

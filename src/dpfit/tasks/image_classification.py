@@ -297,6 +297,7 @@ class ImageClassificationTask:
                 "private": not config.non_private,
             },  # fmt: skip
             head_only=opts.head_only,
+            starts_trained=loaded.head_trained,
         )
 
     def items(self, prep: Prepared, max_length: int) -> range:

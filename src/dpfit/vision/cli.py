@@ -205,6 +205,11 @@ def pretrain_config_from_args(args: argparse.Namespace):
 def summary_rows(m: dict) -> list[tuple[str, object]]:
     rows: list[tuple[str, object]] = [
         ("accuracy", m["accuracy"]),
+        *(
+            [("starting model (accuracy)", f"{m['start_accuracy']:.4f}")]
+            if m.get("start_accuracy") is not None
+            else []
+        ),
         ("evaluated on", f"{m['eval_n']} images ({m['eval_source']})"),
         ("epsilon", m["epsilon"] if m["private"] else "non-private"),
     ]

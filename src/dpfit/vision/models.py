@@ -79,6 +79,9 @@ class ImageModel:
     head_names: tuple[str, ...]
     source: str
     extra: dict = field(default_factory=dict)  # e.g. the record of a pretraining run
+    # the head was trained with the rest (a saved model, same classes); False for a factory
+    # build or a fresh head for new classes
+    head_trained: bool = True
 
 
 Builder = Callable[[ImageModelSpec], tuple[nn.Module, tuple[str, ...]]]
@@ -227,7 +230,7 @@ def build_model(
     if seed is not None:
         torch.manual_seed(seed)
     module, heads = _FACTORY[arch](spec)
-    return ImageModel(module, spec, heads, arch)
+    return ImageModel(module, spec, heads, arch, head_trained=False)
 
 
 def load_image_model(
@@ -368,6 +371,7 @@ def _new_head(model: ImageModel, label_names: tuple[str, ...], seed: int | None)
         net_config.label2id = {n: i for i, n in enumerate(label_names)}
     logger.info("new head %s for %d classes (was %d)", name, len(label_names), old.out_features)
     model.spec = replace(model.spec, num_classes=len(label_names), label_names=label_names)
+    model.head_trained = False
 
 
 def save_image_model(
