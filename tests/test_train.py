@@ -390,6 +390,19 @@ def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monke
     assert any("linear probe alone" in note for note in res.notes)
 
 
+def test_a_saved_classifier_is_scored_before_it_trains_again(tiny, tmp_path):
+    first = train(cfg(tiny, non_private=True, epochs=1, output=str(tmp_path / "a")))
+    assert "start_accuracy" not in first.metrics  # a new zero head: nothing to score
+    notes: list[str] = []
+    again = train(
+        cfg(tiny, model=str(tmp_path / "a" / "model"), epsilon=3.0, epochs=1), on_note=notes.append
+    )
+    # the saved head is loaded and scored on the same held-out texts (same split seed)
+    assert again.metrics["start_accuracy"] == first.metrics["accuracy"]
+    assert any("the saved model's trained linear layer" in n for n in notes)
+    assert any("accuracy of the starting model, before training" in n for n in notes)
+
+
 def test_classification_items_are_sorted_by_length_for_cheap_padding(tiny, tmp_path):
     """The Poisson loader keeps index order inside a logical batch, so length-sorted items
     give physical batches of similar length (about half the padded tokens on short texts)."""

@@ -289,6 +289,11 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
             if m.get("head_first_accuracy") is not None
             else []
         ),
+        *(
+            [("starting model (accuracy)", f"{m['start_accuracy']:.4f}")]
+            if m.get("start_accuracy") is not None
+            else []
+        ),
         ("training examples", m["train_examples"]),
         ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
         ("train time", f"{m['train_time_s']:.1f} s"),

@@ -34,6 +34,7 @@ class LoadedModel:
     head_names: tuple[str, ...]
     pooling: str = "native"  # cls | pooler | mean | last, or the folder's own head
     pooling_reason: str = ""
+    head_trained: bool = False  # a dpfit-saved classifier's own head, for the same classes
 
 
 def hub_offline() -> bool:
@@ -188,10 +189,11 @@ def load_classifier(
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
     model = PooledClassifier(backbone, len(names), how)
-    if saved_by_dpfit and names == own:
+    head_trained = bool(saved_by_dpfit and names == own)
+    if head_trained:
         load_head(model, target)
     logger.info("loaded %s (%s), pooling %s (%s)", target, type(backbone).__name__, how, why)
-    return LoadedModel(model, tokenizer, target, ("head",), how, why)
+    return LoadedModel(model, tokenizer, target, ("head",), how, why, head_trained)
 
 
 def _load_native_classifier(target, kwargs, local, config, name_or_path) -> LoadedModel:

@@ -190,8 +190,10 @@ class ClassificationTask:
         )
         notes = [
             *data.notes,
-            f"head: {loaded.pooling} pooling ({loaded.pooling_reason}), zero-initialised linear layer",
-        ]
+            f"head: {loaded.pooling} pooling ({loaded.pooling_reason}), "
+            + ("the saved model's trained linear layer" if loaded.head_trained
+               else "zero-initialised linear layer"),
+        ]  # fmt: skip
         return Prepared(
             model=loaded.model,
             tokenizer=loaded.tokenizer,
@@ -200,6 +202,7 @@ class ClassificationTask:
             head_names=loaded.head_names,
             notes=notes,
             state={"data": data, "pooling": loaded.pooling},
+            starts_trained=loaded.head_trained,
         )
 
     def items(self, prep: Prepared, max_length: int) -> list[dict]:
