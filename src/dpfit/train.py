@@ -650,7 +650,7 @@ def train(
     head_state = None
     head_scores: dict = {}
     start_scores: dict = {}
-    if prep.starts_trained and resume_path is None:
+    if prep.starts_trained:  # on resume too: the model is still the one loaded
         start_scores = _score_before(
             task, prep, model, config, device, note, "the starting model, before training"
         )
