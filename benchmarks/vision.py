@@ -60,7 +60,7 @@ from and the report keeps the two apart. From it, one stream, one row at a time:
     # all 54,000 private images, scored on all 10,000 test images
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
         --private-examples 54000 --eval-examples 10000 --batch-size 512 \
-        --rows public-only dp-full 2+bitfit dp-bitfit nonpriv-full nonpriv-bias dp-head
+        --rows public-only dp-full 2+bitfit dp-bitfit nonpriv-full nonpriv-bias dp-head 1+bitfit
 """
 
 from __future__ import annotations
