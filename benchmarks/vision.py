@@ -618,13 +618,12 @@ def _checks(model: str, name: str, rows: dict, summary: dict) -> list[str]:
                    f"({'meets' if ok else 'misses'} the 0.85 target)")  # fmt: skip
     public = rows.get(("public-only", None))
     if public:
-        for (row, eps), r in sorted(rows.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
+        ahead = []
+        for (row, eps), r in rows.items():
             if eps is not None:
-                checks[f"{name}: {row} eps{eps:g} above the checkpoint alone"] = (
-                    r["accuracy"] > public["accuracy"]
-                )
-        ahead = [f"{LABELS[row]} eps={eps:g} {r['accuracy'] - public['accuracy']:+.3f}"
-                 for (row, eps), r in rows.items() if eps is not None]  # fmt: skip
+                gain = r["accuracy"] - public["accuracy"]
+                checks[f"{name}: {row} eps{eps:g} above the checkpoint alone"] = gain > 0
+                ahead.append(f"{LABELS[row]} eps={eps:g} {gain:+.3f}")
         out.append(f"- the public checkpoint alone scores {public['accuracy']:.3f} on the same "
                    "test images; each private row minus it: " + "; ".join(ahead))  # fmt: skip
     for eps in sorted({e for _, e in rows if e is not None}):
