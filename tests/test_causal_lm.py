@@ -159,3 +159,10 @@ def test_cli_task_causal_lm_writes_metrics(tmp_path, capsys):
     assert math.isfinite(m["perplexity_after"])
     assert (out / "model" / "config.json").exists()
     assert "perplexity" in capsys.readouterr().out
+    # every task's result table carries the mechanism, and the warning when the noise was seeded
+    from dpfit.cli import summary_rows
+
+    rows = dict(summary_rows(m))
+    assert rows["epsilon"] == m["epsilon"] and "sigma (noise multiplier)" in rows
+    assert "NOT PRIVATE against" not in rows
+    assert "NOT PRIVATE against" in dict(summary_rows({**m, "insecure_seed": True}))

@@ -173,7 +173,9 @@ def test_help_lists_the_commands():
 def test_insecure_reproducible_noise_warns_and_records(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(train_args(tiny, "--insecure-reproducible-noise", "--output", str(out))) == 0
-    assert "NOT private" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "NOT private" in captured.err
+    assert "NOT PRIVATE against" in captured.out  # in the result table too
     assert json.loads((out / "metrics.json").read_text())["insecure_seed"] is True
 
 

@@ -246,6 +246,8 @@ def _task_options(args: argparse.Namespace):
 
 
 def summary_rows(m: dict) -> list[tuple[str, object]]:
+    from dpfit.reporting import mechanism_rows, score_rows
+
     if m.get("task") == "image-classification":  # vision hook
         from dpfit.vision import cli as vision_cli
 
@@ -253,9 +255,7 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
     if m.get("task") == "causal-lm":
         rows: list[tuple[str, object]] = [
             ("held-out perplexity", f"{m['perplexity_before']:.1f} -> {m['perplexity_after']:.1f}"),
-            ("epsilon", m["epsilon"]),
-            ("delta", m["delta"]),
-            ("clip norm", m["max_grad_norm"]),
+            *mechanism_rows(m),
             ("logical steps", m["steps"]),
             (
                 "trainable fraction",
@@ -265,34 +265,19 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
             ("peak memory", f"{m['peak_memory_mb']:.0f} MB"),
         ]
         return rows + [(f"sample: {s['prompt']!r}", s["continuation"]) for s in m["samples"]]
-    private = m.get("private", True)
-    rows: list[tuple[str, object]] = [
+    return [
         ("accuracy", m["accuracy"]),
         ("evaluated on", f"{m['eval_n']} examples"),
-        ("epsilon", m["epsilon"] if private else "non-private"),
-    ]
-    if private:
-        rows += [
-            ("delta", m.get("delta")),
-            ("sigma (noise multiplier)", m.get("noise_multiplier")),
-            ("clip norm", m.get("max_grad_norm")),
-            ("clipping", m.get("clipping")),
-        ]
-    if m.get("insecure_seed"):
-        rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
-    rows += [
+        *mechanism_rows(m),
         ("head", f"{m.get('pooling')} pooling, linear"),
         ("logical steps", m["steps"]),
         *([("head-first steps", m["head_first_steps"])] if m.get("head_first_steps") else []),
-        *(
-            [("probe alone (accuracy)", f"{m['head_first_accuracy']:.4f}")]
-            if m.get("head_first_accuracy") is not None
-            else []
-        ),
-        *(
-            [("starting model (accuracy)", f"{m['start_accuracy']:.4f}")]
-            if m.get("start_accuracy") is not None
-            else []
+        *score_rows(
+            m,
+            {
+                "head_first_accuracy": "probe alone (accuracy)",
+                "start_accuracy": "starting model (accuracy)",
+            },
         ),
         ("training examples", m["train_examples"]),
         ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
@@ -300,7 +285,6 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
         ("wall time", f"{m['wall_time_s']:.1f} s"),
         ("peak memory", f"{m['peak_memory_mb']:.0f} MB"),
     ]
-    return rows
 
 
 def _set_threads(spec: str) -> None:

@@ -162,6 +162,28 @@ def format_table(rows: Sequence[tuple[str, object]], title: str | None = None) -
     return "\n".join(out)
 
 
+def mechanism_rows(m: Mapping) -> list[tuple[str, object]]:
+    """What a private run released under, for a result table; one place, so no task's table
+    can drop the insecure-noise warning."""
+    if not m.get("private", True):
+        return [("epsilon", "non-private")]
+    rows: list[tuple[str, object]] = [
+        ("epsilon", m.get("epsilon")),
+        ("delta", m.get("delta")),
+        ("sigma (noise multiplier)", m.get("noise_multiplier")),
+        ("clip norm", m.get("max_grad_norm")),
+        ("clipping", m.get("clipping")),
+    ]
+    if m.get("insecure_seed"):
+        rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
+    return rows
+
+
+def score_rows(m: Mapping, labels: Mapping[str, str]) -> list[tuple[str, object]]:
+    """Optional accuracies (metrics key -> row label), only those the run recorded."""
+    return [(label, f"{m[key]:.4f}") for key, label in labels.items() if m.get(key) is not None]
+
+
 def peak_memory_mb(device: str = "cpu") -> float:
     """Peak memory of this run: CUDA allocator peak on GPU, process peak RSS on CPU."""
     if device.startswith("cuda"):

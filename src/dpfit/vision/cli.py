@@ -203,25 +203,14 @@ def pretrain_config_from_args(args: argparse.Namespace):
 
 
 def summary_rows(m: dict) -> list[tuple[str, object]]:
+    from dpfit.reporting import mechanism_rows, score_rows
+
     rows: list[tuple[str, object]] = [
         ("accuracy", m["accuracy"]),
-        *(
-            [("starting model (accuracy)", f"{m['start_accuracy']:.4f}")]
-            if m.get("start_accuracy") is not None
-            else []
-        ),
+        *score_rows(m, {"start_accuracy": "starting model (accuracy)"}),
         ("evaluated on", f"{m['eval_n']} images ({m['eval_source']})"),
-        ("epsilon", m["epsilon"] if m["private"] else "non-private"),
+        *mechanism_rows(m),
     ]
-    if m["private"]:
-        rows += [
-            ("delta", m["delta"]),
-            ("sigma (noise multiplier)", m["noise_multiplier"]),
-            ("clip norm", m["max_grad_norm"]),
-            ("clipping", m.get("clipping")),
-        ]
-        if m.get("insecure_seed"):
-            rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
     rows += [
         ("model", f"{m['model']} at {m['image_size']}x{m['image_size']}"),
         ("trains", m.get("trains", m["mode"])),
