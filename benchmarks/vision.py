@@ -295,7 +295,10 @@ def _train_worker(spec: dict) -> dict:
     import resource
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {**{k: m[k] for k in keep}, "worker_wall_s": time.perf_counter() - t0,
+    # the checkpoint's own score before training, taken by dpfit train itself: it must equal
+    # the public-only row's (same images), a check on that row
+    start = {"start_accuracy": m["start_accuracy"]} if "start_accuracy" in m else {}
+    return {**{k: m[k] for k in keep}, **start, "worker_wall_s": time.perf_counter() - t0,
             "train_cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0),
             "worker_cpu_s": ru.ru_utime + ru.ru_stime, "load_avg": os.getloadavg()[0],
             "peak_rss_mb": _peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
@@ -576,9 +579,24 @@ def _runs_table(runs: list[dict], summary: dict) -> list[str]:
         out.append("")
         summary["rows"][name] = {f"{row}/{eps}": v for (row, eps), v in rows.items()}
         out += _checks(model, name, rows, summary)
+        out += _start_check(name, groups, summary)
     if variants:
         out += _variants_table(variants, summary)
     return out
+
+
+def _start_check(name: str, groups: dict, summary: dict) -> list[str]:
+    """dpfit train scores the checkpoint before training, on the images the row is scored on:
+    per seed it must equal the checkpoint-alone row, an independent call of the same score."""
+    public = {r["seed"]: r["accuracy"] for r in groups.get(("public-only", None), [])}
+    pairs = [(r["start_accuracy"], public[r["seed"]]) for rs in groups.values() for r in rs
+             if r.get("start_accuracy") is not None and r["seed"] in public]  # fmt: skip
+    if not pairs:
+        return []
+    same = sum(abs(a - b) < 1e-9 for a, b in pairs)
+    summary["checks"][f"{name}: start score equals the checkpoint-alone row"] = same == len(pairs)
+    return [f"- dpfit train's own score of the checkpoint before training equals the "
+            f"checkpoint-alone row of its seed in {same} of {len(pairs)} runs", ""]  # fmt: skip
 
 
 def _variants_table(runs: list[dict], summary: dict) -> list[str]:
