@@ -61,6 +61,9 @@ from and the report keeps the two apart. From it, one stream, one row at a time:
     python benchmarks/vision.py utility --models resnet-gn --seeds 0 --eps 8 \
         --private-examples 54000 --eval-examples 10000 --batch-size 512 \
         --rows public-only dp-full 2+bitfit dp-bitfit nonpriv-full nonpriv-bias dp-head 1+bitfit
+    python benchmarks/vision.py utility --models resnet-gn --seeds 1 2 --eps 8 \
+        --private-examples 54000 --eval-examples 10000 --batch-size 512 \
+        --rows public-only dp-full 2+bitfit
 """
 
 from __future__ import annotations
