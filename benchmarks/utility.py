@@ -309,8 +309,9 @@ AGAINST_TFIDF = tuple((key, "tfidf") for key in ("np-full", "np-bias", "dp-full-
 
 
 def variant_lines(summary: dict, pairs=VARIANTS) -> list[str]:
-    """Each variant minus the row it departs from, paired by seed (the split, the head's
-    initialisation and the subsample are the seed's; the private noise is not)."""
+    """Each first row of a pair minus the second (a variant minus the row it departs from, or
+    a fine-tune minus a baseline), paired by seed (the split, the head's initialisation and
+    the subsample are the seed's; the private noise is not)."""
     lines = []
     for vkey, bkey in pairs:
         vname, bname = ROW_BY_KEY[vkey].name, ROW_BY_KEY[bkey].name

@@ -50,9 +50,9 @@ instead of a zero head that drags the features toward it; this matters most when
 distribution shifts (held-out speakers, sources). In full mode it matters more still: from a
 zero head at lr 5e-5, non-private full ended at 74.2 on text-source, below the frozen probe
 (75.2), and at 82.8 with the head first (seed 0; on the other two suite tasks it moved by
-about a point either way, 84.0 -> 82.9 and 65.4 -> 65.7). Where the shift is strong (convention-party,
-new speakers) the private bias phase can still end below the probe it starts from; the
-suite's table shows it.
+about a point either way, 84.0 -> 82.9 and 65.4 -> 65.7). Where the shift is strong
+(convention-party, new speakers) the private bias phase can still end below the probe it
+starts from; the suite's table shows it.
 """
 
 from __future__ import annotations
