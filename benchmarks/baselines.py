@@ -74,12 +74,15 @@ def hashed_ngrams(texts):
     return normalize(x)
 
 
-def dp_hashed_lr(task: TaskSplits, epsilon: float, seed: int = 0) -> dict:
+def dp_hashed_lr(
+    task: TaskSplits, epsilon: float, seed: int = 0, epochs: int | None = None
+) -> dict:
     """The private counterpart of TF-IDF + LR: logistic regression on `hashed_ngrams`, trained
     with dpfit's engine under (epsilon, default delta) with the recipe dpfit gives its own
     private linear head (batch, steps, automatic clipping R=1, AdamW at HEAD_FIRST_LR, zero
     init). Nothing is tuned on the task. Noise and sampling come from OS entropy, as in the
-    product, so `seed` (the split's) fixes nothing here."""
+    product, so `seed` (the split's) fixes nothing here. `epochs` overrides the recipe's (a
+    linear model is cheap, so a practitioner may well give it more passes)."""
     import torch
 
     import dpfit
@@ -96,7 +99,8 @@ def dp_hashed_lr(task: TaskSplits, epsilon: float, seed: int = 0) -> dict:
     torch.nn.init.zeros_(head.bias)
     recipe = resolve_recipe(n, classes, epsilon, None, head.weight.numel(), head_first=False)
     delta = default_delta(n)
-    steps = recipe.epochs * max(1, round(n / recipe.batch_size))
+    epochs = epochs or recipe.epochs
+    steps = epochs * max(1, round(n / recipe.batch_size))
     sigma = noise_multiplier_for(epsilon, delta, recipe.batch_size / n, steps)
     engine = dpfit.PrivacyEngine(
         head,
@@ -136,7 +140,7 @@ def dp_hashed_lr(task: TaskSplits, epsilon: float, seed: int = 0) -> dict:
         "delta": delta,
         "noise_multiplier": sigma,
         "steps": steps,
-        "epochs": recipe.epochs,
+        "epochs": epochs,
         "batch_size": recipe.batch_size,
         "lr": HEAD_FIRST_LR,
         "clipping": recipe.clipping,

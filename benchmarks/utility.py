@@ -8,6 +8,7 @@ rotten-tomatoes (2 classes), convention-party (2), text-source (6). Rows per tas
   DP hashed n-gram LR eps=E  its private counterpart (E in 1, 8): hashed 1-2 grams (no
                              vocabulary read from the data), LR trained by dpfit's engine with
                              the recipe of dpfit's own private head; see baselines.dp_hashed_lr
+  ... 20 epochs             the same at eps 8 with dpfit's largest epoch count (cheap for LR)
   frozen probe (pooling)     frozen MiniLM features + LR; pooler output, [CLS], token mean
   non-private bias-only      `dpfit train --non-private`            (defaults only)
   non-private full           `dpfit train --non-private --mode full`
@@ -72,6 +73,12 @@ ROWS = (
     Row("tfidf", "TF-IDF + LR", "tfidf"),
     Row("dp-bow-8", "DP hashed n-gram LR eps=8", "dpbow", {"epsilon": 8.0}),
     Row("dp-bow-1", "DP hashed n-gram LR eps=1", "dpbow", {"epsilon": 1.0}),
+    Row(
+        "dp-bow-8-long",
+        "DP hashed n-gram LR eps=8, 20 epochs",
+        "dpbow",
+        {"epsilon": 8.0, "epochs": 20},
+    ),
     Row("probe", "frozen probe (pooler / cls / mean)", "probe"),
     Row("np-bias", "non-private bias-only", "dpfit", {"non_private": True}),
     Row("dp-8", "DP-BiTFiT eps=8", "dpfit", {"epsilon": 8.0}),
@@ -186,7 +193,7 @@ def run_row(row: Row, task_name: str, seed: int, scale: Scale) -> list[dict]:
     if row.kind == "tfidf":
         return [{"row": row.name, **baselines.tfidf_lr(task, seed), **sizes}]
     if row.kind == "dpbow":
-        res = baselines.dp_hashed_lr(task, row.train["epsilon"], seed)
+        res = baselines.dp_hashed_lr(task, row.train["epsilon"], seed, row.train.get("epochs"))
         return [{"row": row.name, **res, **sizes}]
     if row.kind == "probe":
         res = baselines.probe(task, baselines.PROBE_MAX_LENGTH, seed, load_task(task_name, seed))
@@ -308,6 +315,7 @@ VARIANTS = (
     ("np-full-nohead", "np-full"),
     ("dp-full-8", "dp-8"),
     ("dp-full-8-nohead", "dp-full-8"),
+    ("dp-bow-8-long", "dp-bow-8"),
 )
 
 
