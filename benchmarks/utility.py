@@ -323,7 +323,13 @@ VARIANTS = (
 # to explain, not a result
 AGAINST_TFIDF = tuple((key, "tfidf") for key in ("np-full", "np-bias", "dp-full-8", "dp-8"))
 # (DP fine-tune, the DP bag of words at the same epsilon): the bar a DP row must clear
-AGAINST_DP_BOW = (("dp-8", "dp-bow-8"), ("dp-full-8", "dp-bow-8"), ("dp-1", "dp-bow-1"))
+AGAINST_DP_BOW = (
+    ("dp-8", "dp-bow-8"),
+    ("dp-full-8", "dp-bow-8"),
+    ("dp-1", "dp-bow-1"),
+    ("dp-8", "dp-bow-8-long"),
+    ("dp-full-8", "dp-bow-8-long"),
+)
 
 
 def variant_lines(summary: dict, pairs=VARIANTS) -> list[str]:
