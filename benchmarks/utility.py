@@ -465,16 +465,20 @@ def plot(summary: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(records: list[dict], scale: Scale, out: Path, tag: str, seeds) -> str:
-    import torch
-
-    summary = summarize(records, scale)
+def failed_runs(records: list[dict], scale: Scale) -> list[dict]:
+    """Failed runs at `scale`, each marked with whether its key has since finished."""
     done = {r["key"] for r in records if "error" not in r}
-    failures = [
+    return [
         {**r, "rerun": r["key"] in done}
         for r in records
         if r.get("scale") == scale.tag() and "error" in r
     ]
+
+
+def write_outputs(records: list[dict], scale: Scale, out: Path, tag: str, seeds) -> str:
+    import torch
+
+    summary = summarize(records, scale)
     size = (
         f"quick mode: a random {scale.max_train} training examples per task (seeded) and a "
         f"random {scale.max_test} test examples"
@@ -488,7 +492,7 @@ def write_outputs(records: list[dict], scale: Scale, out: Path, tag: str, seeds)
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, shared CPU: wall times "
         "are upper bounds."
     )
-    md = markdown(summary, header, failures)
+    md = markdown(summary, header, failed_runs(records, scale))
     (out / f"{tag}.md").write_text(md)
     payload = {"scale": scale.tag(), "summary": summary, "runs": records, "header": header}
     (out / f"{tag}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")

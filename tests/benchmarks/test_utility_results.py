@@ -46,6 +46,9 @@ def _mechanisms() -> dict[tuple, list[dict]]:
     return groups
 
 
+MECHANISMS = _mechanisms()  # read and grouped once, not once per parametrized case
+
+
 def test_committed_table_is_rendered_from_the_committed_log():
     """No figure in utility.md is typed by hand: re-rendering the log gives the file."""
     u = _utility()
@@ -53,13 +56,7 @@ def test_committed_table_is_rendered_from_the_committed_log():
     records = u.read_log(RESULTS / "utility_runs.jsonl")
     scale = u.Scale(None, None)
     assert payload["scale"] == scale.tag()
-    done = {r["key"] for r in records if "error" not in r}
-    failures = [
-        {**r, "rerun": r["key"] in done}
-        for r in records
-        if r.get("scale") == scale.tag() and "error" in r
-    ]
-    md = u.markdown(u.summarize(records, scale), payload["header"], failures)
+    md = u.markdown(u.summarize(records, scale), payload["header"], u.failed_runs(records, scale))
     assert md == (RESULTS / "utility.md").read_text()
 
 
@@ -68,7 +65,7 @@ def test_the_log_has_private_runs_of_every_kind():
     assert {"DP-BiTFiT eps=8", "DP full eps=8", "DP hashed n-gram LR eps=8"} <= rows
 
 
-@pytest.mark.parametrize("mechanism", sorted(_mechanisms()), ids=str)
+@pytest.mark.parametrize("mechanism", sorted(MECHANISMS), ids=str)
 def test_each_private_run_spent_what_it_claims(mechanism):
     """(sigma, q = B/n, head-first + main steps) at the run's delta, composed by dp-accounting's
     RDP accountant directly: the recorded epsilon is that figure, within the row's target."""
@@ -78,7 +75,7 @@ def test_each_private_run_spent_what_it_claims(mechanism):
         dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps)
     )
     direct = acc.get_epsilon(delta)
-    for run in _mechanisms()[mechanism]:
+    for run in MECHANISMS[mechanism]:
         assert direct * (1 - 2e-2) <= run["epsilon"] <= direct * (1 + 1e-6), run["key"]
         assert run["epsilon"] <= target * (1 + 1e-3), run["key"]
         assert delta <= min(1e-5, run["n_train"] ** -1.1) * (1 + 1e-9), run["key"]
