@@ -344,6 +344,24 @@ MUTATIONS = (
 )
 
 
+# issue 26, item 7: a SuperNode without a partition id falls back to node_id % N
+MUTATIONS += (
+    Mutation(
+        "partition-from-node-id",
+        "a SuperNode started without partition-id trains partition node_id % N (one partition "
+        "can sit on several nodes)",
+        (
+            (
+                "dpfit/federated/client.py",
+                '    if "partition-id" not in cfg:\n        raise PartitionError(',
+                '    if "partition-id" not in cfg:\n        return int(context.node_id) % task.num_clients\n        raise PartitionError(',
+            ),
+        ),
+        ("tests/federated/test_partition_id.py",),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

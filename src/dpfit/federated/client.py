@@ -399,10 +399,28 @@ def clamp_loss(loss: float, bound: float) -> float:
 
 
 def _partition_id(context: Any, task: TaskConfig) -> int:
+    """The SuperNode's partition, as its node config names it.
+
+    Never derived from the node id: ``node_id % N`` puts one partition on several nodes, so
+    one partition could contribute k*C in a round and be sampled more often than q
+    (issue 26, item 7). Flower's simulation engine sets ``partition-id`` on every node.
+    """
+    from dpfit.federated.app import PartitionError
+
     cfg = context.node_config
-    if "partition-id" in cfg:
-        return int(cfg["partition-id"])
-    return int(context.node_id) % task.num_clients
+    if "partition-id" not in cfg:
+        raise PartitionError(
+            f"SuperNode {context.node_id} was started without a partition id; start each "
+            f'SuperNode with --node-config "partition-id=<i> num-partitions={task.num_clients}" '
+            f"(i = 0..{task.num_clients - 1}, each on exactly one node)"
+        )
+    if "num-partitions" in cfg and int(cfg["num-partitions"]) != task.num_clients:
+        raise PartitionError(
+            f"SuperNode {context.node_id} has num-partitions={cfg['num-partitions']} but the "
+            f"run has num-clients={task.num_clients}; start it with "
+            f"num-partitions={task.num_clients}"
+        )
+    return int(cfg["partition-id"])
 
 
 def _client_setup(message: Any, context: Any):
