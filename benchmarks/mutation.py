@@ -362,6 +362,30 @@ MUTATIONS += (
 )
 
 
+# issue 26, item 4: the batch-axis check back to comparing row counts only
+MUTATIONS += (
+    Mutation(
+        "batch-axis-by-row-count-only",
+        "no run-time one-example oracle: a sequence-first model with T == B is clipped per "
+        "position",
+        ((ENGINE, "            self._probe.check(per_ex, n, self._hooks)\n", ""),),
+        ("tests/test_batch_axis.py", "-k", "t_equal_b"),
+    ),
+    Mutation(
+        "user-poisson-without-batch-size",
+        "sampling='user-poisson' steps accepted without the batch size (rows unchecked)",
+        (
+            (
+                ENGINE,
+                'if self.config.sampling == "user-poisson" and batch_size is None:',
+                "if False:",
+            ),
+        ),
+        ("tests/test_batch_axis.py", "-k", "needs_the_batch_size"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

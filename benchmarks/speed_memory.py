@@ -233,7 +233,7 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
         def step(x, y, meter=None):
             loss = _metered_loss(model, ce, x, y, meter)
             loss.backward()
-            engine.step(opt)
+            engine.step(opt, batch_size=x.shape[0])
 
         return model, step, info
 

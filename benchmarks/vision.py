@@ -383,7 +383,7 @@ def _scan_step(spec: dict):
 
         def step():
             F.cross_entropy(model(x), y).backward()
-            engine.step(opt)
+            engine.step(opt, batch_size=x.shape[0])
 
     else:
         import warnings

@@ -144,7 +144,7 @@ def check_engine(model, xs, loss_fn):
     opt = Capture(engine.parameters())
     try:
         loss_fn(model, xs).backward()
-        engine.step(opt)
+        engine.step(opt, batch_size=xs.shape[0])
     finally:
         engine.detach()
     scale = torch.sqrt(sum(w.pow(2).sum() for w in want.values()))

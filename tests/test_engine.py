@@ -59,7 +59,7 @@ def test_noiseless_update_is_sum_of_clipped_oracle_grads(reduction, clipping):
     )
     opt = torch.optim.SGD(engine.parameters(), lr=1.0)
     seq_loss(model, x, y, reduction).backward()
-    assert engine.step(opt)
+    assert engine.step(opt, batch_size=len(x))
     for name, p in model.named_parameters():
         if p.requires_grad:
             expected = (factors.view(-1, *[1] * (want[name].dim() - 1)) * want[name]).sum(0) / 4
@@ -119,7 +119,7 @@ def test_noise_std_matches_sigma_R_over_B():
     )
     for _ in range(300):
         (model(x) * 0).sum().backward()  # zero gradients: only noise remains
-        engine.step(opt)
+        engine.step(opt, batch_size=len(x))
     assert_std(torch.stack(draws), sigma * R / B)  # chi-square bound on the sample variance
 
 
@@ -416,7 +416,7 @@ def test_bias_used_outside_its_module_is_caught():
     engine = make_engine(model)
     model(torch.randn(3, 4)).sum().backward()
     with pytest.raises(dpfit.GradientMismatchError, match="do not add up"):
-        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1), batch_size=3)
 
 
 def test_wrong_batch_axis_is_caught():
@@ -425,7 +425,7 @@ def test_wrong_batch_axis_is_caught():
     engine = make_engine(model, batch_dims={"1": 1})
     model(torch.randn(3, 5, 4)).sum().backward()
     with pytest.raises(dpfit.GradientMismatchError, match="batch"):
-        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1), batch_size=3)
 
 
 def test_infeasible_target_is_an_error():
@@ -462,7 +462,7 @@ def test_broadcast_input_gets_a_specific_error():
     engine = make_engine(model, mode="full")
     model(torch.randn(3, 5, 4)).sum().backward()
     with pytest.raises(dpfit.GradientMismatchError, match="broadcast"):
-        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1), batch_size=3)
 
 
 # ---------------------------------------------------------------- randomness

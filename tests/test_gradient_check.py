@@ -31,7 +31,7 @@ def test_cancelling_per_example_gradients_pass(mode):
     # the bias's sum is tiny against what was added, so the rounding of two summation orders
     # is far above 1e-3 of it
     assert model.bias.grad.norm().item() < 1e-3 * 64 * 128 * 1000
-    engine.step(torch.optim.SGD(engine.parameters(), lr=0.0))
+    engine.step(torch.optim.SGD(engine.parameters(), lr=0.0), batch_size=64)
 
 
 def test_a_missed_term_is_caught_beside_cancelling_gradients():
@@ -56,4 +56,4 @@ def test_a_missed_term_is_caught_beside_cancelling_gradients():
     seen, unseen = model(x)
     ((seen * 1000.0 * sign).sum() + 10.0 * unseen.sum()).backward()
     with pytest.raises(dpfit.GradientMismatchError, match="do not add up"):
-        engine.step(torch.optim.SGD(engine.parameters(), lr=0.0))
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.0), batch_size=64)

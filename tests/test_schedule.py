@@ -140,7 +140,7 @@ def test_gradients_exact_after_switch(order):
     c = (1e-4 / norms).clamp(max=1.0)  # min(1, R / ||g||)
     opt = Capture(params)
     F.cross_entropy(model(x), y).backward()
-    engine.step(opt)
+    engine.step(opt, batch_size=5)
     for j, p in enumerate(params):
         want = sum(c[i] * per[i][j] for i in range(5)) / 5
         assert (opt.grads[p].double() - want).norm() <= 1e-5 * want.norm() + 1e-12

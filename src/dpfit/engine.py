@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dpfit.accounting import PrivacyLedger, max_steps_within, noise_multiplier_for
+from dpfit.batch_axis import BatchAxisProbe
 from dpfit.clipped_sum import ClippedSum, arrange
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
@@ -143,6 +144,10 @@ class PrivacyEngine:
         self._pending_loader_state: dict | None = None
         self._warned_late_empty = False
         self._hooks.attach()  # last: a construction that fails leaves the model untouched
+        # issue 26, item 4: one example's row against its gradient alone, once per phase
+        self._probe = BatchAxisProbe(model, self._names)
+        if check_gradients:
+            self._probe.attach()
         self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
         self._eps_cache: dict[tuple[int, float], float] = {}
@@ -251,6 +256,7 @@ class PrivacyEngine:
     def detach(self) -> None:
         """Remove every hook; the model is left exactly as it was before the engine."""
         self._hooks.detach()
+        self._probe.detach()
         self._clipped.clear()
 
     # ------------------------------------------------------------------ data
@@ -356,6 +362,12 @@ class PrivacyEngine:
     def _expected_rows(self, batch_size: int | None) -> int | None:
         """How many examples this physical batch holds, as the loader drew it (or as the
         caller of a user-poisson step says)."""
+        if self.config.sampling == "user-poisson" and batch_size is None:
+            raise SamplingError(
+                "sampling='user-poisson' needs the number of examples in each batch: call "
+                "engine.step(optimizer, batch_size=len(batch)), so that per-example rows that "
+                "are not examples are caught before anything is released"
+            )
         if self.config.sampling == "poisson":
             drawn = self._steps.drawn_rows()
             if drawn is not None and batch_size is not None and drawn != batch_size:
@@ -383,8 +395,10 @@ class PrivacyEngine:
         noise, divide by the expected batch size, step the optimizer and account.
 
         batch_size: the number of examples in this physical batch. Batches from
-        `engine.data_loader` are known to the engine; with sampling="user-poisson", pass it so
-        that a wrong batch axis (per-example rows that are not examples) is caught.
+        `engine.data_loader` are known to the engine; with sampling="user-poisson" it is
+        required, so that a wrong batch axis (per-example rows that are not examples) is
+        caught. On the first step of each phase one example's row is also compared with its
+        gradient computed alone (dpfit.batch_axis), whatever the shapes.
 
         Returns True when a logical (noised) step was taken.
         """
@@ -414,6 +428,9 @@ class PrivacyEngine:
         batch = arrange(per_ex, self._params, n)
         if self.config.check_gradients:
             self._check(batch)
+            # rows that add up may still be positions: one example against its gradient
+            # alone, before anything of this batch is released
+            self._probe.check(per_ex, n, self._hooks)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
         self._clipped.clip_into(batch, self._clip_fn, self.max_grad_norm, scale)
@@ -599,6 +616,8 @@ class PrivacyEngine:
         self.config = replace(self.config, mode=mode)
         self._set_trainables()
         self._hooks.attach()
+        if self.config.check_gradients:  # new trainables, new rows: check them again
+            self._probe.arm()
         if remaining_steps is not None:
             if self.config.target_epsilon is None:
                 raise ValueError("remaining_steps re-calibrates noise: needs target_epsilon")

@@ -253,7 +253,7 @@ def check_full_mode(model, batch, loss_fn, n, tiny=True):
     opt = Capture(engine.parameters())
     try:
         loss_fn(model, batch).backward()
-        engine.step(opt)
+        engine.step(opt, batch_size=n)
     finally:
         engine.detach()
     names = {p: name for name, p in model.named_parameters()}
@@ -477,7 +477,7 @@ def test_bf16_full_mode_clipped_contributions_stay_within_R(monkeypatch, clippin
         y = torch.randint(0, 4, (1,))
         sums.clear()
         F.cross_entropy(model(ids).float(), y, reduction="sum").mul(10.0 + i).backward()
-        assert engine.step(opt)
+        assert engine.step(opt, batch_size=1)
         # one flat sum over every trainable parameter, not rounded to bf16
         assert sum(s.numel() for s in sums) == sum(p.numel() for p in engine.parameters())
         assert all(s.dtype == torch.float32 for s in sums)
