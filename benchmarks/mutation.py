@@ -386,6 +386,43 @@ MUTATIONS += (
 )
 
 
+# issue 26, item 3: a continuation restores the saved generator states (two continuations of
+# one checkpoint draw the same noise), and a second continuation goes ahead unasked
+MUTATIONS += (
+    Mutation(
+        "continuation-restores-generators",
+        "resuming an OS-seeded run restores the checkpoint's noise and sampling generators",
+        (
+            (
+                ENGINE,
+                "restore = self.config.insecure_seed is not None",
+                "restore = True",
+            ),
+            (
+                ENGINE,
+                "if self.config.insecure_seed is None:  # never restored",
+                "if False:  # never restored",
+            ),
+            ("dpfit/sampling.py", "keep = self.reproducible and", "keep ="),
+            ("dpfit/sampling.py", "if self.reproducible and self.generator", "if self.generator"),
+        ),
+        ("tests/test_engine.py", "-k", "continuation"),
+    ),
+    Mutation(
+        "second-continuation-allowed",
+        "a checkpoint already continued is continued again without --fork (an unreported fork)",
+        (
+            (
+                "dpfit/checkpoint.py",
+                "            if not allow_fork:\n                raise CheckpointForkError",
+                "            if False:\n                raise CheckpointForkError",
+            ),
+        ),
+        ("tests/test_checkpoint.py", "-k", "claim_marks"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

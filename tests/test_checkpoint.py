@@ -159,3 +159,83 @@ def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path, extra, first
         torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
     steps_csv = (tmp_path / "resumed" / "steps.csv").read_text().splitlines()
     assert len(steps_csv) == total + 1  # no step counted twice or lost
+
+
+# -- continuations and forks (issue 26, item 3) ----------------------------------------------
+
+
+def test_claim_marks_a_checkpoint_once_and_forks_only_when_asked(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 4, {"step": 4})
+    first = ckpt.claim_continuation(path, steps=4)
+    assert (first.number, first.fork) == (1, False)
+    with pytest.raises(ckpt.CheckpointForkError, match="already continued.*--fork"):
+        ckpt.claim_continuation(path, steps=4)
+    second = ckpt.claim_continuation(path, steps=4, allow_fork=True)
+    assert (second.number, second.fork) == (2, True)
+    assert [m.name for m in ckpt.continuation_markers(path)] == [
+        "ckpt-000000004.pt.continued-1",
+        "ckpt-000000004.pt.continued-2",
+    ]
+    assert ckpt.latest_checkpoint(tmp_path) == path  # markers are not checkpoints
+    for step in (5, 6):  # pruned with their checkpoint
+        ckpt.save_checkpoint(tmp_path, step, {"step": step})
+    assert not list(tmp_path.glob("*.continued-*"))
+
+
+def test_fork_report_composes_every_continuation():
+    from dpfit.accounting import PrivacyLedger, StepRecord
+
+    records = [StepRecord(1.0, 0.1, 30), StepRecord(1.0, 0.1, 20)]  # 30 shared, 20 own
+    fork = ckpt.fork_report(ckpt.Continuation("c", 3, 30), records, 1e-5, "rdp")
+    assert fork["fork"] and fork["shared_steps"] == 30
+    want = PrivacyLedger(1e-5, "rdp", [StepRecord(1.0, 0.1, 30 + 3 * 20)]).epsilon()
+    assert fork["epsilon_if_all_continuations_released"] == pytest.approx(want, rel=1e-9)
+    assert (
+        fork["epsilon_if_all_continuations_released"]
+        > PrivacyLedger(1e-5, "rdp", records).epsilon()
+    )
+    assert "epsilon_if_all_continuations_released" not in ckpt.fork_report(
+        ckpt.Continuation("c", 1, 30), records, 1e-5, "rdp"
+    )
+
+
+def test_second_continuation_is_refused_the_crash_resume_chain_is_not(tiny, tmp_path, capsys):
+    """A crash is simulated by deleting the checkpoints written after it."""
+    ck = tmp_path / "ck"
+
+    def run(name, *extra):
+        args = [a for a in _args(tiny, tmp_path / name) if a != "--insecure-reproducible-noise"]
+        return main(
+            [*args, "--max-steps", "6", "--no-head-first", "--checkpoint-dir", str(ck), *extra]
+        )
+
+    def crash_after(step):
+        for s, p in ckpt.list_checkpoints(ck):
+            if s > step:
+                p.unlink()
+
+    assert run("a", "--checkpoint-every", "2") == 0  # checkpoints at steps 4 and 6 kept
+    crash_after(4)
+    assert run("r1", "--resume") == 0  # continues ckpt 4, writes 5 and 6
+    m1 = json.loads((tmp_path / "r1" / "metrics.json").read_text())
+    assert m1["steps"] == 6 and m1["continuation"]["continuation"] == 1
+    assert not m1["continuation"]["fork"]
+    crash_after(5)  # r1 crashed after writing ckpt 5: resuming the newer checkpoint is fine
+    assert run("r2", "--resume") == 0
+    assert json.loads((tmp_path / "r2" / "metrics.json").read_text())["steps"] == 6
+    crash_after(5)  # ckpt 5 has now been continued (by r2): another --resume is a fork
+    capsys.readouterr()
+    assert run("r3", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "ckpt-000000005.pt was already continued" in err and "--fork" in err
+    assert not (tmp_path / "r3" / "metrics.json").exists()  # refused before any step
+    assert run("r4", "--resume", "--fork") == 0
+    m4 = json.loads((tmp_path / "r4" / "metrics.json").read_text())
+    fork = m4["continuation"]
+    assert (
+        fork["fork"]
+        and fork["continuation"] == 2
+        and fork["shared_steps"] == m4["head_first_steps"] + 5
+    )
+    assert fork["epsilon_if_all_continuations_released"] > m4["epsilon"]
+    assert "costs" in fork["note"]

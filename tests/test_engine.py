@@ -279,29 +279,73 @@ def test_resume_from_state_dict_matches_uninterrupted():
     assert torch.equal(params_of(model2), params_of(full_model))
 
 
-def test_resume_without_a_seed_continues_the_secret_streams():
-    """Default (OS-seeded) generators: the checkpoint carries their state, so a resumed run
-    still equals the uninterrupted one, whatever seeds the new engine drew."""
-    model, engine, opt = train(seed=None, n_epochs=1, with_optimizer=True)
-    state = engine.state_dict()
-    assert state["noise_rng"] is not None and state["sample_rng"] is not None
+def test_two_continuations_of_one_checkpoint_draw_fresh_noise_and_batches():
+    """Default (OS-seeded) generators: a checkpoint carries no generator state, and each
+    continuation draws fresh noise and batches (issue 26, item 3). Restoring the state would
+    make two continuations draw the same noise: the difference of their releases would be the
+    noise-free difference of clipped gradients. With q = 1 and lr = 0 both continuations clip
+    the same gradients, so the difference of their released updates is the difference of two
+    independent noises: N(0, 2 (sigma R / B)^2) per coordinate."""
+    sigma, R, B = 1.0, 1.0, 8
+    model = small_model()
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=B, sample_size=B, noise_multiplier=sigma, max_grad_norm=R
+    )
+    opt = torch.optim.SGD(engine.parameters(), lr=0.0)
+    for x, y in engine.data_loader(TensorDataset(B), optimizer=opt):
+        seq_loss(model, x, y).backward()
+        engine.step(opt)
+    state = copy.deepcopy(engine.state_dict())
+    assert state["noise_rng"] is None and state["sample_rng"] is None  # no secret in the file
+    assert state["loader"]["rng"] is None
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
 
     def resume() -> torch.Tensor:
         m = small_model()
         m.load_state_dict(snapshot)
-        e = dpfit.PrivacyEngine(m, expected_batch_size=8, sample_size=40, noise_multiplier=1.0)
+        e = dpfit.PrivacyEngine(
+            m, expected_batch_size=B, sample_size=B, noise_multiplier=sigma, max_grad_norm=R
+        )
         e.load_state_dict(state)
-        o = torch.optim.Adam(e.parameters(), lr=0.01)
-        o.load_state_dict(copy.deepcopy(opt.state_dict()))  # Adam updates its state in place
-        for x, y in e.data_loader(TensorDataset(40)):
-            seq_loss(m, x, y).backward()
-            e.step(o)
-        return params_of(m)
+        o = torch.optim.SGD(e.parameters(), lr=0.0)
+        released = []
+        o.register_step_pre_hook(
+            lambda o_, a, k: released.append(torch.cat([p.grad.flatten() for p in e.parameters()]))
+        )
+        for _ in range(30):
+            for x, y in e.data_loader(TensorDataset(B), optimizer=o):
+                seq_loss(m, x, y).backward()
+                e.step(o)
+        assert e.steps_taken == 31  # the ledger goes on from the checkpoint's step
+        return torch.stack(released)
 
-    # two resumptions from one checkpoint are identical: everything random came from it
-    assert torch.equal(resume(), resume())
+    diff = resume() - resume()
+    assert_std(diff, math.sqrt(2) * sigma * R / B)
     assert engine.privacy_record()["insecure_seed"] is False
+
+
+def test_continuation_of_a_seeded_run_draws_the_sampling_stream_afresh():
+    """q < 1: the batches of two continuations differ (fresh sampling), but not with an
+    explicit insecure seed, where a resume continues the seeded streams bit-for-bit."""
+
+    def draws(seed: int | None) -> list[list[int]]:
+        model, engine = train(seed=seed, n_epochs=1)
+        state = engine.state_dict()
+        out = []
+        for _ in range(2):
+            e = dpfit.PrivacyEngine(
+                small_model(), expected_batch_size=8, sample_size=40, noise_multiplier=1.0,
+                insecure_seed=seed,
+            )  # fmt: skip
+            e.load_state_dict(state)
+            loader = e.data_loader(TensorDataset(40))
+            out.append([loader.sampler.draw() for _ in range(20)])
+        return out
+
+    fresh = draws(None)
+    assert fresh[0] != fresh[1]
+    seeded = draws(4)
+    assert seeded[0] == seeded[1]
 
 
 def test_loader_state_resumes_mid_epoch():

@@ -10,12 +10,15 @@ always complete; a kill mid-write leaves at most a stray temporary file, ignored
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
 import random
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +33,10 @@ _NAME = re.compile(rf"^{PREFIX}(\d+)\.pt$")
 
 class CheckpointError(DPFitError):
     """A checkpoint cannot be used to resume this run."""
+
+
+class CheckpointForkError(CheckpointError):
+    """A checkpoint that was already continued would be continued again: a fork."""
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -80,6 +87,8 @@ def save_checkpoint(directory: str | Path, step: int, state: Mapping, keep: int 
     _fsync_dir(directory)
     for _, old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
+        for marker in continuation_markers(old):
+            marker.unlink(missing_ok=True)
     for stray in directory.glob(f".{PREFIX}*.tmp-*"):
         if stray != tmp:
             stray.unlink(missing_ok=True)
@@ -186,3 +195,128 @@ def check_compatible(saved: Mapping, current: Mapping, keys: tuple[str, ...]) ->
             "the checkpoint was written with different settings (" + "; ".join(diffs) + "); "
             "resume with the same options, or use a new --checkpoint-dir"
         )
+
+
+# -- continuations and forks (issue 26, item 3) ----------------------------------------------
+
+CONTINUED = ".continued-"
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """This run continues `checkpoint`, as its `number`-th continuation (2 and up: a fork).
+
+    `steps`: the privacy steps on the checkpoint's ledger, which every continuation shares.
+    """
+
+    checkpoint: str
+    number: int
+    steps: int
+
+    @property
+    def fork(self) -> bool:
+        return self.number > 1
+
+
+def continuation_markers(path: str | Path) -> list[Path]:
+    """The markers of the continuations of checkpoint `path` so far, oldest first."""
+    path = Path(path)
+    found = []
+    for p in path.parent.glob(f"{path.name}{CONTINUED}*"):
+        tail = p.name[len(path.name) + len(CONTINUED) :]
+        if tail.isdigit():
+            found.append((int(tail), p))
+    return [p for _, p in sorted(found)]
+
+
+def claim_continuation(path: str | Path, steps: int, allow_fork: bool = False) -> Continuation:
+    """Record, before anything is drawn, that checkpoint `path` is being continued.
+
+    Each continuation of a checkpoint draws fresh noise and batches, so it is a mechanism of
+    its own on the same data: releasing two continuations costs the shared steps composed with
+    both continuations' own steps, while each reports one run's epsilon. So the first
+    continuation is recorded by a marker file next to the checkpoint (``<name>.continued-1``,
+    created with O_EXCL: of two concurrent resumes exactly one gets it), and a second one is
+    refused unless `allow_fork`. The usual crash-resume chain is not affected: a continuation
+    writes newer checkpoints, and the resume after its crash starts from the newest one.
+    """
+    path = Path(path)
+    number = 1
+    while True:
+        marker = path.with_name(f"{path.name}{CONTINUED}{number}")
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            if not allow_fork:
+                raise CheckpointForkError(_fork_refusal(path)) from None
+            number += 1
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"started": time.time(), "pid": os.getpid(), "steps": steps}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(path.parent)
+        if number > 1:
+            logger.warning(
+                "%s: continuation %d (a fork); releasing the outputs of more than one "
+                "continuation costs the first %d steps composed with each one's own steps",
+                path.name,
+                number,
+                steps,
+            )
+        return Continuation(path.name, number, steps)
+
+
+def _fork_refusal(path: Path) -> str:
+    markers = continuation_markers(path)
+    when = ""
+    try:
+        started = json.loads(markers[0].read_text())["started"]
+        when = f" on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(started))}"
+    except (IndexError, OSError, ValueError, KeyError):
+        pass
+    return (
+        f"{path.name} was already continued{when} ({markers[0].name if markers else 'marker'}); "
+        "a second continuation draws fresh noise and is a fork: releasing both costs the "
+        "shared steps plus both continuations' own steps, while each reports one run's "
+        "epsilon. Resume the newer checkpoints of that continuation instead, or pass --fork "
+        "(allow_fork=True) to fork knowingly (the report then says so); if the earlier "
+        "continuation crashed before writing a checkpoint and released nothing, --fork costs "
+        "nothing extra"
+    )
+
+
+def fork_report(continuation: Continuation, records: Sequence, delta: float, accountant: str):
+    """What a continuation's report says about the checkpoint it continued.
+
+    `records`: the run's ledger records (dpfit.accounting.StepRecord). For a fork, also the
+    epsilon of releasing this run together with the earlier continuations of the checkpoint,
+    were each as long as this one (its own steps counted once per continuation).
+    """
+    from dpfit.accounting import PrivacyLedger, StepRecord
+
+    report: dict = {
+        "checkpoint": continuation.checkpoint,
+        "continuation": continuation.number,
+        "shared_steps": continuation.steps,
+        "fork": continuation.fork,
+    }
+    if not continuation.fork:
+        return report
+    own: list[StepRecord] = []
+    skip = continuation.steps
+    for r in records:
+        take = max(0, r.count - skip)
+        skip = max(0, skip - r.count)
+        if take:
+            own.append(StepRecord(r.noise_multiplier, r.sample_rate, take, r.sampling))
+    ledger = PrivacyLedger(delta, accountant, list(records))
+    extra = tuple(own) * (continuation.number - 1)
+    report["epsilon_if_all_continuations_released"] = ledger.epsilon(extra=extra)
+    report["note"] = (
+        f"continuation {continuation.number} of {continuation.checkpoint}: a fork. This run's "
+        "epsilon counts its own steps once; releasing the outputs of several continuations "
+        f"costs the {continuation.steps} shared steps composed with every continuation's own "
+        "steps (epsilon_if_all_continuations_released assumes each as long as this one)"
+    )
+    return report

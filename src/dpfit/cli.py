@@ -171,6 +171,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--checkpoint-every", type=_positive_int, default=1)
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    g.add_argument(
+        "--fork",
+        action="store_true",
+        help="with --resume: continue a checkpoint that was already continued (a fork; "
+        "releasing both costs both continuations' steps, see metrics.json continuation)",
+    )
     g.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     from dpfit.vision import cli as vision_cli  # vision hook: image options, own group
@@ -229,6 +235,7 @@ def train_config_from_args(args: argparse.Namespace):
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        allow_fork=getattr(args, "fork", False),
         device=args.device,
     )
 

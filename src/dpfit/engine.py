@@ -305,6 +305,7 @@ class PrivacyEngine:
             generator=self._sample_rng,
             secure=self.config.secure_rng,
             part=part,
+            reproducible=self.config.insecure_seed is not None,
         )
         self._loader = PoissonDataLoader(
             self._steps,
@@ -549,6 +550,8 @@ class PrivacyEngine:
             "pending_empty": self._steps.pending_empty,
             "world_size": 1 if self._dist is None else self._dist.world_size,
         }
+        if self.config.insecure_seed is None:  # never restored: keep the secret out of files
+            sd["noise_rng"] = sd["sample_rng"] = None
         if self._loader is not None:
             sd["loader"] = self._loader.state_dict()
         return sd
@@ -563,8 +566,14 @@ class PrivacyEngine:
         self.noise_multiplier = float(sd["noise_multiplier"])
         # a run that was once reproducible from a seed stays marked so
         self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))
+        # A continuation draws fresh noise and batches (its generators were seeded from the
+        # OS at construction): restoring the saved state would let two continuations of one
+        # checkpoint draw the same noise, so that the difference of their models is the
+        # noise-free difference of clipped gradients (issue 26, item 3). Only an explicitly
+        # insecure-seeded run continues its streams, to resume bit-for-bit.
+        restore = self.config.insecure_seed is not None
         for gen, key in ((self._noise_rng, "noise_rng"), (self._sample_rng, "sample_rng")):
-            if gen is not None and sd.get(key) is not None:
+            if restore and gen is not None and sd.get(key) is not None:
                 gen.set_state(sd[key])
         self._steps.pending_empty = int(sd.get("pending_empty", 0))
         self._eps_cache.clear()

@@ -59,7 +59,8 @@ class RankPart:
 class PoissonBatchSampler:
     """Yields index lists (possibly empty), `steps_per_epoch` of them per pass.
 
-    Holds its generator state, so a pass can stop after any step and resume exactly there.
+    Saves its position, so a pass can stop after any step and resume there (with the same
+    draws only when `reproducible`: a publicly seeded generator).
     Without a generator it seeds one from os.urandom; with `secure` it uses none and draws
     every inclusion decision from os.urandom. With a `part`, every rank must hold the same
     generator state (the engine seeds it from rank 0); it yields this rank's indices only.
@@ -73,6 +74,7 @@ class PoissonBatchSampler:
         generator: torch.Generator | None = None,
         secure: bool = False,
         part: RankPart | None = None,
+        reproducible: bool = False,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty")
@@ -91,6 +93,11 @@ class PoissonBatchSampler:
             generator = torch.Generator().manual_seed(secure_seed())
         self.generator = None if secure else generator
         self.position = 0  # logical steps completed in the current pass
+        # the generator was seeded from a public seed: its state is saved and restored, so a
+        # resumed run draws what the uninterrupted one would. Otherwise a resumed pass keeps
+        # its own OS-seeded generator: two continuations of one checkpoint draw different
+        # batches (issue 26, item 3), and no generator state is written to checkpoints.
+        self.reproducible = reproducible
         self.part = None if part is None or part.world_size == 1 else part
 
     def __len__(self) -> int:
@@ -122,12 +129,12 @@ class PoissonBatchSampler:
         self.position = 0
 
     def state_dict(self) -> dict:
-        rng = None if self.generator is None else self.generator.get_state()
-        return {"position": self.position, "rng": rng}
+        keep = self.reproducible and self.generator is not None
+        return {"position": self.position, "rng": self.generator.get_state() if keep else None}
 
     def load_state_dict(self, sd: dict) -> None:
         self.position = int(sd["position"])
-        if self.generator is not None and sd.get("rng") is not None:
+        if self.reproducible and self.generator is not None and sd.get("rng") is not None:
             self.generator.set_state(sd["rng"])
 
 

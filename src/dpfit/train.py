@@ -110,6 +110,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # (resume)
     checkpoint_every: int = 1  # (resume) logical steps between checkpoints
     resume: bool = False  # (resume)
+    allow_fork: bool = False  # (resume) continue a checkpoint that was already continued
     device: str = "auto"  # (resume)
     eval_batch_size: int = 64  # (resume)
 
@@ -164,6 +165,7 @@ class TrainConfig:
         "checkpoint_dir",
         "checkpoint_every",
         "resume",
+        "allow_fork",
         "device",
         "eval_batch_size",
     )
@@ -689,6 +691,7 @@ def train(
         )
         stepper = engine
     first_step = stepper.steps_taken  # head-first steps already on the ledger
+    continuation: ckpt.Continuation | None = None
 
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path)
@@ -705,6 +708,17 @@ def train(
         elapsed_before = float(state["elapsed_s"])
         first_step = int(state.get("first_step", 0))
         note(f"resumed from {resume_path.name}: logical step {len(rows)}, epoch {epoch + 1}")
+        if engine is not None and len(rows) < total_steps and is_main_process():
+            # fresh noise and batches from here on: a second continuation is a fork
+            continuation = ckpt.claim_continuation(
+                resume_path, engine.steps_taken, config.allow_fork
+            )
+            if continuation.fork:
+                note(
+                    f"--fork: continuation {continuation.number} of {resume_path.name}; "
+                    "releasing the outputs of several continuations costs the shared steps "
+                    "plus each continuation's own steps (metrics.json: continuation)"
+                )
 
     def save(epoch_now: int) -> None:
         if not config.checkpoint_dir or not is_main_process():  # distributed: rank 0 writes
@@ -790,6 +804,10 @@ def train(
     if engine is not None:
         privacy = dict(engine.privacy_record())
         privacy["insecure_seed"] = bool(config.insecure_reproducible_noise)
+        if continuation is not None:
+            privacy["continuation"] = ckpt.fork_report(
+                continuation, engine.ledger.records, engine.target_delta, engine.ledger.accountant
+            )
         engine.detach()
     errors: list[str] = []
     try:
@@ -812,6 +830,8 @@ def train(
                 f"{start_scores['accuracy']:.4f} (the starting model) to {scores['accuracy']:.4f}: "
                 "the starting model is the better one here"
             )
+    if privacy and "continuation" in privacy:
+        metrics["continuation"] = privacy["continuation"]
     result = TrainResult(metrics, rows, model, prep.tokenizer, privacy, notes)
     if config.output and is_main_process():  # distributed: rank 0 writes
         result.output_dir = save_outputs(result, config, task, prep, errors)

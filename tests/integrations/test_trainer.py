@@ -1,5 +1,6 @@
 """DPTrainer: an ordinary transformers Trainer script made private by swapping one class."""
 
+import dataclasses
 import json
 import math
 
@@ -158,8 +159,10 @@ def test_resume_counts_every_step_and_continues_the_same_run(make, tmp_path):
     whole, whole_params = _run(make, tmp_path / "whole", privacy, **kw)
 
     model, ds, collator = make()
+    # its own resume below is the checkpoint's second continuation: a fork, asked for
     first = DPTrainer(model=model, args=targs(tmp_path, save_strategy="steps", **kw),
-                      train_dataset=ds, data_collator=collator, privacy=privacy,
+                      train_dataset=ds, data_collator=collator,
+                      privacy=dataclasses.replace(privacy, allow_fork=True),
                       callbacks=[StopAt(2)])  # fmt: skip
     first.train()
     assert first.privacy_engine.steps_taken == 2
@@ -344,3 +347,38 @@ def test_empty_poisson_batches_are_steps_that_trainer_counts(make, tmp_path):
     trainer.train()
     assert any(empties) and not all(empties)
     assert trainer.state.global_step == trainer.privacy_engine.steps_taken == len(empties) == 6
+
+
+def test_resuming_one_checkpoint_twice_is_a_fork_refused_unless_asked(make, tmp_path):
+    """Issue 26, item 3: DPTrainer resumed twice from one checkpoint (say with another learning
+    rate). Each continuation draws fresh noise (OS-seeded: the two differ), and the second is
+    refused unless allow_fork, whose dpfit.json says what releasing both costs."""
+    from dpfit.checkpoint import CheckpointForkError
+
+    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-4)
+    kw = dict(max_steps=4, per_device_train_batch_size=8, save_steps=2, save_strategy="steps")
+    model, ds, collator = make()
+    DPTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=ds, data_collator=collator,
+              privacy=privacy, callbacks=[StopAt(2)]).train()  # fmt: skip
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+
+    def resume(name, lr, p):
+        model, ds, collator = make()
+        args = targs(tmp_path, **{**kw, "output_dir": str(tmp_path / name)}, learning_rate=lr)
+        t = DPTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
+                      privacy=p)  # fmt: skip
+        t.train(resume_from_checkpoint=checkpoint)
+        t.save_model()
+        return t, trained_biases(model)
+
+    one, first = resume("one", 5e-2, privacy)
+    assert one.privacy_engine.steps_taken == 4
+    with pytest.raises(CheckpointForkError, match="already continued"):
+        resume("two", 1e-1, privacy)
+    two, second = resume("three", 5e-2, dataclasses.replace(privacy, allow_fork=True))
+    assert not same(first, second, atol=1e-6)  # fresh noise and batches, same learning rate
+    record = json.loads((tmp_path / "three" / "dpfit.json").read_text())
+    fork = record["continuation"]
+    assert fork["fork"] and fork["continuation"] == 2 and fork["shared_steps"] == 2
+    assert fork["epsilon_if_all_continuations_released"] > record["epsilon"]
+    assert not json.loads((tmp_path / "one" / "dpfit.json").read_text())["continuation"]["fork"]

@@ -22,8 +22,10 @@ What changes, and why (docs/trainer.md has the user's view):
   .losses): a model's own token-level loss weights an example by its neighbours' lengths.
 * Only released or public figures are logged: the raw gradient norm, the training loss (unless
   ``log_train_loss=True``), FLOP and token counts are not. Logs gain ``epsilon``.
-* Each Trainer checkpoint also holds ``dpfit_engine.pt`` (ledger, noise and sampler state;
-  secret); resuming needs it, so epsilon after a resume counts every step.
+* Each Trainer checkpoint also holds ``dpfit_engine.pt`` (the ledger; generator states only
+  for an insecure seed); resuming needs it, so epsilon after a resume counts every step. A
+  resume draws fresh noise and batches and marks the checkpoint as continued: resuming it a
+  second time is a fork, refused unless ``PrivacyArguments.allow_fork``.
 * Under torchrun, the logical batch is per_device_train_batch_size x world size, each rank
   keeps its part of one global Poisson sample, the engine reduces clipped sums once per step (rank 0 adds the noise),
   each training step runs under DDP's ``no_sync()`` (DDP never averages raw gradients), and an
@@ -54,7 +56,7 @@ from transformers.trainer_utils import (
 )
 
 from dpfit import distributed
-from dpfit.checkpoint import load_checkpoint
+from dpfit.checkpoint import Continuation, claim_continuation, fork_report, load_checkpoint
 from dpfit.engine import PrivacyEngine
 from dpfit.errors import DPFitError, LossReductionError
 from dpfit.integrations.losses import LossInputs, per_example_loss_for
@@ -107,6 +109,9 @@ class PrivacyArguments:
     secure_rng: bool = False
     # Log the exact training loss (a non-private statistic of the sampled batches).
     log_train_loss: bool = False
+    # Resume from a checkpoint that was already continued (a fork): each continuation draws
+    # fresh noise, and releasing several costs each one's own steps (dpfit.json: continuation).
+    allow_fork: bool = False
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -240,6 +245,7 @@ class DPTrainer(Trainer):
             )
         self._eval_prefixes = {"eval"}
         self._resumed_loader_state: dict | None = None
+        self._continuation: Continuation | None = None
         if self.privacy.bias_only:
             heads = self.privacy.train_head
             make_bias_trainable(
@@ -431,6 +437,10 @@ class DPTrainer(Trainer):
         state = load_checkpoint(path)
         self.privacy_engine.load_state_dict(state)
         self._resumed_loader_state = state.get("loader")
+        if self.is_world_process_zero():  # fresh noise from here: a second one is a fork
+            self._continuation = claim_continuation(
+                path, self.privacy_engine.steps_taken, self.privacy.allow_fork
+            )
         logger.info(
             "resumed privacy state from %s: %d steps, epsilon %.4f",
             path,
@@ -464,5 +474,11 @@ class DPTrainer(Trainer):
             "loss": f"per-example mean ({self._task})",
             **self.privacy_engine.privacy_record(),
         }
+        if self._continuation is not None:
+            engine = self.privacy_engine
+            record["continuation"] = fork_report(
+                self._continuation, engine.ledger.records, engine.target_delta,
+                engine.ledger.accountant,
+            )  # fmt: skip
         with open(os.path.join(out, "dpfit.json"), "w") as f:
             json.dump(record, f, indent=2)
