@@ -423,6 +423,36 @@ MUTATIONS += (
 )
 
 
+# issue 26, item 2: an image folder's architecture read from its images
+MUTATIONS += (
+    Mutation(
+        "folder-channels-from-images",
+        "an image folder's channel count is 3 if any image is colour (published architecture "
+        "depends on one private image)",
+        (
+            (
+                "dpfit/vision/data.py",
+                "mode = FOLDER_MODES[channels]",
+                'mode = "L" if all(p.mode in ("L", "1", "I;16", "I") for p in pics) else "RGB"',
+            ),
+        ),
+        ("tests/vision/test_architecture.py",),
+    ),
+    Mutation(
+        "folder-size-from-first-image",
+        "an image folder's input size is its first image's",
+        (
+            (
+                "dpfit/vision/data.py",
+                "size = (side, side)",
+                "size = (image_size, image_size) if image_size else pics[0].size",
+            ),
+        ),
+        ("tests/vision/test_architecture.py",),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

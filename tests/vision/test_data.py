@@ -54,8 +54,12 @@ def test_image_folder(tmp_path):
         (tmp_path / CLASSES[y]).mkdir(exist_ok=True)
         Image.fromarray(img).save(tmp_path / CLASSES[y] / f"{i}.png")
     Image.fromarray(np.zeros((9, 9), np.uint8)).save(tmp_path / CLASSES[0] / "big.png")
-    d = load_images(tmp_path)
+    d = load_images(tmp_path, channels=1, image_size=6)
     assert d.images.shape == (13, 1, 6, 6)  # the odd-sized image is resized
+    # without flags: the fixed default geometry, not the images' own (issue 26, item 2)
+    default = load_images(tmp_path)
+    assert default.images.shape == (13, vd.FOLDER_CHANNELS, vd.FOLDER_IMAGE_SIZE,
+                                    vd.FOLDER_IMAGE_SIZE)  # fmt: skip
     assert set(d.label_names) <= set(CLASSES)
     for img, y in zip(images, labels, strict=True):  # every file landed in its class
         hits = [i for i in range(len(d)) if np.array_equal(d.images[i, 0], img)]

@@ -20,6 +20,7 @@ FashionMNIST's names ship with the data set and are public.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +42,13 @@ from dpfit.vision.data import (
     public_private_split,
     relabel,
 )
-from dpfit.vision.models import ImageModel, load_image_model, read_record, save_image_model
+from dpfit.vision.models import (
+    SPEC_FILE,
+    ImageModel,
+    load_image_model,
+    read_record,
+    save_image_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +67,11 @@ class ImageOptions:
     public_fraction: float | None = None  # None: as recorded by the pretrained model, else 0
     split_seed: int | None = None  # seeds the public/private split and the held-out test
     # share; None: as recorded by the pretrained model, else 0
-    image_size: int | None = None  # square input size (upsampled); None: the data's / model's
+    # the input geometry of a new model, from public inputs only (issue 26, item 2): square
+    # size and channels; None: the starting model's, else the file's (.npz, idx) or, for an
+    # image folder, FOLDER_IMAGE_SIZE / FOLDER_CHANNELS. Never read from individual images.
+    image_size: int | None = None
+    channels: int | None = None
     max_eval_examples: int | None = None
     replace_batchnorm: bool = False  # a user model's BatchNorm -> GroupNorm
     head_only: bool = False  # DP last layer: the head alone trains
@@ -73,6 +84,8 @@ class ImageOptions:
             raise ValueError(f"public_fraction must be in [0, 1), got {self.public_fraction}")
         if self.image_size is not None and self.image_size < 4:
             raise ValueError(f"image_size must be >= 4, got {self.image_size}")
+        if self.channels is not None and self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {self.channels}")
         if self.augment not in AUGMENTS:
             raise ValueError(f"augment must be one of {AUGMENTS}, got {self.augment!r}")
         if self.max_eval_examples is not None and self.max_eval_examples < 1:
@@ -114,15 +127,40 @@ def _is_bundled(spec: str | None) -> bool:
     return spec is None or spec == FASHION_MNIST
 
 
+def input_geometry(model_name: str, opts: ImageOptions) -> tuple[int | None, int | None]:
+    """(channels, image size) of the model's input, from public inputs only: a starting
+    model's own (the data is converted to it), else the flags; None where neither fixes it."""
+    path = Path(str(model_name)).expanduser()
+    spec_file, hf_config = path / SPEC_FILE, path / "config.json"
+    if path.is_dir() and spec_file.is_file():
+        spec = json.loads(spec_file.read_text())
+        return int(spec["in_channels"]), int(spec["image_size"])
+    if path.is_dir() and hf_config.is_file():
+        cfg = json.loads(hf_config.read_text())
+        size = cfg.get("image_size")
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        channels = cfg.get("num_channels")
+        return (
+            None if channels is None else int(channels),
+            None if size is None else int(size),
+        )
+    return opts.channels, opts.image_size
+
+
 def prepare_images(
-    config, opts: ImageOptions | None = None, recorded_split: dict | None = None
+    config,
+    opts: ImageOptions | None = None,
+    recorded_split: dict | None = None,
+    geometry: tuple[int | None, int | None] | None = None,
 ) -> PreparedImages:
     """Training and test images; the public/private split made (or inherited) and checked.
 
     `config` is a :class:`dpfit.train.TrainConfig` (data, eval_data, max_train_examples,
-    seed); `recorded_split` is the pretrained model's record of its public split.
+    seed); `recorded_split` is the pretrained model's record of its public split;
+    `geometry` the (channels, size) an image folder is converted to (:func:`input_geometry`).
     """
     opts = opts or options_of(config)
+    channels, size = geometry or (opts.channels, opts.image_size)
     notes: list[str] = []
     source = FASHION_MNIST if _is_bundled(config.data) else str(config.data)
     fraction, seed = opts.public_fraction, opts.split_seed
@@ -151,13 +189,15 @@ def prepare_images(
                 f"(seed {rec[1]}) is public and excluded from private training"
             )
     seed = 0 if seed is None else seed
-    data = load_images(config.data, "train", config.labels, image_size=opts.image_size)
+    data = load_images(config.data, "train", config.labels, image_size=size, channels=channels)
     all_public = not private_side and not fraction
     label_source, note = _label_names(data, config, source, all_public)
     notes.append(note)
     if config.eval_data is not None:
         split = "test" if _is_bundled(config.eval_data) else "train"
-        test = load_images(config.eval_data, split, data.label_names, image_size=opts.image_size)
+        test = load_images(
+            config.eval_data, split, data.label_names, image_size=size, channels=channels
+        )
     elif _is_bundled(config.data):
         test = load_images(None, "test")
     else:
@@ -270,12 +310,15 @@ class ImageClassificationTask:
         opts = options_of(config)
         check(config, opts)
         model_name = config.model or DEFAULT_MODEL
-        data = prepare_images(config, opts, read_record(model_name).get("pretrained_on"))
+        geometry = input_geometry(model_name, opts)
+        data = prepare_images(config, opts, read_record(model_name).get("pretrained_on"), geometry)
+        # a new model's input: the flags, else the data as converted (an image folder) or as
+        # stored (one shape for a whole .npz / idx file), never one image's
         loaded = load_image_model(
             model_name,
             label_names=data.train.label_names,
-            in_channels=data.train.channels,
-            image_size=opts.image_size or max(data.train.size),
+            in_channels=geometry[0] or data.train.channels,
+            image_size=geometry[1] or max(data.train.size),
             seed=config.seed,
             replace_batchnorm=opts.replace_batchnorm,
         )

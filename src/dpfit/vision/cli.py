@@ -48,7 +48,14 @@ def _image_options(g, p: argparse.ArgumentParser) -> None:
         ),
         "--image-size": dict(
             type=_positive_int,
-            help="square input size; images are resized (upsampled) to it",
+            help="square input size of a new model; images are resized to it (default: the "
+            "starting model's; for an image folder 32, never read from the images)",
+        ),
+        "--channels": dict(
+            type=int,
+            choices=(1, 3),
+            help="input channels of a new model; images are converted to them (default: the "
+            "starting model's; for an image folder 3, never read from the images)",
         ),
         "--max-eval-examples": dict(type=_positive_int, help="random subset of the test images"),
         "--replace-batchnorm": dict(
@@ -147,6 +154,7 @@ def image_options_from_args(
         public_fraction=args.public_fraction,
         split_seed=args.split_seed,
         image_size=args.image_size,
+        channels=getattr(args, "channels", None),
         max_eval_examples=args.max_eval_examples,
         replace_batchnorm=args.replace_batchnorm,
         head_only=getattr(args, "head_only", False),
@@ -155,7 +163,7 @@ def image_options_from_args(
 
 def image_flags_given(args: argparse.Namespace) -> list[str]:
     """The image-only flags set on the command line (refused for other tasks)."""
-    names = ("public_fraction", "split_seed", "image_size", "max_eval_examples")
+    names = ("public_fraction", "split_seed", "image_size", "channels", "max_eval_examples")
     given = [n for n in names if getattr(args, n, None) is not None]
     given += [n for n in ("replace_batchnorm", "head_only") if getattr(args, n, False)]
     return ["--" + n.replace("_", "-") for n in given]
@@ -243,7 +251,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
     _set_threads(getattr(args, "threads", "auto"))
     model = load_image_model(args.model)
     bundled = args.data in (None, FASHION_MNIST)
-    data = load_images(args.data, "test" if bundled else "train", model.spec.label_names)
+    data = load_images(
+        args.data,
+        "test" if bundled else "train",
+        model.spec.label_names,
+        image_size=model.spec.image_size,
+        channels=model.spec.in_channels,
+    )
     device = _device(getattr(args, "device", "auto"))
     model.module.to(device)
     res = evaluate_images(model, data, getattr(args, "batch_size", 256), device)

@@ -43,6 +43,13 @@ FASHION_MNIST_CLASSES = (
 )
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm")
 SPLITS = ("train", "test")
+# The input geometry of a model for an image folder when neither a starting model nor
+# --channels / --image-size fixes it. Never read from the images: a folder's files may differ
+# in mode and size, and one colour or odd-sized image would otherwise decide the published
+# architecture (issue 26, item 2). Every image is converted and resized to it.
+FOLDER_CHANNELS = 3
+FOLDER_IMAGE_SIZE = 32
+FOLDER_MODES = {1: "L", 3: "RGB"}
 
 
 class ImageDataError(DPFitError, ValueError):
@@ -240,6 +247,7 @@ def load_images(
     split: str = "train",
     label_names: Sequence[str] | None = None,
     image_size: int | None = None,
+    channels: int | None = None,
 ) -> ImageData:
     """Read labelled images.
 
@@ -250,8 +258,10 @@ def load_images(
             (``DIR/<class name>/<image files>``).
         label_names: the classes of a model being evaluated or fine-tuned; labels are mapped
             to these (an unknown class is an error).
-        image_size: ImageFolder only: resize every image to this square size (default: the
-            first image's size; images of other sizes are then resized to it).
+        image_size, channels: ImageFolder only: every image is converted to `channels` (1:
+            greyscale, 3: RGB) and resized to this square size; defaults FOLDER_CHANNELS and
+            FOLDER_IMAGE_SIZE, never the images' own (the architecture is published). An
+            .npz or idx file has one shape for all its examples: it is kept.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -269,7 +279,7 @@ def load_images(
         elif path.is_dir() and _idx_files(path, split) is not None:
             data = load_idx_folder(path, split, FASHION_MNIST_CLASSES, str(path))
         elif path.is_dir():
-            data = load_image_folder(path, image_size)
+            data = load_image_folder(path, image_size, channels)
         else:
             raise ImageDataError(
                 f"{spec}: not an .npz file or a folder; image data must be an ImageFolder-layout "
@@ -414,7 +424,18 @@ def load_npz(path: Path) -> ImageData:
     return ImageData(images, labels, names, str(path))
 
 
-def load_image_folder(folder: Path, image_size: int | None = None) -> ImageData:
+def load_image_folder(
+    folder: Path, image_size: int | None = None, channels: int | None = None
+) -> ImageData:
+    """Every image converted to `channels` and resized to `image_size` (square), values that
+    come from public inputs only (see FOLDER_CHANNELS)."""
+    channels = FOLDER_CHANNELS if channels is None else channels
+    if channels not in FOLDER_MODES:
+        raise ImageDataError(
+            f"{folder}: images of a folder are read as 1 (greyscale) or 3 (RGB) channels, "
+            f"got --channels {channels}"
+        )
+    side = FOLDER_IMAGE_SIZE if image_size is None else image_size
     try:
         from PIL import Image
     except ImportError as e:  # pragma: no cover - Pillow ships with matplotlib
@@ -434,8 +455,8 @@ def load_image_folder(folder: Path, image_size: int | None = None) -> ImageData:
             f"files> with suffixes {', '.join(IMAGE_SUFFIXES)}"
         )
     pics = [Image.open(f) for f, _ in files]
-    mode = "L" if all(p.mode in ("L", "1", "I;16", "I") for p in pics) else "RGB"
-    size = (image_size, image_size) if image_size else pics[0].size
+    mode = FOLDER_MODES[channels]
+    size = (side, side)
     arrays = []
     for p in pics:
         p = p.convert(mode)
