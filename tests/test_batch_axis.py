@@ -121,3 +121,40 @@ def test_user_poisson_needs_the_batch_size():
     with pytest.raises(SamplingError, match="batch_size=len"):
         engine.step(torch.optim.SGD(engine.parameters(), lr=0.1))
     assert engine.steps_taken == 0
+
+
+def test_inputs_with_a_freed_graph_and_outputs_without_an_example_axis(caplog):
+    """An input computed upstream (its graph freed by the user's backward) is rerun detached;
+    a model whose only output is a scalar cannot be probed: a warning, and the count check."""
+    model = SeqFirst()
+    dpfit.make_bias_trainable(model)
+    upstream = nn.Linear(6, 6)
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=5, sample_size=5, noise_multiplier=1.0,
+        sampling="user-poisson", batch_first=False,
+    )  # fmt: skip
+    data = Data(5, 4)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    nn.functional.cross_entropy(model(upstream(data.x)), data.y).backward()
+    engine.step(opt, batch_size=5)
+    assert not engine._probe.pending
+
+    class LossOut(nn.Module):  # returns the batch loss only
+        def __init__(self):
+            super().__init__()
+            self.inner = SeqFirst()
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.inner(x), y)
+
+    model = LossOut()
+    dpfit.make_bias_trainable(model)
+    engine = dpfit.PrivacyEngine(
+        model, expected_batch_size=5, sample_size=5, noise_multiplier=1.0,
+        sampling="user-poisson", batch_first=False,
+    )  # fmt: skip
+    model(data.x, data.y).backward()
+    with caplog.at_level("WARNING", logger="dpfit.batch_axis"):
+        engine.step(torch.optim.SGD(engine.parameters(), lr=0.1), batch_size=5)
+    assert "no output of the model has an axis of examples" in caplog.text
+    assert engine.steps_taken == 1

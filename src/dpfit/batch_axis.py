@@ -50,30 +50,37 @@ def _leaves(x: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
             yield from _leaves(v, (*path, k))
 
 
+def _map(x: Any, fn) -> Any:
+    """The same nested tuples, lists and mappings with `fn` applied to every tensor."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, Mapping):
+        items = {k: _map(v, fn) for k, v in x.items()}
+        try:
+            return type(x)(items)
+        except TypeError:
+            return items
+    if isinstance(x, tuple):
+        return tuple(_map(v, fn) for v in x)
+    if isinstance(x, list):
+        return [_map(v, fn) for v in x]
+    return x
+
+
 def _example_of(x: Any, n: int, i: int) -> Any:
     """The same structure with every batched tensor cut to example i (a length-1 batch).
 
     A tensor's batch axis is axis 0 when its size is n (how collate stacks examples), else its
     first axis of size n; a tensor with no axis of size n (position ids (1, L), a mask shared
     by the batch) is passed whole."""
-    if isinstance(x, torch.Tensor):
-        if x.dim() == 0:
-            return x
-        axes = [a for a in range(x.dim()) if x.shape[a] == n]
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        axes = [a for a in range(t.dim()) if t.shape[a] == n]
         if not axes:
-            return x
-        return x.narrow(0 if x.shape[0] == n else axes[0], i, 1)
-    if isinstance(x, Mapping):
-        items = {k: _example_of(v, n, i) for k, v in x.items()}
-        try:
-            return type(x)(items)
-        except TypeError:
-            return items
-    if isinstance(x, tuple):
-        return tuple(_example_of(v, n, i) for v in x)
-    if isinstance(x, list):
-        return [_example_of(v, n, i) for v in x]
-    return x
+            return t
+        return t.narrow(0 if t.shape[0] == n else axes[0], i, 1)
+
+    return _map(x, cut)
 
 
 def _output_axis(batch_shape: torch.Size, alone_shape: torch.Size, n: int) -> int | None:
@@ -197,7 +204,9 @@ class BatchAxisProbe:
         """(rows of the batch, example i's gradient alone), both in eval mode, or (None, None)
         when no output of the model has an example axis to cut its cotangent on."""
         assert self._call is not None
-        args, kwargs = self._call
+        # inputs computed upstream carry a graph the user's backward already freed: the
+        # parameters' gradients need none of it
+        args, kwargs = _map(self._call, lambda t: t.detach())
         cotangents = self._cotangents
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         saved_grads = {p: p.grad for p in trainable}
