@@ -344,6 +344,42 @@ MUTATIONS = (
 )
 
 
+# issue 26, item 1: a private run's public steps.csv carries no per-step timing, and each
+# row's epsilon is the one after its own step (an empty batch's step must not look like the
+# step it was recorded with)
+MUTATIONS += (
+    Mutation(
+        "steps-csv-elapsed-time",
+        "a private run's steps.csv records the elapsed time of each step again",
+        (
+            (
+                "dpfit/reporting.py",
+                'PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon")',
+                'PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon", "elapsed_s")',
+            ),
+            (
+                "dpfit/train.py",
+                "elapsed_s=elapsed if config.non_private else None,",
+                "elapsed_s=elapsed,",
+            ),
+        ),
+        ("tests/test_steps_csv.py",),
+    ),
+    Mutation(
+        "steps-csv-shared-epsilon",
+        "a noise-only step's row shows the epsilon of the step it was recorded with",
+        (
+            (
+                "dpfit/train.py",
+                "epsilon=math.inf if engine is None else engine.epsilon(steps=done),",
+                "epsilon=stepper.epsilon(),",
+            ),
+        ),
+        ("tests/test_steps_csv.py",),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

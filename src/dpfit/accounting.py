@@ -6,6 +6,7 @@ PLD accountant. The history is a list of plain records so it survives checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -287,6 +288,20 @@ class PrivacyLedger:
     @property
     def steps(self) -> int:
         return sum(r.count for r in self.records)
+
+    def prefix(self, steps: int) -> PrivacyLedger:
+        """The ledger as it stood after its first `steps` steps: the epsilon of a past step
+        is a function of the step count alone, whatever happened since."""
+        if not 0 <= steps <= self.steps:
+            raise ValueError(f"steps must be in [0, {self.steps}], got {steps}")
+        kept: list[StepRecord] = []
+        left = steps
+        for r in self.records:
+            if left == 0:
+                break
+            kept.append(dataclasses.replace(r, count=min(r.count, left)))
+            left -= kept[-1].count
+        return dataclasses.replace(self, records=kept)
 
     def event(self, extra: tuple[StepRecord, ...] = ()) -> dp_accounting.DpEvent:
         return dp_accounting.ComposedDpEvent([r.event() for r in (*self.records, *extra)])

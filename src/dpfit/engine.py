@@ -490,12 +490,15 @@ class PrivacyEngine:
         return update
 
     # ------------------------------------------------------------------ reporting
-    def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far (at target_delta unless given)."""
+    def epsilon(self, delta: float | None = None, *, steps: int | None = None) -> float:
+        """Epsilon spent so far (at target_delta unless given); with `steps`, spent after the
+        first `steps` logical steps (what a per-step report shows for that step)."""
         d = self.target_delta if delta is None else delta
-        key = (self.ledger.steps, d)
+        k = self.ledger.steps if steps is None else steps
+        key = (k, d)
         if key not in self._eps_cache:
-            self._eps_cache[key] = self.ledger.epsilon(d)
+            ledger = self.ledger if k == self.ledger.steps else self.ledger.prefix(k)
+            self._eps_cache[key] = ledger.epsilon(d)
         return self._eps_cache[key]
 
     def privacy_record(self) -> dict:

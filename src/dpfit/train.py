@@ -731,17 +731,20 @@ def train(
     def record(epoch_now: int) -> None:
         # Private runs keep no per-step loss or batch size: both are exact functions of the
         # private batch (see dpfit.reporting.PRIVATE_STEP_FIELDS).
+        # Nor its duration, and each row's epsilon is the one after its own step: a noise-only
+        # step is recorded with the next one, and must not look like it (issue 26, item 1).
         nonlocal acc_loss, acc_n
-        eps = stepper.epsilon()
         while len(rows) < stepper.steps_taken - first_step:
             current = len(rows) == stepper.steps_taken - first_step - 1
             loss = acc_loss / acc_n if (config.non_private and current and acc_n) else None
+            done = first_step + len(rows) + 1  # ledger steps after this row's step
+            elapsed = elapsed_before + time.perf_counter() - t_loop
             rows.append(
                 StepRow(
                     step=len(rows) + 1,
                     epoch=epoch_now + 1,
-                    epsilon=eps,
-                    elapsed_s=elapsed_before + time.perf_counter() - t_loop,
+                    epsilon=math.inf if engine is None else engine.epsilon(steps=done),
+                    elapsed_s=elapsed if config.non_private else None,
                     loss=loss,
                 )
             )
