@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpfit.accounting import PrivacyLedger, max_steps_within, noise_multiplier_for
+from dpfit.accounting import (
+    PrivacyLedger,
+    accountant_for,
+    max_steps_within,
+    noise_multiplier_for,
+)
 from dpfit.clipped_sum import ClippedSum, arrange
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
@@ -93,6 +98,7 @@ class PrivacyEngine:
         check_gradients: bool = True,
         schedule: Sequence[PhaseSpec] | None = None,
         process_group: Any = None,
+        neighbouring: str = "add-remove",
     ) -> None:
         # data parallel (dpfit.distributed): a process group with >1 rank, given or the
         # initialised default one; a DDP wrapper is looked through (its own sync is kept off)
@@ -123,13 +129,14 @@ class PrivacyEngine:
             batch_first=batch_first,
             batch_dims=tuple(sorted((batch_dims or {}).items())),
             check_gradients=check_gradients,
+            neighbouring=neighbouring,
         )
         self.model = model
         self._bias_selection = bias_selection(model)
         if self._phases:
             set_trainable(model, mode, self._bias_selection)
         self._clip_fn = get_clipping(clipping)
-        self.ledger = PrivacyLedger(target_delta, accountant)
+        self.ledger = PrivacyLedger(target_delta, accountant, neighbouring=neighbouring)
         self._names = {p: n for n, p in model.named_parameters()}
         self._set_trainables()
         self.noise_multiplier = self._resolve_noise_multiplier()
@@ -145,7 +152,7 @@ class PrivacyEngine:
         self._hooks.attach()  # last: a construction that fails leaves the model untouched
         self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._eps_cache: dict[tuple[int, float], float] = {}
+        self._eps_cache: dict[tuple[int, float, str], float] = {}
         self._loader: PoissonDataLoader | None = None
         log.info(
             "PrivacyEngine: %d trainable tensors, sigma=%.4f, q=%.5f, R=%g, clipping=%s",
@@ -235,6 +242,7 @@ class PrivacyEngine:
             steps,
             cfg.accountant,
             extra_events=extra,
+            neighbouring=cfg.neighbouring,
         )
 
     def _compute_max_steps(self) -> int | None:
@@ -490,15 +498,23 @@ class PrivacyEngine:
         return update
 
     # ------------------------------------------------------------------ reporting
-    def epsilon(self, delta: float | None = None, *, steps: int | None = None) -> float:
-        """Epsilon spent so far (at target_delta unless given); with `steps`, spent after the
-        first `steps` logical steps (what a per-step report shows for that step)."""
+    def epsilon(
+        self,
+        delta: float | None = None,
+        *,
+        steps: int | None = None,
+        neighbouring: str | None = None,
+    ) -> float:
+        """Epsilon spent so far (at target_delta unless given) for the engine's neighbouring
+        relation unless given; with `steps`, spent after the first `steps` logical steps (what
+        a per-step report shows for that step)."""
         d = self.target_delta if delta is None else delta
         k = self.ledger.steps if steps is None else steps
-        key = (k, d)
+        rel = self.config.neighbouring if neighbouring is None else neighbouring
+        key = (k, d, rel)
         if key not in self._eps_cache:
             ledger = self.ledger if k == self.ledger.steps else self.ledger.prefix(k)
-            self._eps_cache[key] = ledger.epsilon(d)
+            self._eps_cache[key] = ledger.epsilon(d, neighbouring=rel)
         return self._eps_cache[key]
 
     def privacy_record(self) -> dict:
@@ -506,6 +522,11 @@ class PrivacyEngine:
         return {
             "epsilon": self.epsilon(),
             "delta": self.target_delta,
+            # which relation "epsilon" is for (and was calibrated to), and both epsilons
+            "neighbouring": self.config.neighbouring,
+            "epsilon_add_remove": self.epsilon(neighbouring="add-remove"),
+            "epsilon_replace_one": self.epsilon(neighbouring="replace-one"),
+            "accountant_replace_one": accountant_for(self.config.accountant, "replace-one"),
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.config.expected_batch_size,
@@ -545,7 +566,13 @@ class PrivacyEngine:
                 f"checkpoint was taken with sample rate {sd['sample_rate']}, engine has "
                 f"{self.sample_rate}; resume with the same batch size and data"
             )
-        self.ledger = PrivacyLedger.from_state_dict(sd["ledger"])
+        ledger = PrivacyLedger.from_state_dict(sd["ledger"])
+        if ledger.neighbouring != self.config.neighbouring:
+            raise ValueError(
+                f"checkpoint was accounted for {ledger.neighbouring} neighbours, engine for "
+                f"{self.config.neighbouring}; resume with neighbouring={ledger.neighbouring!r}"
+            )
+        self.ledger = ledger
         self.noise_multiplier = float(sd["noise_multiplier"])
         # a run that was once reproducible from a seed stays marked so
         self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))

@@ -171,8 +171,17 @@ def mechanism_rows(m: Mapping) -> list[tuple[str, object]]:
     can drop the insecure-noise warning."""
     if not m.get("private", True):
         return [("epsilon", "non-private")]
-    rows: list[tuple[str, object]] = [
-        ("epsilon", m.get("epsilon")),
+    rel = m.get("neighbouring") or "add-remove"  # records before issue 26: add-remove
+    rows: list[tuple[str, object]] = [(f"epsilon ({rel} neighbours)", m.get("epsilon"))]
+    # the other relation's epsilon for the same run (docs/threat-model.md, "Neighbours")
+    for other, key in (
+        ("add-remove", "epsilon_add_remove"),
+        ("replace-one", "epsilon_replace_one"),
+    ):
+        if other != rel and m.get(key) is not None:
+            rows.append((f"epsilon ({other} neighbours)", m[key]))
+    rows += [
+        ("calibrated to", f"{rel} neighbours (--neighbouring)"),
         ("delta", m.get("delta")),
         ("sigma (noise multiplier)", m.get("noise_multiplier")),
         ("clip norm", m.get("max_grad_norm")),
