@@ -380,6 +380,42 @@ MUTATIONS += (
 )
 
 
+# issue 26, item 5: the neighbouring relation: the replace-one epsilon is reported (and
+# calibrated to, when asked) with dp-accounting's REPLACE_ONE analysis, not add-remove's
+MUTATIONS += (
+    Mutation(
+        "replace-one-accounted-as-add-remove",
+        "replace-one is asked, but the accountant is given the add-remove relation",
+        (
+            (
+                "dpfit/accounting.py",
+                '"replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,',
+                '"replace-one": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,',
+            ),
+        ),
+        ("tests/test_neighbouring.py",),
+    ),
+    Mutation(
+        "replace-one-reports-add-remove",
+        "the run's record shows the add-remove epsilon as its replace-one epsilon",
+        (
+            (
+                ENGINE,
+                '"epsilon_replace_one": self.epsilon(neighbouring="replace-one"),',
+                '"epsilon_replace_one": self.epsilon(neighbouring="add-remove"),',
+            ),
+        ),
+        ("tests/test_neighbouring.py",),
+    ),
+    Mutation(
+        "replace-one-calibrated-as-add-remove",
+        "the engine calibrates its noise to add-remove while it reports replace-one",
+        ((ENGINE, "            neighbouring=cfg.neighbouring,\n", ""),),
+        ("tests/test_neighbouring.py",),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

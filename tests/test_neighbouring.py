@@ -43,7 +43,7 @@ def direct_epsilon(sigma: float, q: float, steps: int, delta: float, relation, k
 
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
-@pytest.mark.parametrize("q,sigma,steps", [(0.01, 1.0, 500), (0.1, 0.8, 30)])
+@pytest.mark.parametrize("q,sigma,steps", [(0.01, 1.0, 500), (0.1, 1.5, 30)])
 def test_both_relations_match_dp_accounting(kind, q, sigma, steps):
     add_remove = epsilon_for(sigma, q, steps, 1e-5, kind, "add-remove")
     replace = epsilon_for(sigma, q, steps, 1e-5, kind, "replace-one")
@@ -64,7 +64,7 @@ def test_unsampled_replace_one_is_add_remove_at_twice_the_sensitivity():
 
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
-@pytest.mark.parametrize("target", [1.0, 2.0])
+@pytest.mark.parametrize("target", [0.5, 1.0])
 def test_calibration_to_replace_one_meets_it_tightly(kind, target):
     q, steps = 0.05, 100
     sigma = noise_multiplier_for(target, 1e-5, q, steps, kind, neighbouring="replace-one")
@@ -80,7 +80,7 @@ def test_calibration_to_replace_one_meets_it_tightly(kind, target):
 def test_ledger_keeps_its_relation_through_a_checkpoint():
     ledger = PrivacyLedger(1e-5, "pld", neighbouring="replace-one")
     for _ in range(5):
-        ledger.record(1.2, 0.1)
+        ledger.record(2.0, 0.1)
     again = PrivacyLedger.from_state_dict(json.loads(json.dumps(ledger.state_dict())))
     assert again.neighbouring == "replace-one"
     assert again.epsilon() == ledger.epsilons()["replace-one"] > ledger.epsilons()["add-remove"]
@@ -99,21 +99,21 @@ def small_engine(**kw) -> dpfit.PrivacyEngine:
 
 def test_engine_calibrates_to_the_relation_it_is_given_and_reports_both():
     steps = 40
-    engine = small_engine(target_epsilon=2.0, steps=steps, neighbouring="replace-one")
+    engine = small_engine(target_epsilon=1.0, steps=steps, neighbouring="replace-one")
     sigma, q = engine.noise_multiplier, engine.sample_rate
-    assert direct_epsilon(sigma, q, steps, 1e-5, REPLACE) <= 2.0
+    assert direct_epsilon(sigma, q, steps, 1e-5, REPLACE) <= 1.0
     for _ in range(steps):
         engine.ledger.record(sigma, q)  # what `steps` noised steps record
     record = engine.privacy_record()
     assert record["neighbouring"] == "replace-one"
     want = direct_epsilon(sigma, q, steps, 1e-5, REPLACE)
     assert record["epsilon"] == record["epsilon_replace_one"] == pytest.approx(want)
-    assert 1.9 < record["epsilon"] <= 2.0
+    assert 0.95 < record["epsilon"] <= 1.0
     assert record["epsilon_add_remove"] == pytest.approx(
         direct_epsilon(sigma, q, steps, 1e-5, ADD_REMOVE, "rdp")
     )
     # the default engine is add-remove, and still states the replace-one epsilon
-    default = small_engine(target_epsilon=2.0, steps=steps)
+    default = small_engine(target_epsilon=1.0, steps=steps)
     assert default.noise_multiplier < sigma
     for _ in range(steps):
         default.ledger.record(default.noise_multiplier, q)
@@ -127,7 +127,7 @@ def test_engine_calibrates_to_the_relation_it_is_given_and_reports_both():
     )
     # a checkpoint accounted for one relation does not resume under the other
     with pytest.raises(ValueError, match="neighbouring='replace-one'"):
-        small_engine(target_epsilon=2.0, steps=steps).load_state_dict(engine.state_dict())
+        small_engine(target_epsilon=1.0, steps=steps).load_state_dict(engine.state_dict())
 
 
 @pytest.fixture(scope="module")
@@ -144,14 +144,14 @@ def test_a_run_calibrated_to_replace_one_reports_both_and_says_which(tiny):
     model, data = tiny
     config = TrainConfig(
         model=model, data=data, epochs=1, batch_size=30, physical_batch_size=8, lr=0.05,
-        epsilon=2.0, head_first=False, neighbouring="replace-one",
+        epsilon=1.0, head_first=False, neighbouring="replace-one",
     )  # fmt: skip
     m = train(config).metrics
     sigma, q, steps = m["noise_multiplier"], m["sample_rate"], m["steps"]
     assert m["neighbouring"] == "replace-one"
     want = direct_epsilon(sigma, q, steps, m["delta"], REPLACE)
     assert m["epsilon"] == m["epsilon_replace_one"] == pytest.approx(want)
-    assert 1.9 < m["epsilon"] <= 2.0
+    assert 0.95 < m["epsilon"] <= 1.0
     assert m["epsilon_add_remove"] == pytest.approx(
         direct_epsilon(sigma, q, steps, m["delta"], ADD_REMOVE, "rdp")
     )
@@ -171,14 +171,14 @@ def test_help_states_the_default_relation(capsys):
 
 
 def test_accountant_command_shows_both(capsys):
-    args = ["accountant", "--noise-multiplier", "1.0", "--sample-rate", "0.1", "--steps", "30"]
+    args = ["accountant", "--noise-multiplier", "2.0", "--sample-rate", "0.1", "--steps", "30"]
     assert main([*args, "--neighbouring", "replace-one", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (
         out["epsilon"]
         == out["epsilon_replace_one"]
-        == pytest.approx(direct_epsilon(1.0, 0.1, 30, 1e-5, REPLACE))
+        == pytest.approx(direct_epsilon(2.0, 0.1, 30, 1e-5, REPLACE))
     )
     assert out["epsilon_add_remove"] == pytest.approx(
-        direct_epsilon(1.0, 0.1, 30, 1e-5, ADD_REMOVE, "rdp")
+        direct_epsilon(2.0, 0.1, 30, 1e-5, ADD_REMOVE, "rdp")
     )
