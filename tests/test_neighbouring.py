@@ -203,3 +203,33 @@ def test_threat_model_quotes_the_committed_benchmark():
         assert r["epsilon_replace_one"] == pytest.approx(direct_epsilon(*args, REPLACE))
         assert r["epsilon_add_remove"] == pytest.approx(direct_epsilon(*args, ADD_REMOVE, "rdp"))
         assert r["epsilon_add_remove"] <= eps < r["epsilon_replace_one"]
+
+
+def test_dp_trainer_takes_the_relation(tiny, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    from dpfit.integrations import DPTrainer, PrivacyArguments
+    from dpfit.models import load_classifier
+
+    torch.set_num_threads(1)
+    loaded = load_classifier(tiny[0], ["neg", "pos"], seed=0)
+    ds = datasets.Dataset.from_dict(
+        {"text": ["a good film", "a bad film"] * 24, "label": [1, 0] * 24}
+    )
+    ds = ds.map(lambda b: loaded.tokenizer(b["text"]), batched=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    privacy = PrivacyArguments(target_epsilon=1.0, target_delta=1e-4, neighbouring="replace-one")
+    trainer = DPTrainer(
+        model=loaded.model, args=args, train_dataset=ds, privacy=privacy,
+        data_collator=transformers.DataCollatorWithPadding(loaded.tokenizer),
+    )  # fmt: skip
+    trainer.train()
+    engine = trainer.privacy_engine
+    record = engine.privacy_record()
+    assert record["neighbouring"] == "replace-one" and engine.steps_taken == 1
+    want = direct_epsilon(engine.noise_multiplier, engine.sample_rate, 1, 1e-4, REPLACE)
+    assert record["epsilon"] == record["epsilon_replace_one"] == pytest.approx(want)
+    assert 0.95 < record["epsilon"] <= 1.0
