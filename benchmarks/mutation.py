@@ -401,8 +401,8 @@ MUTATIONS += (
         (
             (
                 ENGINE,
-                '"epsilon_replace_one": self.epsilon(neighbouring="replace-one"),',
-                '"epsilon_replace_one": self.epsilon(neighbouring="add-remove"),',
+                '"epsilon_replace_one": self._epsilon_for_record("replace-one"),',
+                '"epsilon_replace_one": self._epsilon_for_record("add-remove"),',
             ),
         ),
         ("tests/test_neighbouring.py",),

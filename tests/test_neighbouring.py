@@ -7,6 +7,7 @@ relation spelled out, not through dpfit.accounting.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import dp_accounting
@@ -233,3 +234,31 @@ def test_dp_trainer_takes_the_relation(tiny, tmp_path):
     want = direct_epsilon(engine.noise_multiplier, engine.sample_rate, 1, 1e-4, REPLACE)
     assert record["epsilon"] == record["epsilon_replace_one"] == pytest.approx(want)
     assert 0.95 < record["epsilon"] <= 1.0
+
+
+def test_a_failing_companion_epsilon_does_not_lose_the_record(monkeypatch, caplog):
+    """The relation a run is not calibrated to is reported, not enforced: if its accountant
+    fails (PLD at a tiny sigma) the record holds NaN and a warning, and the run's own
+    epsilon is unaffected."""
+    from dpfit import accounting
+    from dpfit.errors import AccountingError
+
+    engine = small_engine(noise_multiplier=2.0)
+    for _ in range(3):
+        engine.ledger.record(2.0, engine.sample_rate)
+    real = accounting.epsilon_of
+
+    def failing(event, delta, accountant="rdp", grid=1e-4, neighbouring="add-remove"):
+        if neighbouring == "replace-one":
+            raise AccountingError("PLD support too large")
+        return real(event, delta, accountant, grid, neighbouring)
+
+    monkeypatch.setattr(accounting, "epsilon_of", failing)
+    record = engine.privacy_record()
+    assert math.isnan(record["epsilon_replace_one"])
+    assert (
+        record["epsilon"]
+        == record["epsilon_add_remove"]
+        == pytest.approx(direct_epsilon(2.0, engine.sample_rate, 3, 1e-5, ADD_REMOVE, "rdp"))
+    )
+    assert "replace-one neighbours not computed" in caplog.text

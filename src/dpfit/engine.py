@@ -40,7 +40,13 @@ from dpfit.distributed import (
     shared_seed,
     unwrap_ddp,
 )
-from dpfit.errors import BatchAxisError, BudgetExhaustedError, DistributedError, SamplingError
+from dpfit.errors import (
+    AccountingError,
+    BatchAxisError,
+    BudgetExhaustedError,
+    DistributedError,
+    SamplingError,
+)
 from dpfit.flat import FlatLayout
 from dpfit.gradient_check import AutogradCheck
 
@@ -517,6 +523,17 @@ class PrivacyEngine:
             self._eps_cache[key] = ledger.epsilon(d, neighbouring=rel)
         return self._eps_cache[key]
 
+    def _epsilon_for_record(self, neighbouring: str) -> float:
+        """The other relation's epsilon is a report, not the budget: if its accountant fails
+        (PLD at a tiny sigma) the record says NaN rather than losing the run's outputs."""
+        if neighbouring == self.config.neighbouring:
+            return self.epsilon()
+        try:
+            return self.epsilon(neighbouring=neighbouring)
+        except AccountingError as e:
+            log.warning("epsilon for %s neighbours not computed: %s", neighbouring, e)
+            return math.nan
+
     def privacy_record(self) -> dict:
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         return {
@@ -524,8 +541,8 @@ class PrivacyEngine:
             "delta": self.target_delta,
             # which relation "epsilon" is for (and was calibrated to), and both epsilons
             "neighbouring": self.config.neighbouring,
-            "epsilon_add_remove": self.epsilon(neighbouring="add-remove"),
-            "epsilon_replace_one": self.epsilon(neighbouring="replace-one"),
+            "epsilon_add_remove": self._epsilon_for_record("add-remove"),
+            "epsilon_replace_one": self._epsilon_for_record("replace-one"),
             "accountant_replace_one": accountant_for(self.config.accountant, "replace-one"),
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
