@@ -160,7 +160,7 @@ def test_a_run_calibrated_to_replace_one_reports_both_and_says_which(tiny):
     rows = dict(summary_rows({**m, "eval_n": m.get("eval_n"), "pooling": "mean"}))
     assert rows["epsilon (replace-one neighbours)"] == m["epsilon_replace_one"]
     assert rows["epsilon (add-remove neighbours)"] == m["epsilon_add_remove"]
-    assert rows["calibrated to"].startswith("replace-one")
+    assert rows["neighbouring relation"] == "replace-one (--neighbouring; default add-remove)"
 
 
 def test_help_states_the_default_relation(capsys):

@@ -181,7 +181,7 @@ def mechanism_rows(m: Mapping) -> list[tuple[str, object]]:
         if other != rel and m.get(key) is not None:
             rows.append((f"epsilon ({other} neighbours)", m[key]))
     rows += [
-        ("calibrated to", f"{rel} neighbours (--neighbouring)"),
+        ("neighbouring relation", f"{rel} (--neighbouring; default add-remove)"),
         ("delta", m.get("delta")),
         ("sigma (noise multiplier)", m.get("noise_multiplier")),
         ("clip norm", m.get("max_grad_norm")),
