@@ -141,12 +141,12 @@ def tiny(tmp_path_factory):
     )
 
 
-def test_a_run_calibrated_to_replace_one_reports_both_and_says_which(tiny):
+def test_a_run_calibrated_to_replace_one_reports_both_and_says_which(tiny, tmp_path, capsys):
     torch.set_num_threads(1)
     model, data = tiny
     config = TrainConfig(
         model=model, data=data, epochs=1, batch_size=30, physical_batch_size=8, lr=0.05,
-        epsilon=1.0, head_first=False, neighbouring="replace-one",
+        epsilon=1.0, head_first=False, neighbouring="replace-one", output=str(tmp_path / "run"),
     )  # fmt: skip
     m = train(config).metrics
     sigma, q, steps = m["noise_multiplier"], m["sample_rate"], m["steps"]
@@ -161,6 +161,15 @@ def test_a_run_calibrated_to_replace_one_reports_both_and_says_which(tiny):
     assert rows["epsilon (replace-one neighbours)"] == m["epsilon_replace_one"]
     assert rows["epsilon (add-remove neighbours)"] == m["epsilon_add_remove"]
     assert rows["neighbouring relation"] == "replace-one (--neighbouring; default add-remove)"
+    record = json.loads((tmp_path / "run" / "model" / "dpfit.json").read_text())
+    assert record["epsilon_replace_one"] == m["epsilon_replace_one"]
+    assert record["epsilon_add_remove"] == m["epsilon_add_remove"]
+    # `dpfit evaluate` of the saved model states both, each with its relation
+    capsys.readouterr()
+    assert main(["evaluate", "--model", str(tmp_path / "run" / "model"), "--data", data]) == 0
+    table = capsys.readouterr().out
+    assert "epsilon (replace-one neighbours)" in table
+    assert "epsilon (add-remove neighbours)" in table
 
 
 def test_help_states_the_default_relation(capsys):

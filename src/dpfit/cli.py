@@ -438,7 +438,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
             (f"class {k}", f"{v['correct']}/{v['n']} correct") for k, v in res.per_class.items()
         ]
         if privacy is not None and privacy.get("private"):
-            rows.append(("trained with epsilon", privacy.get("epsilon")))
+            from dpfit.reporting import mechanism_rows  # both relations' epsilon, labelled
+
+            rows += [r for r in mechanism_rows(privacy) if r[0].startswith(("epsilon", "neigh"))]
             rows.append(("delta", privacy.get("delta")))
         print(format_table(rows, title=f"dpfit evaluate: {args.model}"))
     return 0
