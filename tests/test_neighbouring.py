@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import dp_accounting
 import pytest
@@ -193,26 +192,6 @@ def test_accountant_command_shows_both(capsys):
     assert out["epsilon_add_remove"] == pytest.approx(
         direct_epsilon(2.0, 0.1, 30, 1e-5, ADD_REMOVE, "rdp")
     )
-
-
-def test_threat_model_quotes_the_committed_benchmark():
-    """docs/threat-model.md's replace-one figures are benchmarks/results/neighbouring.json's,
-    and those are dp-accounting's REPLACE_ONE epsilon for the noise the defaults calibrate."""
-    root = Path(__file__).resolve().parents[1]
-    rows = json.loads((root / "benchmarks" / "results" / "neighbouring.json").read_text())
-    doc = (root / "docs" / "threat-model.md").read_text()
-    for eps in (8.0, 1.0):
-        (r,) = [
-            r
-            for r in rows
-            if (r["target_epsilon"], r["accountant"], r["calibrated_to"])
-            == (eps, "rdp", "add-remove")
-        ]
-        assert f"**{r['epsilon_replace_one']:.2f}**" in doc
-        args = (r["noise_multiplier"], r["sample_rate"], r["steps"], r["delta"])
-        assert r["epsilon_replace_one"] == pytest.approx(direct_epsilon(*args, REPLACE))
-        assert r["epsilon_add_remove"] == pytest.approx(direct_epsilon(*args, ADD_REMOVE, "rdp"))
-        assert r["epsilon_add_remove"] <= eps < r["epsilon_replace_one"]
 
 
 def test_dp_trainer_takes_the_relation(tiny, tmp_path):
