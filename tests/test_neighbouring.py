@@ -23,7 +23,7 @@ from dpfit.accounting import (
     epsilon_for,
     noise_multiplier_for,
 )
-from dpfit.cli import build_parser, main, summary_rows
+from dpfit.cli import build_parser, main, summary_rows, train_config_from_args
 from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 from dpfit.train import TrainConfig, train
 
@@ -178,6 +178,10 @@ def test_help_states_the_default_relation(capsys):
     assert "--neighbouring {add-remove,replace-one}" in text
     assert "default: add-remove" in text
     assert build_parser().parse_args(["train"]).neighbouring == "add-remove"
+    args = build_parser().parse_args(["train", "--neighbouring", "replace-one"])
+    assert train_config_from_args(args).neighbouring == "replace-one"
+    with pytest.raises(ValueError, match="neighbouring must be one of"):
+        TrainConfig(neighbouring="swap-two")
 
 
 def test_accountant_command_shows_both(capsys):
