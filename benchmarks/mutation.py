@@ -453,6 +453,78 @@ MUTATIONS += (
 )
 
 
+# issue 26, item 1: a private run's public steps.csv carries no per-step timing, and each
+# row's epsilon is the one after its own step (an empty batch's step must not look like the
+# step it was recorded with)
+MUTATIONS += (
+    Mutation(
+        "steps-csv-elapsed-time",
+        "a private run's steps.csv records the elapsed time of each step again",
+        (
+            (
+                "dpfit/reporting.py",
+                'PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon")',
+                'PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon", "elapsed_s")',
+            ),
+            (
+                "dpfit/train.py",
+                "elapsed_s=elapsed if config.non_private else None,",
+                "elapsed_s=elapsed,",
+            ),
+        ),
+        ("tests/test_steps_csv.py",),
+    ),
+    Mutation(
+        "steps-csv-shared-epsilon",
+        "a noise-only step's row shows the epsilon of the step it was recorded with",
+        (
+            (
+                "dpfit/train.py",
+                "epsilon=math.inf if engine is None else engine.epsilon(steps=done),",
+                "epsilon=stepper.epsilon(),",
+            ),
+        ),
+        ("tests/test_steps_csv.py",),
+    ),
+)
+
+
+# issue 26, item 5: the neighbouring relation: the replace-one epsilon is reported (and
+# calibrated to, when asked) with dp-accounting's REPLACE_ONE analysis, not add-remove's
+MUTATIONS += (
+    Mutation(
+        "replace-one-accounted-as-add-remove",
+        "replace-one is asked, but the accountant is given the add-remove relation",
+        (
+            (
+                "dpfit/accounting.py",
+                '"replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,',
+                '"replace-one": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,',
+            ),
+        ),
+        ("tests/test_neighbouring.py",),
+    ),
+    Mutation(
+        "replace-one-reports-add-remove",
+        "the run's record shows the add-remove epsilon as its replace-one epsilon",
+        (
+            (
+                ENGINE,
+                '"epsilon_replace_one": self._epsilon_for_record("replace-one"),',
+                '"epsilon_replace_one": self._epsilon_for_record("add-remove"),',
+            ),
+        ),
+        ("tests/test_neighbouring.py",),
+    ),
+    Mutation(
+        "replace-one-calibrated-as-add-remove",
+        "the engine calibrates its noise to add-remove while it reports replace-one",
+        ((ENGINE, "            neighbouring=cfg.neighbouring,\n", ""),),
+        ("tests/test_neighbouring.py",),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

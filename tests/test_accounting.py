@@ -165,3 +165,29 @@ def test_pld_budget_step_limit_is_exact_on_the_reporting_grid():
     assert k is not None and k > 0
     assert independent_epsilon(sigma, q, k, 1e-5, "pld") <= target
     assert independent_epsilon(sigma, q, k + 1, 1e-5, "pld") > target
+
+
+def test_ledger_prefix_is_the_ledger_as_it_stood_after_k_steps():
+    """Per-step reports (steps.csv) take the epsilon after each step from the step count."""
+    ledger = PrivacyLedger(1e-5)
+    for sigma, count in ((1.0, 3), (2.0, 4)):
+        for _ in range(count):
+            ledger.record(sigma, 0.05)
+    for k in (0, 2, 3, 5, 7):
+        acc = dp_accounting.rdp.RdpAccountant()
+        events = [(1.0, min(k, 3)), (2.0, max(0, k - 3))]
+        for sigma, n in events:
+            if n:
+                acc.compose(
+                    dp_accounting.SelfComposedDpEvent(
+                        dp_accounting.PoissonSampledDpEvent(
+                            0.05, dp_accounting.GaussianDpEvent(sigma)
+                        ),
+                        n,
+                    )
+                )
+        want = acc.get_epsilon(1e-5) if k else 0.0
+        assert ledger.prefix(k).steps == k
+        assert ledger.prefix(k).epsilon() == pytest.approx(want)
+    with pytest.raises(ValueError, match="steps must be in"):
+        ledger.prefix(8)

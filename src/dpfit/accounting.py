@@ -6,6 +6,7 @@ PLD accountant. The history is a list of plain records so it survives checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -17,6 +18,18 @@ from dp_accounting import pld, rdp
 from dpfit.errors import AccountingError, InfeasibleTargetError
 
 ACCOUNTANTS = ("rdp", "pld")
+
+# Which datasets are neighbours. add-remove: one differs from the other by one example more or
+# less (the size differs). replace-one: one example is swapped for another (same size). When n
+# is public, as it is in every dpfit report (train_examples, q = B/n), neighbours have equal
+# size, so replace-one is the relation that matches what an observer knows; its epsilon is
+# larger for the same noise. Both are always reported; a run is calibrated to one of them.
+NEIGHBOURING = ("add-remove", "replace-one")
+DEFAULT_NEIGHBOURING = "add-remove"
+_RELATIONS = {
+    "add-remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "replace-one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+}
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +73,36 @@ class StepRecord:
         return dp_accounting.SelfComposedDpEvent(inner, self.count)
 
 
+def check_neighbouring(neighbouring: str) -> str:
+    if neighbouring not in NEIGHBOURING:
+        raise ValueError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
+    return neighbouring
+
+
+def accountant_for(accountant: str, neighbouring: str = DEFAULT_NEIGHBOURING) -> str:
+    """The accountant that computes `neighbouring`'s epsilon when `accountant` is asked for.
+
+    dp-accounting's RDP accountant has no replace-one analysis of a Poisson-sampled Gaussian
+    (it refuses the event), its PLD accountant has an exact one: replace-one numbers always
+    come from PLD."""
+    check_neighbouring(neighbouring)
+    return "pld" if neighbouring == "replace-one" else accountant
+
+
 def make_accountant(
-    kind: str = "rdp", pld_discretization: float = 1e-4
+    kind: str = "rdp",
+    pld_discretization: float = 1e-4,
+    neighbouring: str = DEFAULT_NEIGHBOURING,
 ) -> dp_accounting.PrivacyAccountant:
-    """A fresh accountant. PLD's discretisation is pessimistic: a coarser grid only loosens
-    the bound."""
+    """A fresh accountant for the neighbouring relation. PLD's discretisation is pessimistic:
+    a coarser grid only loosens the bound."""
+    relation = _RELATIONS[check_neighbouring(neighbouring)]
     if kind == "rdp":
-        return rdp.RdpAccountant()
+        return rdp.RdpAccountant(neighboring_relation=relation)
     if kind == "pld":
-        return pld.PLDAccountant(value_discretization_interval=pld_discretization)
+        return pld.PLDAccountant(
+            neighboring_relation=relation, value_discretization_interval=pld_discretization
+        )
     raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {kind!r}")
 
 
@@ -82,9 +116,11 @@ def _gap(
     delta: float,
     accountant: str,
     discretization: float = PLD_DISCRETIZATION,
+    neighbouring: str = DEFAULT_NEIGHBOURING,
 ) -> Callable[[float], float]:
     return lambda sigma: (
-        epsilon_of(make_event(sigma), delta, accountant, discretization) - target_epsilon
+        epsilon_of(make_event(sigma), delta, accountant, discretization, neighbouring)
+        - target_epsilon
     )
 
 
@@ -120,14 +156,17 @@ def _calibrate_pld(
     delta: float,
     upper: float,
     tolerance: float,
+    neighbouring: str = DEFAULT_NEIGHBOURING,
 ) -> float:
     """PLD, bracketed by RDP. RDP's sigma meets the target under PLD too (PLD is the tighter
     bound for the same events) and PLD seldom needs less than ~60% of it; probing only that
     bracket keeps PLD away from tiny sigmas, where its support (and memory) explodes. The
-    search uses a coarser (still pessimistic) grid; the result is checked on the fine one."""
+    search uses a coarser (still pessimistic) grid; the result is checked on the fine one.
+    Replace-one starts from RDP's add-remove sigma too (RDP has no replace-one analysis
+    here) and widens upwards from it, as replace-one needs more noise."""
     hi = _calibrate_rdp(make_event, target_epsilon, delta, upper, tolerance)
-    coarse = _gap(make_event, target_epsilon, delta, "pld", PLD_SEARCH_DISCRETIZATION)
-    fine = _gap(make_event, target_epsilon, delta, "pld", PLD_DISCRETIZATION)
+    coarse = _gap(make_event, target_epsilon, delta, "pld", PLD_SEARCH_DISCRETIZATION, neighbouring)
+    fine = _gap(make_event, target_epsilon, delta, "pld", PLD_DISCRETIZATION, neighbouring)
     g_hi = coarse(hi)
     while g_hi > 0:  # PLD's discretisation made it looser here: widen upwards
         hi *= 1.1
@@ -144,7 +183,7 @@ def _calibrate_pld(
         if g_lo > 0:  # bracketed: dp-accounting's own search, on the coarse grid
             hi = float(
                 dp_accounting.calibrate_dp_mechanism(
-                    lambda: make_accountant("pld", PLD_SEARCH_DISCRETIZATION),
+                    lambda: make_accountant("pld", PLD_SEARCH_DISCRETIZATION, neighbouring),
                     make_event,
                     target_epsilon,
                     delta,
@@ -169,17 +208,18 @@ def calibrate(
     *,
     upper: float = 1e3,
     tolerance: float = 1e-3,
+    neighbouring: str = DEFAULT_NEIGHBOURING,
 ) -> float:
     """Smallest noise multiplier in [1e-3, upper] (to `tolerance`) whose event meets
-    (target_epsilon, delta): epsilon(result) <= target_epsilon.
+    (target_epsilon, delta) for `neighbouring` datasets: epsilon(result) <= target_epsilon.
 
     Raises InfeasibleTargetError when none does, AccountingError when the accountant fails.
     """
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-    if accountant == "rdp":
+    if accountant_for(accountant, neighbouring) == "rdp":
         return _calibrate_rdp(make_event, target_epsilon, delta, upper, tolerance)
-    return _calibrate_pld(make_event, target_epsilon, delta, upper, tolerance)
+    return _calibrate_pld(make_event, target_epsilon, delta, upper, tolerance, neighbouring)
 
 
 def epsilon_of(
@@ -187,10 +227,13 @@ def epsilon_of(
     delta: float,
     accountant: str = "rdp",
     pld_discretization: float = PLD_DISCRETIZATION,
+    neighbouring: str = DEFAULT_NEIGHBOURING,
 ) -> float:
-    """Epsilon of `event` at `delta`; an accountant failure becomes an AccountingError."""
+    """Epsilon of `event` at `delta` for `neighbouring` datasets (replace-one: always from
+    PLD, see accountant_for); an accountant failure becomes an AccountingError."""
+    accountant = accountant_for(accountant, neighbouring)
     try:
-        acc = make_accountant(accountant, pld_discretization)
+        acc = make_accountant(accountant, pld_discretization, neighbouring)
         acc.compose(event)
         return float(acc.get_epsilon(delta))
     except (MemoryError, OverflowError, FloatingPointError) as e:
@@ -211,13 +254,19 @@ def epsilon_for(
     steps: int,
     delta: float,
     accountant: str = "rdp",
+    neighbouring: str = DEFAULT_NEIGHBOURING,
 ) -> float:
-    """Epsilon of `steps` Poisson-sampled Gaussian steps."""
+    """Epsilon of `steps` Poisson-sampled Gaussian steps for `neighbouring` datasets."""
     if steps == 0:
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    return epsilon_of(dp_sgd_event(noise_multiplier, sample_rate, steps), delta, accountant)
+    return epsilon_of(
+        dp_sgd_event(noise_multiplier, sample_rate, steps),
+        delta,
+        accountant,
+        neighbouring=neighbouring,
+    )
 
 
 def noise_multiplier_for(
@@ -229,8 +278,10 @@ def noise_multiplier_for(
     *,
     extra_events: tuple[dp_accounting.DpEvent, ...] = (),
     tolerance: float = 1e-3,
+    neighbouring: str = DEFAULT_NEIGHBOURING,
 ) -> float:
-    """Smallest noise multiplier whose composed epsilon is <= target (up to `tolerance`).
+    """Smallest noise multiplier whose composed epsilon is <= target (up to `tolerance`) for
+    `neighbouring` datasets.
 
     `extra_events` are composed in too (e.g. an earlier training phase), so the result meets the
     target for the whole run.
@@ -247,7 +298,10 @@ def noise_multiplier_for(
 
     if extra_events:
         spent = epsilon_of(
-            dp_accounting.ComposedDpEvent(list(extra_events)), target_delta, accountant
+            dp_accounting.ComposedDpEvent(list(extra_events)),
+            target_delta,
+            accountant,
+            neighbouring=neighbouring,
         )
         if spent >= target_epsilon:
             raise InfeasibleTargetError(
@@ -255,7 +309,14 @@ def noise_multiplier_for(
                 "raise the target or add noise to the earlier phase"
             )
     try:
-        return calibrate(make_event, target_epsilon, target_delta, accountant, tolerance=tolerance)
+        return calibrate(
+            make_event,
+            target_epsilon,
+            target_delta,
+            accountant,
+            tolerance=tolerance,
+            neighbouring=neighbouring,
+        )
     except InfeasibleTargetError as e:
         raise InfeasibleTargetError(
             f"{e}; with q={sample_rate:.4g} and {steps} steps. Use fewer steps, a smaller "
@@ -265,11 +326,19 @@ def noise_multiplier_for(
 
 @dataclass
 class PrivacyLedger:
-    """Mutable history of steps; epsilon is always recomputed from the records."""
+    """Mutable history of steps; epsilon is always recomputed from the records.
+
+    `neighbouring` is the relation `epsilon()` reports by default (the one a run is calibrated
+    and budgeted to); `epsilons()` gives both.
+    """
 
     delta: float
     accountant: str = "rdp"
     records: list[StepRecord] = field(default_factory=list)
+    neighbouring: str = DEFAULT_NEIGHBOURING
+
+    def __post_init__(self) -> None:
+        check_neighbouring(self.neighbouring)
 
     def record(
         self, noise_multiplier: float, sample_rate: float, sampling: str = "poisson"
@@ -288,6 +357,20 @@ class PrivacyLedger:
     def steps(self) -> int:
         return sum(r.count for r in self.records)
 
+    def prefix(self, steps: int) -> PrivacyLedger:
+        """The ledger as it stood after its first `steps` steps: the epsilon of a past step
+        is a function of the step count alone, whatever happened since."""
+        if not 0 <= steps <= self.steps:
+            raise ValueError(f"steps must be in [0, {self.steps}], got {steps}")
+        kept: list[StepRecord] = []
+        left = steps
+        for r in self.records:
+            if left == 0:
+                break
+            kept.append(dataclasses.replace(r, count=min(r.count, left)))
+            left -= kept[-1].count
+        return dataclasses.replace(self, records=kept)
+
     def event(self, extra: tuple[StepRecord, ...] = ()) -> dp_accounting.DpEvent:
         return dp_accounting.ComposedDpEvent([r.event() for r in (*self.records, *extra)])
 
@@ -296,6 +379,7 @@ class PrivacyLedger:
         delta: float | None = None,
         extra: tuple[StepRecord, ...] = (),
         pld_discretization: float = PLD_DISCRETIZATION,
+        neighbouring: str | None = None,
     ) -> float:
         records = (*self.records, *extra)
         if not records:
@@ -307,18 +391,29 @@ class PrivacyLedger:
             self.delta if delta is None else delta,
             self.accountant,
             pld_discretization,
+            self.neighbouring if neighbouring is None else neighbouring,
         )
+
+    def epsilons(self, delta: float | None = None) -> dict[str, float]:
+        """Epsilon for each neighbouring relation, e.g. {"add-remove": 8.0, "replace-one": 9.5}."""
+        return {rel: self.epsilon(delta, neighbouring=rel) for rel in NEIGHBOURING}
 
     def state_dict(self) -> dict:
         return {
             "delta": self.delta,
             "accountant": self.accountant,
+            "neighbouring": self.neighbouring,
             "records": [r.__dict__.copy() for r in self.records],
         }
 
     @classmethod
     def from_state_dict(cls, sd: dict) -> PrivacyLedger:
-        return cls(sd["delta"], sd["accountant"], [StepRecord(**r) for r in sd["records"]])
+        return cls(
+            sd["delta"],
+            sd["accountant"],
+            [StepRecord(**r) for r in sd["records"]],
+            sd.get("neighbouring", DEFAULT_NEIGHBOURING),  # checkpoints before issue 26
+        )
 
 
 def max_steps_within(
@@ -360,7 +455,7 @@ def max_steps_within(
         if hi > 10**9:
             return None
     lo = last_fitting(lo, hi, search)
-    if accountant == "pld":  # settle on the reporting grid, O(log) evaluations
+    if accountant_for(accountant, ledger.neighbouring) == "pld":  # settle on the reporting grid
         if not fits(lo):
             lo = last_fitting(0, lo, PLD_DISCRETIZATION)
         else:

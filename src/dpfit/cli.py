@@ -97,6 +97,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
     g.add_argument(
+        "--neighbouring",
+        choices=("add-remove", "replace-one"),
+        default="add-remove",
+        help="neighbouring datasets that --epsilon is met for (default: add-remove, one example "
+        "more or less; replace-one: one example swapped, the relation that fits a published "
+        "dataset size, needs more noise). Both epsilons are reported",
+    )
+    g.add_argument(
         "--non-private",
         action="store_true",
         help="the non-private reference: same model and data, an ordinary fine-tuning recipe",
@@ -208,6 +216,7 @@ def train_config_from_args(args: argparse.Namespace):
         delta=args.delta,
         noise_multiplier=args.noise_multiplier,
         accountant=args.accountant,
+        neighbouring=args.neighbouring,
         epochs=args.epochs,
         max_steps=args.max_steps,
         batch_size=args.batch_size,
@@ -436,7 +445,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
             (f"class {k}", f"{v['correct']}/{v['n']} correct") for k, v in res.per_class.items()
         ]
         if privacy is not None and privacy.get("private"):
-            rows.append(("trained with epsilon", privacy.get("epsilon")))
+            from dpfit.reporting import mechanism_rows  # both relations' epsilon, labelled
+
+            rows += [r for r in mechanism_rows(privacy) if r[0].startswith(("epsilon", "neigh"))]
             rows.append(("delta", privacy.get("delta")))
         print(format_table(rows, title=f"dpfit evaluate: {args.model}"))
     return 0
@@ -458,6 +469,12 @@ def add_accountant_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive_int, help="logical steps (or give --epochs)")
     p.add_argument("--epochs", type=_positive_float)
     p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
+    p.add_argument(
+        "--neighbouring",
+        choices=("add-remove", "replace-one"),
+        default="add-remove",
+        help="the relation --epsilon is met for (default: add-remove); both epsilons are shown",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -478,16 +495,22 @@ def run_accountant(args: argparse.Namespace) -> int:
             raise DPFitError("give --steps, or --epochs")
         steps = max(1, round(args.epochs / q))
     out = {"sample_rate": q, "steps": steps, "delta": args.delta, "accountant": args.accountant}
+    out["neighbouring"] = args.neighbouring
     if args.noise_multiplier is not None:
         out["noise_multiplier"] = args.noise_multiplier
         out["epsilon"] = accounting.epsilon_for(
-            args.noise_multiplier, q, steps, args.delta, args.accountant
+            args.noise_multiplier, q, steps, args.delta, args.accountant, args.neighbouring
         )
     else:
         out["epsilon"] = args.epsilon
         out["noise_multiplier"] = accounting.noise_multiplier_for(
-            args.epsilon, args.delta, q, steps, args.accountant
+            args.epsilon, args.delta, q, steps, args.accountant, neighbouring=args.neighbouring
         )
+    for rel in accounting.NEIGHBOURING:  # both relations, for the same noise
+        out[f"epsilon_{rel.replace('-', '_')}"] = accounting.epsilon_for(
+            out["noise_multiplier"], q, steps, args.delta, args.accountant, rel
+        )
+    out["accountant_replace_one"] = accounting.accountant_for(args.accountant, "replace-one")
     if args.json:
         print(to_json(out, indent=None))
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dpfit.accounting import ACCOUNTANTS
+from dpfit.accounting import ACCOUNTANTS, DEFAULT_NEIGHBOURING, NEIGHBOURING
 from dpfit.clipping import clipping_names
 
 MODES = ("bias", "full")
@@ -21,6 +21,8 @@ class PrivacyConfig:
     knows it. secure_rng: draw every noise value and sampling decision from os.urandom itself.
     sampling: "poisson" means batches come from `engine.data_loader` (checked at every step);
     "user-poisson" means the caller draws Poisson batches at rate q itself and vouches for it.
+    neighbouring: the relation a target epsilon is calibrated (and the budget kept) for,
+    "add-remove" or "replace-one"; both epsilons are reported (dpfit.accounting.NEIGHBOURING).
     """
 
     expected_batch_size: int
@@ -41,6 +43,7 @@ class PrivacyConfig:
     batch_first: bool = True
     batch_dims: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     check_gradients: bool = True
+    neighbouring: str = DEFAULT_NEIGHBOURING
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -66,6 +69,8 @@ class PrivacyConfig:
             )
         if self.accountant not in ACCOUNTANTS:
             bad(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
+        if self.neighbouring not in NEIGHBOURING:
+            bad(f"neighbouring must be one of {NEIGHBOURING}, got {self.neighbouring!r}")
         if self.sampling not in SAMPLINGS:
             bad(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
         if not 0 < self.target_delta < 1:

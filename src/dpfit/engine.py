@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpfit.accounting import PrivacyLedger, max_steps_within, noise_multiplier_for
+from dpfit.accounting import (
+    PrivacyLedger,
+    accountant_for,
+    max_steps_within,
+    noise_multiplier_for,
+)
 from dpfit.batch_axis import BatchAxisProbe
 from dpfit.clipped_sum import ClippedSum, arrange
 from dpfit.clipping import get_clipping
@@ -36,7 +41,13 @@ from dpfit.distributed import (
     shared_seed,
     unwrap_ddp,
 )
-from dpfit.errors import BatchAxisError, BudgetExhaustedError, DistributedError, SamplingError
+from dpfit.errors import (
+    AccountingError,
+    BatchAxisError,
+    BudgetExhaustedError,
+    DistributedError,
+    SamplingError,
+)
 from dpfit.flat import FlatLayout
 from dpfit.gradient_check import AutogradCheck
 
@@ -94,6 +105,7 @@ class PrivacyEngine:
         check_gradients: bool = True,
         schedule: Sequence[PhaseSpec] | None = None,
         process_group: Any = None,
+        neighbouring: str = "add-remove",
     ) -> None:
         # data parallel (dpfit.distributed): a process group with >1 rank, given or the
         # initialised default one; a DDP wrapper is looked through (its own sync is kept off)
@@ -124,13 +136,14 @@ class PrivacyEngine:
             batch_first=batch_first,
             batch_dims=tuple(sorted((batch_dims or {}).items())),
             check_gradients=check_gradients,
+            neighbouring=neighbouring,
         )
         self.model = model
         self._bias_selection = bias_selection(model)
         if self._phases:
             set_trainable(model, mode, self._bias_selection)
         self._clip_fn = get_clipping(clipping)
-        self.ledger = PrivacyLedger(target_delta, accountant)
+        self.ledger = PrivacyLedger(target_delta, accountant, neighbouring=neighbouring)
         self._names = {p: n for n, p in model.named_parameters()}
         self._set_trainables()
         self.noise_multiplier = self._resolve_noise_multiplier()
@@ -150,7 +163,7 @@ class PrivacyEngine:
             self._probe.attach()
         self._steps = LogicalStepTracker(self._empty_logical_step)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._eps_cache: dict[tuple[int, float], float] = {}
+        self._eps_cache: dict[tuple[int, float, str], float] = {}
         self._loader: PoissonDataLoader | None = None
         log.info(
             "PrivacyEngine: %d trainable tensors, sigma=%.4f, q=%.5f, R=%g, clipping=%s",
@@ -240,6 +253,7 @@ class PrivacyEngine:
             steps,
             cfg.accountant,
             extra_events=extra,
+            neighbouring=cfg.neighbouring,
         )
 
     def _compute_max_steps(self) -> int | None:
@@ -508,19 +522,46 @@ class PrivacyEngine:
         return update
 
     # ------------------------------------------------------------------ reporting
-    def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far (at target_delta unless given)."""
+    def epsilon(
+        self,
+        delta: float | None = None,
+        *,
+        steps: int | None = None,
+        neighbouring: str | None = None,
+    ) -> float:
+        """Epsilon spent so far (at target_delta unless given) for the engine's neighbouring
+        relation unless given; with `steps`, spent after the first `steps` logical steps (what
+        a per-step report shows for that step)."""
         d = self.target_delta if delta is None else delta
-        key = (self.ledger.steps, d)
+        k = self.ledger.steps if steps is None else steps
+        rel = self.config.neighbouring if neighbouring is None else neighbouring
+        key = (k, d, rel)
         if key not in self._eps_cache:
-            self._eps_cache[key] = self.ledger.epsilon(d)
+            ledger = self.ledger if k == self.ledger.steps else self.ledger.prefix(k)
+            self._eps_cache[key] = ledger.epsilon(d, neighbouring=rel)
         return self._eps_cache[key]
+
+    def _epsilon_for_record(self, neighbouring: str) -> float:
+        """The other relation's epsilon is a report, not the budget: if its accountant fails
+        (PLD at a tiny sigma) the record says NaN rather than losing the run's outputs."""
+        if neighbouring == self.config.neighbouring:
+            return self.epsilon()
+        try:
+            return self.epsilon(neighbouring=neighbouring)
+        except AccountingError as e:
+            log.warning("epsilon for %s neighbours not computed: %s", neighbouring, e)
+            return math.nan
 
     def privacy_record(self) -> dict:
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         return {
             "epsilon": self.epsilon(),
             "delta": self.target_delta,
+            # which relation "epsilon" is for (and was calibrated to), and both epsilons
+            "neighbouring": self.config.neighbouring,
+            "epsilon_add_remove": self._epsilon_for_record("add-remove"),
+            "epsilon_replace_one": self._epsilon_for_record("replace-one"),
+            "accountant_replace_one": accountant_for(self.config.accountant, "replace-one"),
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.config.expected_batch_size,
@@ -562,7 +603,13 @@ class PrivacyEngine:
                 f"checkpoint was taken with sample rate {sd['sample_rate']}, engine has "
                 f"{self.sample_rate}; resume with the same batch size and data"
             )
-        self.ledger = PrivacyLedger.from_state_dict(sd["ledger"])
+        ledger = PrivacyLedger.from_state_dict(sd["ledger"])
+        if ledger.neighbouring != self.config.neighbouring:
+            raise ValueError(
+                f"checkpoint was accounted for {ledger.neighbouring} neighbours, engine for "
+                f"{self.config.neighbouring}; resume with neighbouring={ledger.neighbouring!r}"
+            )
+        self.ledger = ledger
         self.noise_multiplier = float(sd["noise_multiplier"])
         # a run that was once reproducible from a seed stays marked so
         self._insecure_seed = self._insecure_seed or bool(sd.get("insecure_seed", False))

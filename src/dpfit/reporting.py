@@ -18,10 +18,13 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# A private run's per-step file holds only what the release already makes public: the
-# privacy spent so far and timings. The exact training loss and the exact Poisson batch size
-# of a step are functions of the private batch that no noise covers, so they are not kept.
-PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon", "elapsed_s")
+# A private run's per-step file holds only what the release already makes public: the step,
+# its epoch and the privacy spent after it (a function of the step count alone). The exact
+# training loss and the exact Poisson batch size of a step are functions of the private batch
+# that no noise covers, and so is its duration: a noise-only step (an empty Poisson batch) is
+# taken in the same call as the next one and a step's time tracks its batch size. None of
+# them is kept; the run's total time is (metrics.json). See docs/threat-model.md.
+PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon")
 NON_PRIVATE_STEP_FIELDS = ("step", "epoch", "loss", "elapsed_s")
 
 
@@ -29,13 +32,14 @@ NON_PRIVATE_STEP_FIELDS = ("step", "epoch", "loss", "elapsed_s")
 class StepRow:
     """One logical step: what the progress bar shows and the CSV keeps.
 
-    `loss` is the training loss of the step for non-private runs and None for private ones.
+    `loss` and `elapsed_s` (seconds since the loop started) are kept for non-private runs and
+    are None for private ones (see PRIVATE_STEP_FIELDS).
     """
 
     step: int
     epoch: int
     epsilon: float
-    elapsed_s: float
+    elapsed_s: float | None = None
     loss: float | None = None
 
 
@@ -89,7 +93,7 @@ def read_steps_csv(path: str | Path) -> list[StepRow]:
                 step=int(r["step"]),
                 epoch=int(r["epoch"]),
                 epsilon=float(r.get("epsilon") or "inf"),
-                elapsed_s=float(r["elapsed_s"]),
+                elapsed_s=float(r["elapsed_s"]) if r.get("elapsed_s") else None,
                 loss=float(r["loss"]) if r.get("loss") not in (None, "") else None,
             )
             for r in csv.DictReader(f)
@@ -167,8 +171,17 @@ def mechanism_rows(m: Mapping) -> list[tuple[str, object]]:
     can drop the insecure-noise warning."""
     if not m.get("private", True):
         return [("epsilon", "non-private")]
-    rows: list[tuple[str, object]] = [
-        ("epsilon", m.get("epsilon")),
+    rel = m.get("neighbouring") or "add-remove"  # records before issue 26: add-remove
+    rows: list[tuple[str, object]] = [(f"epsilon ({rel} neighbours)", m.get("epsilon"))]
+    # the other relation's epsilon for the same run (docs/threat-model.md, "Neighbours")
+    for other, key in (
+        ("add-remove", "epsilon_add_remove"),
+        ("replace-one", "epsilon_replace_one"),
+    ):
+        if other != rel and m.get(key) is not None:
+            rows.append((f"epsilon ({other} neighbours)", m[key]))
+    rows += [
+        ("neighbouring relation", f"{rel} (--neighbouring; default add-remove)"),
         ("delta", m.get("delta")),
         ("sigma (noise multiplier)", m.get("noise_multiplier")),
         ("clip norm", m.get("max_grad_norm")),

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfit import checkpoint as ckpt
+from dpfit.accounting import check_neighbouring
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
@@ -79,6 +80,7 @@ class TrainConfig:
     delta: float | None = None  # None: min(1e-5, 1/n^1.1)
     noise_multiplier: float | None = None  # overrides epsilon
     accountant: str = "rdp"
+    neighbouring: str = "add-remove"  # the relation epsilon is calibrated to; both reported
     # None = the recipe's value (dpfit.recipe.resolve_recipe); a value overrides it
     epochs: int | None = None
     max_steps: int | None = None  # stop after this many logical steps (privacy sized for it)
@@ -119,6 +121,7 @@ class TrainConfig:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_neighbouring(self.neighbouring)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"lr_schedule must be one of {sorted(LR_SCHEDULES)}, got {self.lr_schedule!r}"
@@ -427,6 +430,7 @@ def _make_engine(
         loss_reduction="mean",
         accountant=config.accountant,
         insecure_seed=_insecure_seed(config),
+        neighbouring=config.neighbouring,
     )
     if config.full_epochs:  # two-phase X+BiTFiT: one accountant across both phases
         kwargs["schedule"] = [
@@ -501,6 +505,7 @@ def _head_phase(
             loss_reduction="mean",
             accountant=config.accountant,
             insecure_seed=_insecure_seed(config, offset=1_000_003),
+            neighbouring=config.neighbouring,
         )
         params = engine.parameters()
     optimizer = OPTIMIZERS[config.optimizer](params, config.head_lr, config.weight_decay)
@@ -550,7 +555,9 @@ def _resolve_sigma(config: TrainConfig, q: float, steps: int, delta: float) -> f
 
     if config.noise_multiplier is not None:
         return float(config.noise_multiplier)
-    return noise_multiplier_for(config.epsilon, delta, q, steps, config.accountant)
+    return noise_multiplier_for(
+        config.epsilon, delta, q, steps, config.accountant, neighbouring=config.neighbouring
+    )
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -745,17 +752,20 @@ def train(
     def record(epoch_now: int) -> None:
         # Private runs keep no per-step loss or batch size: both are exact functions of the
         # private batch (see dpfit.reporting.PRIVATE_STEP_FIELDS).
+        # Nor its duration, and each row's epsilon is the one after its own step: a noise-only
+        # step is recorded with the next one, and must not look like it (issue 26, item 1).
         nonlocal acc_loss, acc_n
-        eps = stepper.epsilon()
         while len(rows) < stepper.steps_taken - first_step:
             current = len(rows) == stepper.steps_taken - first_step - 1
             loss = acc_loss / acc_n if (config.non_private and current and acc_n) else None
+            done = first_step + len(rows) + 1  # ledger steps after this row's step
+            elapsed = elapsed_before + time.perf_counter() - t_loop
             rows.append(
                 StepRow(
                     step=len(rows) + 1,
                     epoch=epoch_now + 1,
-                    epsilon=eps,
-                    elapsed_s=elapsed_before + time.perf_counter() - t_loop,
+                    epsilon=math.inf if engine is None else engine.epsilon(steps=done),
+                    elapsed_s=elapsed if config.non_private else None,
                     loss=loss,
                 )
             )
@@ -851,6 +861,10 @@ def _metrics(
         "private": private,
         "epsilon": privacy["epsilon"] if privacy else math.inf,
         "delta": privacy["delta"] if privacy else None,
+        # "epsilon" is for this relation; both relations' epsilons (docs/threat-model.md)
+        "neighbouring": privacy["neighbouring"] if privacy else None,
+        "epsilon_add_remove": privacy["epsilon_add_remove"] if privacy else math.inf,
+        "epsilon_replace_one": privacy["epsilon_replace_one"] if privacy else math.inf,
         "noise_multiplier": privacy["noise_multiplier"] if privacy else None,
         "sample_rate": privacy["sample_rate"] if privacy else None,
         "max_grad_norm": config.max_grad_norm if private else None,

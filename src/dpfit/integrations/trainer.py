@@ -101,6 +101,8 @@ class PrivacyArguments:
     max_grad_norm: float = 1.0
     clipping: str = "flat"
     accountant: str = "rdp"
+    # the relation target_epsilon is met for; dpfit.json reports both (docs/threat-model.md)
+    neighbouring: str = "add-remove"
     bias_only: bool = True
     train_head: tuple[str, ...] | None = None  # None: the model's classification head, if any
     # Seeds noise and Poisson sampling: the run is then NOT private against anyone who knows
@@ -283,6 +285,7 @@ class DPTrainer(Trainer):
             max_grad_norm=p.max_grad_norm,
             clipping=p.clipping,
             accountant=p.accountant,
+            neighbouring=p.neighbouring,
             insecure_seed=p.insecure_seed,  # never TrainingArguments.seed
             secure_rng=p.secure_rng,
             loss_reduction="mean",
