@@ -341,6 +341,20 @@ MUTATIONS = (
         ),
         ("tests/test_accounting.py", "-k", "tightly and pld"),
     ),
+    # issue 26 item 6: the public-label-name gate counts the rows that train, not the file
+    Mutation(
+        "label-gate-counts-whole-file",
+        "the 20-example label-name gate counts the whole file (before hold-out and subsample)",
+        (
+            (
+                "dpfit/tasks/classification.py",
+                "notes.insert(label_note_at, _public_label_note(train, config))",
+                "notes.insert(label_note_at, _public_label_note(load_texts(config.data, "
+                "config.text_column, config.label_column, label_names=config.labels), config))",
+            ),
+        ),
+        ("tests/test_train.py::test_label_gate_counts_the_rows_that_train",),
+    ),
 )
 
 

@@ -63,7 +63,7 @@ def prepare_data(config: TrainConfig) -> PreparedData:
         train = load_texts(
             config.data, config.text_column, config.label_column, label_names=config.labels
         )
-        notes.append(_public_label_note(train, config))
+        label_note_at = len(notes)  # the gate counts the rows that train: after split/subset
         if config.eval_data is None:
             if len(train) < 10:
                 raise DPFitError(
@@ -85,12 +85,16 @@ def prepare_data(config: TrainConfig) -> PreparedData:
             "(--full-data or --max-train-examples to change)"
         )
         train = train.subsample(config.max_train_examples, seed=config.seed)
+    if config.data is not None:
+        notes.insert(label_note_at, _public_label_note(train, config))
     return PreparedData(train, test, tuple(notes))
 
 
 def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
     """Label names are released (model/config.json id2label, metrics.json per_class): say
-    where they came from, and refuse names read from the data that few examples carry."""
+    where they came from, and refuse names read from the data that few examples carry.
+    `train` is what trains (after the hold-out and --max-train-examples): rows held out or
+    left unsampled do not make a name common among the examples the model learns from."""
     if config.labels is not None:
         return f"label names (public, from --labels): {', '.join(train.label_names)}"
     return check_data_label_names(
