@@ -104,7 +104,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=_positive_int, help="passes over the data (recipe)")
-    g.add_argument("--max-steps", type=_positive_int, help="stop after this many logical steps")
+    g.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        help="run at most this many logical steps; with --epsilon the noise is calibrated to "
+        "the run's length, so fewer steps get less noise (sigma is set for the steps run)",
+    )
     g.add_argument(
         "--batch-size",
         type=_positive_int,
@@ -165,7 +170,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
 
     g = p.add_argument_group("output")
-    g.add_argument("--output", help="folder for metrics.json, steps.csv, plots and the model")
+    g.add_argument(
+        "--output",
+        help="folder for metrics.json, steps.csv, plots and the model, checked before "
+        "training; must not hold an earlier run (default: a new runs/<task>-<date-time>/)",
+    )
+    g.add_argument(
+        "--no-output", action="store_true", help="write no files (only the table or --json)"
+    )
     g.add_argument(
         "--checkpoint-dir", help="folder for checkpoints (one per --checkpoint-every steps)"
     )
@@ -225,12 +237,32 @@ def train_config_from_args(args: argparse.Namespace):
         full_epochs=args.full_epochs,
         task=args.task,
         task_options=_task_options(args),
-        output=args.output,
+        output=_output_folder(args),
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         device=args.device,
     )
+
+
+def _output_folder(args: argparse.Namespace) -> str | None:
+    """--output, else a new runs/<task>-<date-time>/ (a run that spent privacy keeps its
+    result), or None with --no-output. Said on stderr when chosen here."""
+    from dpfit.outputs import default_run_dir
+
+    if args.no_output:
+        if args.output:
+            raise DPFitError("--output and --no-output contradict each other; pick one")
+        return None
+    if args.output:
+        return args.output
+    if not hasattr(args, "_default_output"):  # once per run (main() may re-enter)
+        from dpfit import distributed
+
+        args._default_output = str(default_run_dir(args.task))
+        if distributed.is_main_process():
+            _eprint(f"output: {args._default_output} (--output DIR to choose, --no-output: none)")
+    return args._default_output
 
 
 def _task_options(args: argparse.Namespace):
@@ -372,6 +404,8 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
         print(format_table(summary_rows(m), title=f"dpfit {command}: result"))
         if result.output_dir is not None:
             print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
+            if m.get("task") == "classification":
+                print(f"score it: dpfit evaluate --model {result.output_dir}/model --data FILE")
     return 0
 
 

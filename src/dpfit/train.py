@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfit import checkpoint as ckpt
+from dpfit import outputs
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
@@ -61,8 +62,7 @@ class PhysicalBatchMemoryError(DPFitError, MemoryError):
     """A physical batch did not fit in memory."""
 
 
-class OutputError(DPFitError, OSError):
-    """Training finished (and its privacy was spent) but an output could not be written."""
+OutputError = outputs.OutputError  # re-exported: raised when an output cannot be written
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,10 @@ class TrainConfig:
         if not self.non_private and self.noise_multiplier is None and self.epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier (or non_private)")
         if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume needs a checkpoint_dir")
+            raise ValueError(
+                "--resume needs --checkpoint-dir DIR, the folder the interrupted run wrote its "
+                "checkpoints to (a new run needs no --resume)"
+            )
         if self.labels is not None:
             object.__setattr__(self, "labels", tuple(str(x).strip() for x in self.labels))
             if len(set(self.labels)) != len(self.labels) or len(self.labels) < 2:
@@ -358,6 +361,21 @@ def _check_options(config: TrainConfig) -> None:
         raise DPFitError("--head-epochs and --full-epochs are separate schedules; pick one")
     if config.task == "causal-lm" and config.non_private:
         raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
+
+
+def _check_paths(config: TrainConfig) -> Path | None:
+    """Every folder the run writes to, checked and created before any data is read (a bad
+    path found after training would lose what the privacy was spent on); returns the
+    checkpoint to resume from. See dpfit.outputs and dpfit.checkpoint.check_checkpoint_dir."""
+    resume_path = None
+    if config.checkpoint_dir:
+        resume_path = ckpt.check_checkpoint_dir(config.checkpoint_dir, config.resume)
+    if is_main_process():  # distributed: rank 0 writes
+        if config.output:
+            outputs.check_output_dir(config.output, config.resume)
+        if config.checkpoint_dir:
+            outputs.prepare_dir(config.checkpoint_dir, "--checkpoint-dir")
+    return resume_path
 
 
 def _check_phases(config: TrainConfig) -> None:
@@ -580,6 +598,7 @@ def train(
             on_note(msg)
 
     _check_options(config)
+    resume_path = _check_paths(config)
     if config.insecure_reproducible_noise and not config.non_private:
         msg = (
             f"WARNING: --insecure-reproducible-noise: the DP noise and the Poisson sampling are "
@@ -641,9 +660,6 @@ def train(
     rows: list[StepRow] = []
     epoch = 0
     elapsed_before = 0.0
-    resume_path = ckpt.latest_checkpoint(config.checkpoint_dir) if config.resume else None
-    if config.resume and resume_path is None:
-        note(f"--resume: no checkpoint in {config.checkpoint_dir}; starting from scratch")
 
     engine = None
     sigma = None
@@ -868,30 +884,62 @@ def save_outputs(
     result: TrainResult, config: TrainConfig, task: Task, prep: Prepared, errors: list[str]
 ) -> Path:
     """DIR/metrics.json first (the record of what was spent), then steps.csv, the plot and
-    DIR/model (+ dpfit.json). An error while writing any of them is recorded in
-    metrics.json and raised as OutputError after the rest are written."""
+    DIR/model (+ dpfit.json). A write that fails for a path reason (OSError: folder removed,
+    disk full, permissions) is retried in a fallback folder (dpfit.outputs.fallback_dir);
+    every error is recorded in metrics.json and raised as one OutputError line that says
+    where each output is, after the rest are written."""
     out = Path(config.output)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "metrics.json", result.metrics)
-    private = not config.non_private
-    try:
-        write_steps_csv(out / "steps.csv", result.steps, private=private)
-        plot_steps(result.steps, out)
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"steps.csv/plots: {type(e).__name__}: {e}")
-    try:
-        task.save(prep, result.model, out / "model")
-        write_json(out / "model" / "dpfit.json", _privacy_file(result))
-    except Exception as e:  # noqa: BLE001
-        logger.exception("saving the model failed")
-        errors.append(f"model: {type(e).__name__}: {e}")
+    rescue: Path | None = None
+    places: dict[str, Path] = {}
+
+    def attempt(what: str, write: Callable[[Path], None]) -> None:
+        nonlocal rescue
+        try:
+            write(out)
+            places[what] = out
+            return
+        except Exception as e:  # noqa: BLE001 - recorded, re-raised as OutputError below
+            logger.exception("writing %s to %s failed", what, out)
+            errors.append(f"{what}: {type(e).__name__}: {e}")
+            if not isinstance(e, OSError):
+                return  # not the folder's fault: another folder would fail the same way
+        if rescue is None:
+            rescue = outputs.fallback_dir(config.output, config.task)
+        try:
+            write(rescue)
+            places[what] = rescue
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{what} (fallback {rescue}): {type(e).__name__}: {e}")
+
+    def metrics(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / "metrics.json", result.metrics)
+
+    def steps(folder: Path) -> None:
+        write_steps_csv(folder / "steps.csv", result.steps, private=not config.non_private)
+        plot_steps(result.steps, folder)
+
+    def model(folder: Path) -> None:
+        task.save(prep, result.model, folder / "model")
+        write_json(folder / "model" / "dpfit.json", _privacy_file(result))
+
+    attempt("metrics.json", metrics)
+    attempt("steps.csv/plots", steps)
+    attempt("model", model)
     if errors:
         result.metrics["output_errors"] = list(errors)
-        write_json(out / "metrics.json", result.metrics)
-        raise OutputError(
-            f"training finished and {out / 'metrics.json'} records what it spent, but: "
-            + "; ".join(errors)
+        if "metrics.json" in places:
+            write_json(places["metrics.json"] / "metrics.json", result.metrics)
+        where = "; ".join(f"{k} in {v}" for k, v in places.items()) or "nothing was written"
+        spent = result.metrics.get("epsilon")
+        head = (
+            f"training finished (epsilon {spent:.4g} spent) but some outputs failed"
+            if isinstance(spent, float) and math.isfinite(spent)
+            else "training finished but some outputs failed"
         )
+        kept = " (metrics.json there records what was spent)" if "metrics.json" in places else ""
+        msg = f"{head}: {'; '.join(errors)}. Written: {where}{kept}"
+        raise OutputError(" ".join(msg.split()))  # one line, whatever the errors held
     return out
 
 
