@@ -84,6 +84,8 @@ def test_default_run_folder_keeps_a_model_that_evaluate_loads(tiny, tmp_path, ca
     $DPFIT_RUNS_DIR) and says where; `dpfit evaluate` scores the saved model."""
     root = tmp_path / "runs"
     monkeypatch.setenv("DPFIT_RUNS_DIR", str(root))
+    assert main(args(tiny, "--max-length", "1000")) == 2  # refused: no empty folder left
+    assert not root.exists() or not list(root.iterdir())
     assert main(args(tiny)) == 0
     captured = capsys.readouterr()
     (run,) = list(root.iterdir())

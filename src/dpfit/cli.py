@@ -353,7 +353,21 @@ def run_train(args: argparse.Namespace) -> int:
     # -- end distributed
 
     _set_threads(args.threads)
-    return run_config(train_config_from_args(args), args)
+    try:
+        return run_config(train_config_from_args(args), args)
+    except BaseException:
+        _drop_empty_default_output(args)
+        raise
+
+
+def _drop_empty_default_output(args: argparse.Namespace) -> None:
+    """A run refused before it wrote anything leaves no empty default run folder behind."""
+    folder = getattr(args, "_default_output", None)
+    if folder is not None:
+        try:
+            os.rmdir(folder)  # only if empty
+        except OSError:
+            pass
 
 
 def run_config(config, args: argparse.Namespace, command: str = "train", run=None) -> int:

@@ -378,6 +378,39 @@ def _check_paths(config: TrainConfig) -> Path | None:
     return resume_path
 
 
+def position_limit(model: torch.nn.Module) -> int | None:
+    """Tokens the model can read: the size of its learned position table (RoBERTa's starts
+    after its padding index), or None for models without one (rotary, relative)."""
+    limits = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in (
+            "position_embeddings",
+            "wpe",
+            "embed_positions",
+        ):
+            offset = module.padding_idx + 1 if module.padding_idx is not None else 0
+            limits.append(module.num_embeddings - offset)
+    return min(limits) if limits else None
+
+
+def _fit_max_length(
+    model: torch.nn.Module, config: TrainConfig, given: bool, note: Callable[[str], None]
+) -> TrainConfig:
+    """An over-long max length fails only once a text is long enough (a shape error deep in
+    the model, possibly after privacy was spent): a --max-length above the model's limit is
+    refused here, naming it; the recipe's default is lowered to it (the limit is public)."""
+    limit = position_limit(model)
+    if limit is None or config.max_length <= limit:
+        return config
+    if given:
+        raise DPFitError(
+            f"--max-length {config.max_length} is more than {config.model or 'the model'} "
+            f"can read ({limit} positions); use --max-length {limit} or less"
+        )
+    note(f"max length {config.max_length} lowered to the model's {limit} positions")
+    return dataclasses.replace(config, max_length=limit)
+
+
 def _check_phases(config: TrainConfig) -> None:
     if config.full_epochs and not 0 < config.full_epochs < config.epochs:
         raise DPFitError(
@@ -630,6 +663,8 @@ def train(
     overrides = config.overrides()
     config = config.with_recipe(recipe)
     _check_phases(config)
+    if config.task != "image-classification":  # image models have no token positions
+        config = _fit_max_length(model, config, "max_length" in overrides, note)
     note(
         f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
         f"{delta:.3g}, {summary.total:,} parameters): {recipe.describe()}"

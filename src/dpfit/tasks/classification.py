@@ -61,7 +61,11 @@ def prepare_data(config: TrainConfig) -> PreparedData:
         notes.append("label names: the bundled data's own (rotten, fresh), public")
     else:
         train = load_texts(
-            config.data, config.text_column, config.label_column, label_names=config.labels
+            config.data,
+            config.text_column,
+            config.label_column,
+            label_names=config.labels,
+            label_ids=config.labels is not None,  # number k in the file: the k-th --labels name
         )
         label_note_at = len(notes)  # the gate counts the rows that train: after split/subset
         if config.eval_data is None:
