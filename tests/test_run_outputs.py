@@ -162,3 +162,120 @@ def test_a_new_run_refuses_a_checkpoint_dir_of_another_run(tiny, tmp_path, capsy
     line = one_line_error(capsys.readouterr().err)
     assert "--resume" in line and "already holds checkpoints" in line
     assert sorted(p.name for p in ck.iterdir()) == before
+
+
+# -- kill -9 at each phase boundary, then --resume: the same ledger, model and result --------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kill")
+    return (
+        str(save_tiny_random_model(root / "model")),
+        str(write_tiny_sentiment_csv(root / "train.csv", n=96, seed=0)),
+    )
+
+
+def kill_args(small, out, ck, *extra):
+    model, data = small
+    return ["train", "--model", model, "--data", data, "--batch-size", "16",
+            "--physical-batch-size", "16", "--lr", "0.05", "--seed", "3", "--epsilon", "4",
+            "--threads", "1", "--quiet", "--json", "--insecure-reproducible-noise",
+            "--output", str(out), "--checkpoint-dir", str(ck), *extra]  # fmt: skip
+
+
+BOUNDARIES = {
+    # (extra flags, what marks the boundary): the head-first phase's end is its checkpoint at
+    # main step 0; the full -> bias switch is its note; the save is metrics.json appearing
+    "head-first": (("--epochs", "1", "--head-epochs", "1"), "ckpt-000000000.pt"),
+    "phase-switch": (("--epochs", "2", "--full-epochs", "1"), "note: phase switch"),
+    "save": (("--epochs", "1", "--head-epochs", "1"), "metrics.json"),
+}
+
+
+def _kill_at(argv, out, ck, marker):
+    """Run the CLI in a subprocess and SIGKILL it as soon as `marker` shows (a file in the
+    checkpoint or output folder, or a line on stderr). Returns the stderr read so far."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpfit.cli", *argv],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    seen = []
+    try:
+        if marker.startswith("note:"):
+            for line in proc.stderr:
+                seen.append(line)
+                if line.startswith(marker):
+                    proc.kill()
+                    break
+        else:
+            import time
+
+            path = (ck if marker.startswith("ckpt-") else out) / marker
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < deadline:
+                if path.exists():
+                    proc.kill()
+                    break
+                time.sleep(0.001)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert proc.returncode == -9, f"not killed at {marker!r} (rc {proc.returncode}): {seen}"
+    return "".join(seen)
+
+
+def _ledger(out):
+    record = json.loads((out / "model" / "dpfit.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    return record, metrics
+
+
+@pytest.fixture(scope="module")
+def reference_runs(small, tmp_path_factory):
+    """Uninterrupted runs, one per flag set (the boundaries share them)."""
+    done: dict[tuple, object] = {}
+
+    def get(extra):
+        if extra not in done:
+            ref = tmp_path_factory.mktemp("ref")
+            assert main(kill_args(small, ref / "out", ref / "ck", *extra)) == 0
+            done[extra] = ref / "out"
+        return done[extra]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
+def test_kill_at_a_phase_boundary_then_resume_ends_with_the_same_ledger(
+    small, reference_runs, tmp_path, capsys, boundary
+):
+    from safetensors.torch import load_file
+
+    extra, marker = BOUNDARIES[boundary]
+    ref = reference_runs(extra)
+    ref_record, ref_metrics = _ledger(ref)
+
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    _kill_at(kill_args(small, out, ck, *extra), out, ck, marker)
+    assert ck.is_dir() and any(ck.iterdir()), "killed before the first checkpoint"
+    capsys.readouterr()
+    assert main(kill_args(small, out, ck, *extra, "--resume")) == 0, capsys.readouterr().err
+    record, metrics = _ledger(out)
+    # the same ledger: every step counted once, none twice, the same noise and sample rate
+    assert record["history"] == ref_record["history"]
+    assert record["epsilon"] == ref_record["epsilon"] == metrics["epsilon"]
+    assert metrics["steps"] == ref_metrics["steps"]
+    assert metrics["head_first_steps"] == ref_metrics["head_first_steps"]
+    assert metrics["accuracy"] == ref_metrics["accuracy"]
+    assert metrics.get("head_first_accuracy") == ref_metrics.get("head_first_accuracy")
+    assert metrics["train_time_s"] <= metrics["wall_time_s"]
+    params, ref_params = (load_file(str(d / "model" / "model.safetensors")) for d in (out, ref))
+    assert set(params) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
+    steps_csv = (out / "steps.csv").read_text().splitlines()
+    assert len(steps_csv) == metrics["steps"] + 1

@@ -695,6 +695,7 @@ def train(
     rows: list[StepRow] = []
     epoch = 0
     elapsed_before = 0.0
+    wall_before = 0.0  # wall time of the run's earlier processes (a resumed run)
 
     engine = None
     sigma = None
@@ -755,6 +756,8 @@ def train(
         epoch = int(state["epoch"])
         elapsed_before = float(state["elapsed_s"])
         first_step = int(state.get("first_step", 0))
+        wall_before = float(state.get("wall_s", 0.0))
+        head_scores = dict(state.get("head_scores") or {})  # the probe's row survives resume
         note(f"resumed from {resume_path.name}: logical step {len(rows)}, epoch {epoch + 1}")
 
     def save(epoch_now: int) -> None:
@@ -774,8 +777,13 @@ def train(
                 "epoch": epoch_now,
                 "elapsed_s": elapsed_before + time.perf_counter() - t_loop,
                 "first_step": first_step,
+                "wall_s": wall_before + time.perf_counter() - t_start,
+                "head_scores": head_scores,
             },
         )
+
+    if head_steps and resume_path is None:
+        save(0)  # the head-first phase's ledger and head: a kill from here on can --resume
 
     acc_loss, acc_n = 0.0, 0
 
@@ -853,6 +861,7 @@ def train(
         config, recipe, overrides, summary, scores, privacy, rows, train_time, t_start, device,
         head_steps, delta,
     )  # fmt: skip
+    metrics["wall_time_s"] += wall_before  # the whole run's, as train_time_s is
     if "accuracy" in head_scores:
         metrics["head_first_accuracy"] = head_scores["accuracy"]
     if "accuracy" in start_scores:
