@@ -5,6 +5,7 @@ in a fallback folder the error names; `dpfit train` without --output keeps its r
 default run folder; --resume without a checkpoint is an error, never a fresh start.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -129,6 +130,41 @@ def test_output_lost_during_training_is_written_to_a_named_fallback(tiny, tmp_pa
     assert m["epsilon"] > 0 and m["steps"] == 2 and m["output_errors"]
     assert (rescue / "steps.csv").is_file() and (rescue / "model" / "dpfit.json").is_file()
     assert out.read_text() == "someone else's file\n"
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("CUDA error: device-side assert"), KeyboardInterrupt()]
+)
+def test_a_run_stopped_mid_training_keeps_what_it_spent(tiny, tmp_path, monkeypatch, error):
+    """An error (or Ctrl-C) after some private steps: metrics.json records the epsilon spent
+    and the model so far is saved beside it; the original error still propagates."""
+    from dpfit.tasks.classification import ClassificationTask
+
+    calls = {"n": 0}
+    real = ClassificationTask.loss
+
+    def failing(self, model, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:  # one physical batch per step: two steps taken
+            raise error
+        return real(self, model, batch)
+
+    monkeypatch.setattr(ClassificationTask, "loss", failing)
+    out = tmp_path / "run"
+    config = TrainConfig(
+        model=tiny[0], data=tiny[1], max_steps=5, batch_size=20, physical_batch_size=120,
+        head_first=False, output=str(out),
+    )  # fmt: skip
+    with pytest.raises(type(error)):
+        train(config)
+    m = json.loads((out / "metrics.json").read_text())
+    status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    assert m["status"] == status and m["steps"] == 2 and m["privacy"]["steps"] == 2
+    assert m["epsilon"] > 0 and m["epsilon"] == m["privacy"]["epsilon"]
+    record = json.loads((out / "model" / "dpfit.json").read_text())
+    assert record["epsilon"] == m["epsilon"] and (out / "model" / "config.json").is_file()
+    with pytest.raises(OutputError, match="already holds a run"):  # not overwritten
+        train(dataclasses.replace(config, max_steps=1))
 
 
 @pytest.mark.parametrize("state", ["missing", "empty", "other files"])

@@ -842,6 +842,10 @@ def train(
                     stopped = True
     except BudgetExhaustedError as e:
         note(f"stopped early: {e}")
+    except BaseException as e:  # the steps taken spent privacy: keep their record and model
+        if engine is not None and engine.steps_taken and config.output and is_main_process():
+            _save_partial(e, config, task, prep, model, engine, len(rows), note)
+        raise
     train_time = elapsed_before + time.perf_counter() - t_loop
 
     # From here on the privacy is spent: nothing may be lost to an error (metrics.json first).
@@ -878,6 +882,43 @@ def train(
     elif errors:
         raise OutputError("; ".join(errors))
     return result
+
+
+def _save_partial(
+    error: BaseException, config: TrainConfig, task: Task, prep: Prepared, model, engine,
+    steps: int, note: Callable[[str], None],
+) -> None:  # fmt: skip
+    """A run stopped by an error or Ctrl-C after spending privacy: OUTPUT/metrics.json with
+    what was spent (status "failed" or "interrupted") and the model as it stands (a noised
+    model is post-processing of the steps taken). Best effort: the original error wins."""
+    out = Path(config.output)
+    status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    privacy = dict(engine.privacy_record())
+    privacy["insecure_seed"] = bool(config.insecure_reproducible_noise)
+    record = {
+        "status": status,
+        "error": f"{type(error).__name__}: {error}"[:500],
+        "task": config.task,
+        "private": True,
+        "epsilon": privacy["epsilon"],
+        "delta": privacy["delta"],
+        "steps": steps,
+        "insecure_seed": privacy["insecure_seed"],
+        "privacy": privacy,
+        "config": dataclasses.asdict(config),
+    }
+    try:
+        write_json(out / "metrics.json", record)
+        task.save(prep, model, out / "model")
+        write_json(out / "model" / "dpfit.json", {"private": True, "status": status, **privacy})
+    except Exception:  # noqa: BLE001 - the error that stopped training is the one to raise
+        logger.exception("could not write the record of the %s run to %s", status, out)
+        return
+    note(
+        f"{status} after {steps} steps, epsilon {privacy['epsilon']:.4g} spent: {out} holds "
+        "its metrics.json and the model so far"
+        + ("; rerun with --resume to continue" if config.checkpoint_dir else "")
+    )
 
 
 def _metrics(
