@@ -315,3 +315,53 @@ def test_kill_at_a_phase_boundary_then_resume_ends_with_the_same_ledger(
         torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
     steps_csv = (out / "steps.csv").read_text().splitlines()
     assert len(steps_csv) == metrics["steps"] + 1
+
+
+# -- progress on long stretches, and the report ---------------------------------------------
+
+
+def test_long_stretches_report_progress_and_the_epsilon_of_each_phase(tiny, tmp_path):
+    """Features, tokenising and evaluation report (stage, done, total) to a listener (the
+    CLI's bars), ending at total; metrics.json says what the head-first phase spent, checked
+    against dp-accounting directly, and epsilon.png is drawn from it."""
+    import dp_accounting
+
+    from dpfit import progress
+
+    seen: dict[str, list[tuple[int, int]]] = {}
+    out = tmp_path / "run"
+    config = TrainConfig(
+        model=tiny[0], data=tiny[1], max_steps=2, batch_size=20, physical_batch_size=16,
+        head_epochs=1, output=str(out),
+    )  # fmt: skip
+    with progress.listening(lambda s, d, t: seen.setdefault(s, []).append((d, t))):
+        res = train(config)
+    for stage in ("tokenising", "head-first: features", "evaluating"):
+        runs: list[list[tuple[int, int]]] = []  # each pass over some data: 0 ... total
+        for d, t in seen[stage]:
+            if d == 0:
+                runs.append([])
+            runs[-1].append((d, t))
+        for r in runs:
+            assert [d for d, _ in r] == sorted(d for d, _ in r), stage
+            assert r[-1][0] == r[-1][1] > 0 and len({t for _, t in r}) == 1, stage
+    assert len(seen["head-first: features"]) > 2  # per batch, not only start and end
+    m = res.metrics
+    head, main_ = m["epsilon_by_phase"]
+    assert (head["phase"], main_["phase"]) == ("head-first", "main")
+    assert head["steps"] == m["head_first_steps"] > 0 and main_["steps"] == m["steps"] == 2
+    direct = dp_accounting.rdp.RdpAccountant()
+    event = dp_accounting.GaussianDpEvent(m["noise_multiplier"])
+    direct.compose(dp_accounting.PoissonSampledDpEvent(m["sample_rate"], event), head["steps"])
+    assert head["epsilon_after"] == pytest.approx(direct.get_epsilon(m["delta"]), rel=1e-9)
+    assert head["epsilon_after"] < main_["epsilon_after"] == m["epsilon"]
+    assert json.loads((out / "metrics.json").read_text())["epsilon_by_phase"][0] == head
+    assert (out / "epsilon.png").stat().st_size > 1000
+
+
+def test_result_table_keeps_one_line_per_row():
+    from dpfit.reporting import format_table
+
+    table = format_table([("sample: 'Once'", "upon a time\nthere was\r\na model"), ("x", 1.0)])
+    lines = table.splitlines()
+    assert len(lines) == 4 and len({len(ln) for ln in lines}) == 1

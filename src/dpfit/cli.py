@@ -376,7 +376,7 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
     :func:`dpfit.train.train` (same signature), e.g. pretraining's length rule."""
     from tqdm.auto import tqdm
 
-    from dpfit import distributed
+    from dpfit import distributed, progress
     from dpfit.reporting import format_table, to_json
     from dpfit.train import train
 
@@ -404,11 +404,31 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
         bar.set_postfix(post, refresh=False)
         bar.update(1)
 
+    stages: dict = {}  # stage -> its bar (features, tokenising, evaluating)
+
+    def on_progress(stage: str, done: int, total: int) -> None:
+        if args.quiet or not distributed.is_main_process() or total <= 0:
+            return
+        stage_bar = stages.get(stage)
+        if stage_bar is None:
+            if done >= total:
+                return
+            stage_bar = stages[stage] = tqdm(
+                total=total, desc=stage, unit="ex", file=sys.stderr, dynamic_ncols=True,
+                delay=1.0, leave=False,
+            )  # fmt: skip
+        stage_bar.update(done - stage_bar.n)
+        if done >= total:
+            stages.pop(stage).close()
+
     try:
-        result = (run or train)(config, on_step=on_step, on_note=on_note)
+        with progress.listening(on_progress):
+            result = (run or train)(config, on_step=on_step, on_note=on_note)
     finally:
         if bar is not None:
             bar.close()
+        for stage_bar in stages.values():
+            stage_bar.close()
     m = result.metrics
     if not distributed.is_main_process():
         return 0

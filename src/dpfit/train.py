@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfit import checkpoint as ckpt
-from dpfit import outputs
+from dpfit import outputs, progress
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
@@ -503,11 +503,13 @@ def frozen_features(model, items: Sequence[dict], collate, batch_size: int, devi
     was_training = model.training
     model.eval()
     out = []
+    progress.report("head-first: features", 0, len(items))
     for start in range(0, len(items), batch_size):
         batch = collate(list(items[start : start + batch_size]))
         batch.pop("labels", None)
         batch.pop("position_ids", None)
         out.append(model.features(**{k: v.to(device) for k, v in batch.items()}).float().cpu())
+        progress.report("head-first: features", min(start + batch_size, len(items)), len(items))
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0)
 
@@ -665,9 +667,10 @@ def train(
     _check_phases(config)
     if config.task != "image-classification":  # image models have no token positions
         config = _fit_max_length(model, config, "max_length" in overrides, note)
+    described = recipe.describe(tokens=config.task != "image-classification")
     note(
         f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
-        f"{delta:.3g}, {summary.total:,} parameters): {recipe.describe()}"
+        f"{delta:.3g}, {summary.total:,} parameters): {described}"
         + (f"; overridden by flags: {', '.join(overrides)}" if overrides else "")
     )
     model.to(device)
@@ -701,6 +704,7 @@ def train(
     sigma = None
     head_state = None
     head_scores: dict = {}
+    head_epsilon = None  # spent by the head-first phase (its share of the budget)
     start_scores: dict = {}
     if prep.starts_trained:  # on resume too: the model is still the one loaded
         start_scores = _score_before(
@@ -727,6 +731,7 @@ def train(
         engine = _make_engine(model, config, n, total_steps, delta, sigma)
         if head_state is not None:
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
+            head_epsilon = engine.epsilon()
         params = list(engine.parameters())
     optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
     if engine is not None:  # the optimizer first: an empty first batch steps at once
@@ -758,6 +763,7 @@ def train(
         first_step = int(state.get("first_step", 0))
         wall_before = float(state.get("wall_s", 0.0))
         head_scores = dict(state.get("head_scores") or {})  # the probe's row survives resume
+        head_epsilon = state.get("head_epsilon")
         note(f"resumed from {resume_path.name}: logical step {len(rows)}, epoch {epoch + 1}")
 
     def save(epoch_now: int) -> None:
@@ -779,6 +785,7 @@ def train(
                 "first_step": first_step,
                 "wall_s": wall_before + time.perf_counter() - t_start,
                 "head_scores": head_scores,
+                "head_epsilon": head_epsilon,
             },
         )
 
@@ -866,6 +873,8 @@ def train(
         head_steps, delta,
     )  # fmt: skip
     metrics["wall_time_s"] += wall_before  # the whole run's, as train_time_s is
+    if privacy is not None:
+        metrics["epsilon_by_phase"] = _epsilon_by_phase(config, rows, head_steps, head_epsilon)
     if "accuracy" in head_scores:
         metrics["head_first_accuracy"] = head_scores["accuracy"]
     if "accuracy" in start_scores:
@@ -882,6 +891,24 @@ def train(
     elif errors:
         raise OutputError("; ".join(errors))
     return result
+
+
+def _epsilon_by_phase(
+    config: TrainConfig, rows: list[StepRow], head_steps: int, head_epsilon: float | None
+) -> list[dict]:
+    """Epsilon spent by the end of each phase, in order (the last is the run's): shows how
+    much of the budget the head-first or full phase took, which the plot marks."""
+    phases = []
+    if head_steps and head_epsilon is not None:
+        phases.append({"phase": "head-first", "steps": head_steps, "epsilon_after": head_epsilon})
+    main = [("main", rows)]
+    if config.full_epochs:
+        full = [r for r in rows if r.epoch <= config.full_epochs]
+        main = [("full", full), ("bias", rows[len(full) :])]
+    for name, part in main:
+        if part:
+            phases.append({"phase": name, "steps": len(part), "epsilon_after": part[-1].epsilon})
+    return phases
 
 
 def _save_partial(
@@ -1002,7 +1029,7 @@ def save_outputs(
 
     def steps(folder: Path) -> None:
         write_steps_csv(folder / "steps.csv", result.steps, private=not config.non_private)
-        plot_steps(result.steps, folder)
+        plot_steps(result.steps, folder, result.metrics.get("epsilon_by_phase", ()))
 
     def model(folder: Path) -> None:
         task.save(prep, result.model, folder / "model")

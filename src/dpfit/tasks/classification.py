@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dpfit import progress
 from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
 from dpfit.errors import DPFitError
 from dpfit.models import load_classifier
@@ -110,13 +111,22 @@ def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
     )
 
 
+ENCODE_CHUNK = 4096  # texts per tokenizer call: progress on large files, same result
+
+
 def encode(data: LabeledTexts, tokenizer, max_length: int) -> list[dict]:
     """Tokenise once up front; items are unpadded so each batch pads only to its own length."""
-    enc = tokenizer(list(data.texts), truncation=True, max_length=max_length)
-    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
-    return [
-        {**{k: enc[k][i] for k in keys}, "labels": label} for i, label in enumerate(data.labels)
-    ]
+    items: list[dict] = []
+    n = len(data)
+    for start in range(0, n, ENCODE_CHUNK):
+        progress.report("tokenising", start, n)
+        texts = list(data.texts[start : start + ENCODE_CHUNK])
+        enc = tokenizer(texts, truncation=True, max_length=max_length)
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+        labels = data.labels[start : start + ENCODE_CHUNK]
+        items += [{**{k: enc[k][i] for k in keys}, "labels": y} for i, y in enumerate(labels)]
+    progress.report("tokenising", n, n)
+    return items
 
 
 def make_collate(pad_token_id: int, position_ids: bool = False) -> Callable[[list[dict]], dict]:
@@ -157,6 +167,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     preds = [0] * len(items)
+    progress.report("evaluating", 0, len(order))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = collate([items[i] for i in idx])
@@ -164,6 +175,7 @@ def evaluate(
         logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
         for i, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
             preds[i] = p
+        progress.report("evaluating", start + len(idx), len(order))
     model.train(was_training)
     per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
     correct = 0
