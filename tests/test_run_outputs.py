@@ -365,3 +365,28 @@ def test_result_table_keeps_one_line_per_row():
     table = format_table([("sample: 'Once'", "upon a time\nthere was\r\na model"), ("x", 1.0)])
     lines = table.splitlines()
     assert len(lines) == 4 and len({len(ln) for ln in lines}) == 1
+
+
+def test_a_run_on_the_bundled_data_is_scored_by_evaluate_without_data(
+    tiny, tmp_path, capsys, monkeypatch
+):
+    """README's first command trains on the bundled data with no flags; its default run
+    folder holds a model that `dpfit evaluate --model DIR/model` scores on the same held-out
+    movies (the split seed is in dpfit.json), with the accuracy training reported."""
+    root = tmp_path / "runs"
+    monkeypatch.setenv("DPFIT_RUNS_DIR", str(root))
+    argv = ["train", "--model", tiny[0], "--max-train-examples", "200", "--max-steps", "1",
+            "--no-head-first", "--seed", "2", "--threads", "1", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    (run,) = list(root.iterdir())
+    assert f"dpfit evaluate --model {run}/model\n" in capsys.readouterr().out
+    m = json.loads((run / "metrics.json").read_text())
+    assert json.loads((run / "model" / "dpfit.json").read_text())["bundled_split_seed"] == 2
+    assert main(["evaluate", "--model", str(run / "model"), "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["n"] == m["eval_n"] and ev["accuracy"] == pytest.approx(m["accuracy"])
+    # a model trained on a file needs --data, and says so
+    assert main(args(tiny, "--output", str(tmp_path / "own"))) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--model", str(tmp_path / "own" / "model")]) == 2
+    assert "--data FILE" in one_line_error(capsys.readouterr().err)

@@ -439,7 +439,8 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
         if result.output_dir is not None:
             print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
             if m.get("task") == "classification":
-                print(f"score it: dpfit evaluate --model {result.output_dir}/model --data FILE")
+                data = "" if m["config"].get("data") is None else " --data FILE"
+                print(f"score it: dpfit evaluate --model {result.output_dir}/model{data}")
     return 0
 
 
@@ -452,7 +453,11 @@ def _eprint(msg: str, file=None) -> None:
 
 def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a saved model folder (DIR/model)")
-    p.add_argument("--data", required=True, help="CSV/JSONL/TSV file or saved `datasets` folder")
+    p.add_argument(
+        "--data",
+        help="CSV/JSONL/TSV file or saved `datasets` folder (default, for a model trained on "
+        "the bundled data: its test split, the same movies held out)",
+    )
     p.add_argument("--text-column", default="text")
     p.add_argument("--label-column", default="label")
     p.add_argument("--max-length", type=_positive_int, default=128)
@@ -480,13 +485,16 @@ def run_evaluate(args: argparse.Namespace) -> int:
     model = loaded.model
     id2label = model.config.id2label
     names = [str(id2label[i]) for i in range(model.config.num_labels)]
-    data = load_texts(args.data, args.text_column, args.label_column, label_names=names)
+    record_path = Path(args.model) / "dpfit.json"
+    privacy = json.loads(record_path.read_text()) if record_path.is_file() else None
+    if args.data is None:
+        data = _bundled_test_split(args.model, privacy, names)
+    else:
+        data = load_texts(args.data, args.text_column, args.label_column, label_names=names)
     device = _device(args.device)
     model.to(device)
     res = evaluate(model, loaded.tokenizer, data, args.max_length, args.batch_size, device)
-    record_path = Path(args.model) / "dpfit.json"
-    privacy = json.loads(record_path.read_text()) if record_path.is_file() else None
-    out = {**res.as_dict(), "model": str(args.model), "data": str(args.data)}
+    out = {**res.as_dict(), "model": str(args.model), "data": str(args.data or data.source)}
     if privacy is not None:
         out["privacy"] = privacy
     if args.json:
@@ -501,6 +509,22 @@ def run_evaluate(args: argparse.Namespace) -> int:
             rows.append(("delta", privacy.get("delta")))
         print(format_table(rows, title=f"dpfit evaluate: {args.model}"))
     return 0
+
+
+def _bundled_test_split(model: str, privacy: dict | None, names: list[str]):
+    """The bundled test split a model trained on the bundled data was not trained on."""
+    from dpfit.data.text import bundled_rotten_tomatoes
+
+    seed = (privacy or {}).get("bundled_split_seed")
+    if seed is None:
+        raise DPFitError(
+            f"{model} was not trained on the bundled data (no bundled_split_seed in its "
+            "dpfit.json); give the labelled file to score with --data FILE"
+        )
+    test = bundled_rotten_tomatoes(seed=int(seed)).test
+    if list(test.label_names) != names:
+        raise DPFitError(f"{model} has classes {names}, not the bundled {list(test.label_names)}")
+    return test
 
 
 # -- accountant ------------------------------------------------------------------------------

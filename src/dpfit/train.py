@@ -1062,6 +1062,10 @@ def _privacy_file(result: TrainResult) -> dict:
     record.setdefault("steps", m.get("steps"))
     record["mode"] = m.get("mode")
     record["insecure_seed"] = m.get("insecure_seed", False)
+    config = m.get("config") or {}
+    if config.get("task") == "classification" and config.get("data") is None:
+        # `dpfit evaluate --model DIR/model` without --data scores the same held-out movies
+        record["bundled_split_seed"] = config.get("seed", 0)
     return record
 
 
