@@ -390,3 +390,12 @@ def test_a_run_on_the_bundled_data_is_scored_by_evaluate_without_data(
     capsys.readouterr()
     assert main(["evaluate", "--model", str(tmp_path / "own" / "model")]) == 2
     assert "--data FILE" in one_line_error(capsys.readouterr().err)
+
+
+def test_an_image_model_built_from_a_name_says_it_starts_untrained(tmp_path):
+    from dpfit.tasks.image_classification import DEFAULT_MODEL, _fresh_model_note
+
+    (note,) = _fresh_model_note(DEFAULT_MODEL, None)
+    assert "randomly initialised" in note and "(no --model)" in note and "--model" in note
+    assert "(no --model)" not in _fresh_model_note(DEFAULT_MODEL, DEFAULT_MODEL)[0]
+    assert _fresh_model_note(str(tmp_path / "saved-model"), str(tmp_path / "saved-model")) == []

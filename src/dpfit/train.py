@@ -614,6 +614,7 @@ def train(
     *,
     prepared: Prepared | None = None,
     task: Task | None = None,
+    set_by: str = "flags",
 ) -> TrainResult:
     """Run one training job as configured; see module docstring.
 
@@ -622,6 +623,8 @@ def train(
         on_note: called with human-readable notes (recipe, subsampling, split, resume).
         prepared, task: a task and its already built model and data (Python callers that
             hold a model object); by default the task named in `config` prepares them.
+        set_by: who set the recipe fields `config` sets, for the recipe note (a program
+            such as ``dpfit pretrain`` fills them from its own rule, not from flags).
     """
     t_start = time.perf_counter()
     notes: list[str] = []
@@ -671,7 +674,7 @@ def train(
     note(
         f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
         f"{delta:.3g}, {summary.total:,} parameters): {described}"
-        + (f"; overridden by flags: {', '.join(overrides)}" if overrides else "")
+        + (f"; overridden by {set_by}: {', '.join(overrides)}" if overrides else "")
     )
     model.to(device)
     model.train()

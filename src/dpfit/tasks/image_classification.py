@@ -193,6 +193,19 @@ def prepare_images(
     return PreparedImages(data, test, public_split, tuple(notes), label_source)
 
 
+def _fresh_model_note(name: str, given: str | None) -> list[str]:
+    """A factory name builds an untrained network: say so, or a run looks like fine-tuning."""
+    from dpfit.vision.models import model_names
+
+    if str(name) not in model_names():
+        return []
+    how = "" if given else " (no --model)"
+    return [
+        f"model: {name}{how}, randomly initialised, no pretrained weights; to start from "
+        "trained features pass --model a `dpfit pretrain` output or another saved model"
+    ]
+
+
 PUBLISHED_IN = "the saved model (dpfit-vision.json) and metrics.json"
 
 
@@ -288,7 +301,7 @@ class ImageClassificationTask:
             n=len(train),
             num_classes=loaded.spec.num_classes,
             head_names=loaded.head_names,
-            notes=list(data.notes),
+            notes=[*data.notes, *_fresh_model_note(model_name, config.model)],
             state={
                 "image_model": loaded,
                 "data": data,
