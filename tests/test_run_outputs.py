@@ -399,3 +399,16 @@ def test_an_image_model_built_from_a_name_says_it_starts_untrained(tmp_path):
     assert "randomly initialised" in note and "(no --model)" in note and "--model" in note
     assert "(no --model)" not in _fresh_model_note(DEFAULT_MODEL, DEFAULT_MODEL)[0]
     assert _fresh_model_note(str(tmp_path / "saved-model"), str(tmp_path / "saved-model")) == []
+
+
+def test_image_runs_mention_no_max_length():
+    from dpfit.recipe import default_delta, resolve_recipe
+    from dpfit.train import _oom_error
+
+    image = TrainConfig(task="image-classification", physical_batch_size=8, max_length=128)
+    msg = str(_oom_error(image, RuntimeError("out of memory")))
+    assert "--physical-batch-size 4" in msg and "length" not in msg
+    text = dataclasses.replace(image, task="classification")
+    assert "max length 128" in str(_oom_error(text, RuntimeError("out of memory")))
+    recipe = resolve_recipe(1000, 10, 8.0, default_delta(1000), 10**6, "bias")
+    assert "max length" not in recipe.describe(tokens=False) and "max length" in recipe.describe()

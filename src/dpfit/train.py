@@ -308,11 +308,14 @@ def _is_oom(e: BaseException) -> bool:
 
 def _oom_error(config: TrainConfig, e: BaseException) -> PhysicalBatchMemoryError:
     smaller = max(1, config.physical_batch_size // 2)
+    text = config.task != "image-classification"  # images have no max length to lower
     return PhysicalBatchMemoryError(
-        f"a physical batch of up to {config.physical_batch_size} examples (max length "
-        f"{config.max_length}) did not fit in memory; retry with --physical-batch-size {smaller} "
-        "(the logical batch and the privacy guarantee stay the same) or a smaller --max-length. "
-        f"({type(e).__name__}: {str(e)[:200]})"
+        f"a physical batch of up to {config.physical_batch_size} examples"
+        + (f" (max length {config.max_length})" if text else "")
+        + f" did not fit in memory; retry with --physical-batch-size {smaller} (the logical "
+        "batch and the privacy guarantee stay the same)"
+        + (" or a smaller --max-length" if text else "")
+        + f". ({type(e).__name__}: {str(e)[:200]})"
     )
 
 
@@ -972,7 +975,8 @@ def _metrics(
         "batch_size": config.batch_size,
         "lr": config.lr,
         "lr_schedule": config.lr_schedule,
-        "max_length": config.max_length,
+        # images have no token length: the recipe's value is not what ran
+        "max_length": None if config.task == "image-classification" else config.max_length,
         "trainable_params": summary.trainable,
         "total_params": summary.total,
         "trainable_fraction": summary.fraction,
