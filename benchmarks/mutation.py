@@ -355,6 +355,19 @@ MUTATIONS = (
         ),
         ("tests/test_train.py::test_label_gate_counts_the_rows_that_train",),
     ),
+    # issue 25 item 2: --resume without a checkpoint must not start over (budget spent twice)
+    Mutation(
+        "resume-without-checkpoint-starts-over",
+        "--resume with a missing or empty checkpoint folder silently trains from scratch",
+        (
+            (
+                "dpfit/checkpoint.py",
+                "            return found[-1][1]\n        if not directory.exists():",
+                "            return found[-1][1]\n        return None\n        if not directory.exists():",
+            ),
+        ),
+        ("tests/test_run_outputs.py", "-k", "resume_without_a_checkpoint"),
+    ),
 )
 
 
