@@ -412,3 +412,12 @@ def test_image_runs_mention_no_max_length():
     assert "max length 128" in str(_oom_error(text, RuntimeError("out of memory")))
     recipe = resolve_recipe(1000, 10, 8.0, default_delta(1000), 10**6, "bias")
     assert "max length" not in recipe.describe(tokens=False) and "max length" in recipe.describe()
+
+
+def test_a_rare_label_error_stays_short_with_many_names():
+    from dpfit.tasks.labels import RareLabelError, check_data_label_names
+
+    names = [f"person-{i:04d}" for i in range(1000)]
+    with pytest.raises(RareLabelError) as e:
+        check_data_label_names(names, dict.fromkeys(names, 1), "d.csv", False, "metrics.json")
+    assert "person-0009, ... (990 more)" in str(e.value) and len(str(e.value)) < 600
