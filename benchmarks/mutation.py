@@ -355,6 +355,20 @@ MUTATIONS = (
         ),
         ("tests/test_train.py::test_label_gate_counts_the_rows_that_train",),
     ),
+    # issue 26 item 6, image task: the same gate counts the images that train
+    Mutation(
+        "image-label-gate-counts-whole-set",
+        "the image task's label-name gate counts every image read (before hold-out and subsets)",
+        (
+            (
+                "dpfit/tasks/image_classification.py",
+                "label_source, note = _label_names(data, config, source, all_public)",
+                "label_source, note = _label_names(load_images(config.data, 'train', "
+                "config.labels, image_size=opts.image_size), config, source, all_public)",
+            ),
+        ),
+        ("tests/vision/test_label_names.py::test_frequent_or_declared_names_pass",),
+    ),
     # issue 25 item 2: --resume without a checkpoint must not start over (budget spent twice)
     Mutation(
         "resume-without-checkpoint-starts-over",

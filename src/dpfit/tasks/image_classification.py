@@ -153,8 +153,7 @@ def prepare_images(
     seed = 0 if seed is None else seed
     data = load_images(config.data, "train", config.labels, image_size=opts.image_size)
     all_public = not private_side and not fraction
-    label_source, note = _label_names(data, config, source, all_public)
-    notes.append(note)
+    label_note_at = len(notes)  # the gate counts the images that train: after every split
     if config.eval_data is not None:
         split = "test" if _is_bundled(config.eval_data) else "train"
         test = load_images(config.eval_data, split, data.label_names, image_size=opts.image_size)
@@ -190,6 +189,8 @@ def prepare_images(
     if opts.max_eval_examples is not None and opts.max_eval_examples < len(test):
         notes.append(f"evaluating on a random {opts.max_eval_examples} of {len(test)} images")
         test = test.subsample(opts.max_eval_examples, seed=config.seed)
+    label_source, note = _label_names(data, config, source, all_public)
+    notes.insert(label_note_at, note)
     return PreparedImages(data, test, public_split, tuple(notes), label_source)
 
 
@@ -211,7 +212,9 @@ PUBLISHED_IN = "the saved model (dpfit-vision.json) and metrics.json"
 
 def _label_names(data: ImageData, config, source: str, all_public: bool) -> tuple[str, str]:
     """(source, note) of the class names this run publishes; refuses rare names read from
-    the data. `data` is the whole training set as read, before any split."""
+    the data. `data` is what trains (after the hold-out, the public/private split and
+    --max-train-examples): images left out do not make a name common among those the
+    model learns from (issue 26 item 6)."""
     names = ", ".join(data.label_names)
     if config.labels is not None:
         return "--labels", f"label names (public, from --labels): {names}"
