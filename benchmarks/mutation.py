@@ -341,6 +341,47 @@ MUTATIONS = (
         ),
         ("tests/test_accounting.py", "-k", "tightly and pld"),
     ),
+    # issue 26 item 6: the public-label-name gate counts the rows that train, not the file
+    Mutation(
+        "label-gate-counts-whole-file",
+        "the 20-example label-name gate counts the whole file (before hold-out and subsample)",
+        (
+            (
+                "dpfit/tasks/classification.py",
+                "notes.insert(label_note_at, _public_label_note(train, config))",
+                "notes.insert(label_note_at, _public_label_note(load_texts(config.data, "
+                "config.text_column, config.label_column, label_names=config.labels), config))",
+            ),
+        ),
+        ("tests/test_train.py::test_label_gate_counts_the_rows_that_train",),
+    ),
+    # issue 26 item 6, image task: the same gate counts the images that train
+    Mutation(
+        "image-label-gate-counts-whole-set",
+        "the image task's label-name gate counts every image read (before hold-out and subsets)",
+        (
+            (
+                "dpfit/tasks/image_classification.py",
+                "label_source, note = _label_names(data, config, source, all_public)",
+                "label_source, note = _label_names(load_images(config.data, 'train', "
+                "config.labels, image_size=opts.image_size), config, source, all_public)",
+            ),
+        ),
+        ("tests/vision/test_label_names.py::test_frequent_or_declared_names_pass",),
+    ),
+    # issue 25 item 2: --resume without a checkpoint must not start over (budget spent twice)
+    Mutation(
+        "resume-without-checkpoint-starts-over",
+        "--resume with a missing or empty checkpoint folder silently trains from scratch",
+        (
+            (
+                "dpfit/checkpoint.py",
+                "            return found[-1][1]\n        if not directory.exists():",
+                "            return found[-1][1]\n        return None\n        if not directory.exists():",
+            ),
+        ),
+        ("tests/test_run_outputs.py", "-k", "resume_without_a_checkpoint"),
+    ),
 )
 
 

@@ -9,5 +9,11 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
+def _runs_dir(tmp_path_factory, monkeypatch):
+    """`dpfit train` without --output writes a default run folder: never into the checkout."""
+    monkeypatch.setenv("DPFIT_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

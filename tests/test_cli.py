@@ -108,6 +108,84 @@ def test_bad_input_is_one_line_error(tiny, capsys, extra, needle):
     assert needle in err and "Traceback" not in err
 
 
+def _bad_file(tmp_path, case):
+    if case == "latin-1":
+        p = tmp_path / "latin.csv"
+        rows = "".join(f"the film was good {i},pos\nthe film was bad {i},neg\n" for i in range(30))
+        p.write_bytes(("text,label\n" + rows + "un film rat\xe9,neg\n").encode("latin-1"))
+        return p
+    if case == "non-text":
+        p = tmp_path / "d.jsonl"
+        lines = [
+            json.dumps({"text": f"a tedious waste of time {i}", "label": i % 2}) for i in range(40)
+        ]
+        lines.insert(7, json.dumps({"text": 1234, "label": 0}))
+        p.write_text("\n".join(lines) + "\n")
+        return p
+    labels = {
+        "mixed": ["neg", "pos", "0", "1"] * 20,
+        "float": [f"{i / 7:.3f}" for i in range(80)],
+        "many": [str(i) for i in range(1000)],
+    }[case]
+    p = tmp_path / "d.csv"
+    with open(p, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows((f"the film was fine {i}", y) for i, y in enumerate(labels))
+    return p
+
+
+@pytest.mark.parametrize(
+    "case,extra,needles",
+    [
+        ("latin-1", (), ("line 62", "UTF-8", "iconv")),
+        ("non-text", (), ("line 8", "1234 (int)")),
+        ("mixed", (), ("mixes numbers and names", "--labels")),
+        ("float", (), ("looks continuous",)),
+        ("many", (), ("1000 distinct values", "--label-column")),
+        (None, ("--max-length", "100"), ("--max-length 100", "64 positions")),
+        (None, ("--epsilon", "1e-6"), ("epsilon=1e-06", "larger epsilon")),
+    ],
+    ids=[
+        "latin-1",
+        "non-text",
+        "mixed-labels",
+        "float-labels",
+        "1000-labels",
+        "max-length",
+        "tiny-epsilon",
+    ],  # fmt: skip
+)
+def test_newcomer_errors_are_one_actionable_line(tiny, tmp_path, capsys, case, extra, needles):
+    """Issue 25: each case is one line naming the file/row/column or limit and the fix, exit
+    code 2, before training (the --output folder holds no run record)."""
+    data = ("--data", str(_bad_file(tmp_path, case))) if case else ()
+    out = tmp_path / "run"
+    assert main(train_args(tiny, *data, *extra, "--output", str(out))) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "Traceback" not in err and "brentq" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert len(lines[0]) < 400
+    assert not (out / "metrics.json").exists()
+
+
+def test_mixed_labels_train_as_two_classes_with_labels(tiny, tmp_path, capsys):
+    data = _bad_file(tmp_path, "mixed")
+    assert main(train_args(tiny, "--data", str(data), "--labels", "neg,pos", "--json",
+                           "--max-steps", "1", "--no-output")) == 0  # fmt: skip
+    m = json.loads(capsys.readouterr().out)
+    assert sorted(m["per_class"]) == ["neg", "pos"]
+
+
+def test_max_steps_help_says_the_noise_follows_the_run_length(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-steps" in text and "sigma is set for the steps run" in text
+
+
 def test_empty_and_single_class_data(tiny, tmp_path, capsys):
     empty = tmp_path / "empty.csv"
     empty.write_text("text,label\n")

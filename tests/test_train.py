@@ -132,6 +132,27 @@ def test_rare_label_is_refused_unless_declared_public(tiny, tmp_path):
     assert res.metrics["label_names_source"] == "--public-labels"
 
 
+def test_label_gate_counts_the_rows_that_train(tmp_path):
+    """Issue 26 item 6: a name carried by 20 rows of the file but fewer than 20 training rows
+    (the rest held out, or left out by --max-train-examples) is refused."""
+    from dpfit.data.text import load_texts
+    from dpfit.train import MIN_PUBLIC_LABEL_COUNT, RareLabelError, prepare_data
+
+    k = MIN_PUBLIC_LABEL_COUNT
+    data = _labelled_csv(tmp_path / "d.csv", {"neg": 100, "pos": 100, "rare": k})
+    train_part, _ = load_texts(data).split(0.1, seed=0)  # the hold-out prepare_data makes
+    assert 0 < train_part.class_counts()["rare"] < k  # the case under test
+    with pytest.raises(RareLabelError, match="rare"):
+        prepare_data(TrainConfig(data=data))
+    # --eval-data: nothing held out, the whole file trains and the name is common enough
+    assert prepare_data(TrainConfig(data=data, eval_data=data)).train.class_counts()["rare"] == k
+    # --max-train-examples 100: about 7 of the 100 sampled rows carry it
+    with pytest.raises(RareLabelError, match="rare"):
+        prepare_data(TrainConfig(data=data, eval_data=data, max_train_examples=100))
+    # declared public: the names are published whatever the counts
+    assert prepare_data(TrainConfig(data=data, public_labels=True)).train.num_labels == 3
+
+
 def test_declared_labels_fix_the_names_and_order(tiny, tmp_path):
     data = _labelled_csv(tmp_path / "d.csv", {"neg": 60, "pos": 60})
     out = tmp_path / "run"

@@ -146,7 +146,7 @@ def _calibrate_rdp(
     except (ValueError, dp_accounting.mechanism_calibration.NoBracketIntervalFoundError) as e:
         raise InfeasibleTargetError(
             f"no noise multiplier up to {upper:g} reaches epsilon={target_epsilon} at "
-            f"delta={delta}: {e}"
+            f"delta={delta}"  # the root finder's own words (in __cause__) help no user
         ) from e
 
 

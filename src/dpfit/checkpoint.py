@@ -73,6 +73,44 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def check_checkpoint_dir(directory: str | Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from (None for a new run), checked before any data is read.
+
+    Resuming spends no new budget only if there is a checkpoint to continue from, so
+    ``resume`` without one is an error naming the folder and what is in it (a new run needs
+    no --resume), never a silent fresh start. A new run refuses a folder that already holds
+    another run's checkpoints (mixing them would make its --resume continue the wrong run).
+    """
+    directory = Path(directory)
+    found = list_checkpoints(directory)
+    if resume:
+        if found:
+            return found[-1][1]
+        if not directory.exists():
+            what = "does not exist"
+        elif not directory.is_dir():
+            what = "is a file, not a folder"
+        else:
+            others = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+            what = (
+                f"holds no checkpoint ({PREFIX}*.pt) but {len(others)} other file(s): "
+                f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}"
+                if others
+                else "is empty"
+            )
+        raise CheckpointError(
+            f"--resume: --checkpoint-dir {directory} {what}, so there is nothing to continue "
+            "(a fresh start would spend the privacy budget again); name the folder the "
+            "interrupted run wrote to, or drop --resume to start a new run"
+        )
+    if found:
+        raise CheckpointError(
+            f"--checkpoint-dir {directory} already holds checkpoints of a run (newest "
+            f"{found[-1][1].name}); add --resume to continue it, or name a new folder"
+        )
+    return None
+
+
 def save_checkpoint(directory: str | Path, step: int, state: Mapping, keep: int = 2) -> Path:
     """Atomically write `state` as the checkpoint for logical `step`; keep the newest `keep`."""
     directory = Path(directory)

@@ -112,7 +112,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=_positive_int, help="passes over the data (recipe)")
-    g.add_argument("--max-steps", type=_positive_int, help="stop after this many logical steps")
+    g.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        help="run at most this many logical steps; with --epsilon the noise is calibrated to "
+        "the run's length, so fewer steps get less noise (sigma is set for the steps run)",
+    )
     g.add_argument(
         "--batch-size",
         type=_positive_int,
@@ -173,7 +178,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
 
     g = p.add_argument_group("output")
-    g.add_argument("--output", help="folder for metrics.json, steps.csv, plots and the model")
+    g.add_argument(
+        "--output",
+        help="folder for metrics.json, steps.csv, plots and the model, checked before "
+        "training; must not hold an earlier run (default: a new runs/<task>-<date-time>/)",
+    )
+    g.add_argument(
+        "--no-output", action="store_true", help="write no files (only the table or --json)"
+    )
     g.add_argument(
         "--checkpoint-dir", help="folder for checkpoints (one per --checkpoint-every steps)"
     )
@@ -240,13 +252,33 @@ def train_config_from_args(args: argparse.Namespace):
         full_epochs=args.full_epochs,
         task=args.task,
         task_options=_task_options(args),
-        output=args.output,
+        output=_output_folder(args),
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         allow_fork=getattr(args, "fork", False),
         device=args.device,
     )
+
+
+def _output_folder(args: argparse.Namespace) -> str | None:
+    """--output, else a new runs/<task>-<date-time>/ (a run that spent privacy keeps its
+    result), or None with --no-output. Said on stderr when chosen here."""
+    from dpfit.outputs import default_run_dir
+
+    if args.no_output:
+        if args.output:
+            raise DPFitError("--output and --no-output contradict each other; pick one")
+        return None
+    if args.output:
+        return args.output
+    if not hasattr(args, "_default_output"):  # once per run (main() may re-enter)
+        from dpfit import distributed
+
+        args._default_output = str(default_run_dir(args.task))
+        if distributed.is_main_process():
+            _eprint(f"output: {args._default_output} (--output DIR to choose, --no-output: none)")
+    return args._default_output
 
 
 def _task_options(args: argparse.Namespace):
@@ -337,7 +369,21 @@ def run_train(args: argparse.Namespace) -> int:
     # -- end distributed
 
     _set_threads(args.threads)
-    return run_config(train_config_from_args(args), args)
+    try:
+        return run_config(train_config_from_args(args), args)
+    except BaseException:
+        _drop_empty_default_output(args)
+        raise
+
+
+def _drop_empty_default_output(args: argparse.Namespace) -> None:
+    """A run refused before it wrote anything leaves no empty default run folder behind."""
+    folder = getattr(args, "_default_output", None)
+    if folder is not None:
+        try:
+            os.rmdir(folder)  # only if empty
+        except OSError:
+            pass
 
 
 def run_config(config, args: argparse.Namespace, command: str = "train", run=None) -> int:
@@ -346,7 +392,7 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
     :func:`dpfit.train.train` (same signature), e.g. pretraining's length rule."""
     from tqdm.auto import tqdm
 
-    from dpfit import distributed
+    from dpfit import distributed, progress
     from dpfit.reporting import format_table, to_json
     from dpfit.train import train
 
@@ -374,11 +420,31 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
         bar.set_postfix(post, refresh=False)
         bar.update(1)
 
+    stages: dict = {}  # stage -> its bar (features, tokenising, evaluating)
+
+    def on_progress(stage: str, done: int, total: int) -> None:
+        if args.quiet or not distributed.is_main_process() or total <= 0:
+            return
+        stage_bar = stages.get(stage)
+        if stage_bar is None:
+            if done >= total:
+                return
+            stage_bar = stages[stage] = tqdm(
+                total=total, desc=stage, unit="ex", file=sys.stderr, dynamic_ncols=True,
+                delay=1.0, leave=False,
+            )  # fmt: skip
+        stage_bar.update(done - stage_bar.n)
+        if done >= total:
+            stages.pop(stage).close()
+
     try:
-        result = (run or train)(config, on_step=on_step, on_note=on_note)
+        with progress.listening(on_progress):
+            result = (run or train)(config, on_step=on_step, on_note=on_note)
     finally:
         if bar is not None:
             bar.close()
+        for stage_bar in stages.values():
+            stage_bar.close()
     m = result.metrics
     if not distributed.is_main_process():
         return 0
@@ -388,6 +454,9 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
         print(format_table(summary_rows(m), title=f"dpfit {command}: result"))
         if result.output_dir is not None:
             print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
+            if m.get("task") == "classification":
+                data = "" if m["config"].get("data") is None else " --data FILE"
+                print(f"score it: dpfit evaluate --model {result.output_dir}/model{data}")
     return 0
 
 
@@ -400,7 +469,11 @@ def _eprint(msg: str, file=None) -> None:
 
 def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a saved model folder (DIR/model)")
-    p.add_argument("--data", required=True, help="CSV/JSONL/TSV file or saved `datasets` folder")
+    p.add_argument(
+        "--data",
+        help="CSV/JSONL/TSV file or saved `datasets` folder (default, for a model trained on "
+        "the bundled data: its test split, the same movies held out)",
+    )
     p.add_argument("--text-column", default="text")
     p.add_argument("--label-column", default="label")
     p.add_argument("--max-length", type=_positive_int, default=128)
@@ -428,13 +501,16 @@ def run_evaluate(args: argparse.Namespace) -> int:
     model = loaded.model
     id2label = model.config.id2label
     names = [str(id2label[i]) for i in range(model.config.num_labels)]
-    data = load_texts(args.data, args.text_column, args.label_column, label_names=names)
+    record_path = Path(args.model) / "dpfit.json"
+    privacy = json.loads(record_path.read_text()) if record_path.is_file() else None
+    if args.data is None:
+        data = _bundled_test_split(args.model, privacy, names)
+    else:
+        data = load_texts(args.data, args.text_column, args.label_column, label_names=names)
     device = _device(args.device)
     model.to(device)
     res = evaluate(model, loaded.tokenizer, data, args.max_length, args.batch_size, device)
-    record_path = Path(args.model) / "dpfit.json"
-    privacy = json.loads(record_path.read_text()) if record_path.is_file() else None
-    out = {**res.as_dict(), "model": str(args.model), "data": str(args.data)}
+    out = {**res.as_dict(), "model": str(args.model), "data": str(args.data or data.source)}
     if privacy is not None:
         out["privacy"] = privacy
     if args.json:
@@ -451,6 +527,22 @@ def run_evaluate(args: argparse.Namespace) -> int:
             rows.append(("delta", privacy.get("delta")))
         print(format_table(rows, title=f"dpfit evaluate: {args.model}"))
     return 0
+
+
+def _bundled_test_split(model: str, privacy: dict | None, names: list[str]):
+    """The bundled test split a model trained on the bundled data was not trained on."""
+    from dpfit.data.text import bundled_rotten_tomatoes
+
+    seed = (privacy or {}).get("bundled_split_seed")
+    if seed is None:
+        raise DPFitError(
+            f"{model} was not trained on the bundled data (no bundled_split_seed in its "
+            "dpfit.json); give the labelled file to score with --data FILE"
+        )
+    test = bundled_rotten_tomatoes(seed=int(seed)).test
+    if list(test.label_names) != names:
+        raise DPFitError(f"{model} has classes {names}, not the bundled {list(test.label_names)}")
+    return test
 
 
 # -- accountant ------------------------------------------------------------------------------

@@ -116,12 +116,13 @@ class Recipe:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def describe(self) -> str:
+    def describe(self, tokens: bool = True) -> str:
+        """One line for the run's notes; `tokens=False` for inputs without a length (images)."""
         parts = [
             f"logical batch {self.batch_size}",
             f"{self.epochs} epochs",
             f"lr {self.lr:g} ({self.optimizer})",
-            f"max length {self.max_length}",
+            *([f"max length {self.max_length}"] if tokens else []),
         ]
         if self.clipping is not None:
             parts.insert(2, f"{self.clipping} clipping, R={self.max_grad_norm:g}")

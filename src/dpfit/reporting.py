@@ -100,11 +100,15 @@ def read_steps_csv(path: str | Path) -> list[StepRow]:
         ]
 
 
-def plot_steps(rows: Sequence[StepRow], out_dir: str | Path) -> list[Path]:
+def plot_steps(
+    rows: Sequence[StepRow], out_dir: str | Path, phases: Sequence[Mapping] = ()
+) -> list[Path]:
     """epsilon.png (private runs) or loss.png (non-private runs) over logical steps.
 
-    A private run has no per-step training loss to plot (see PRIVATE_STEP_FIELDS). Needs
-    matplotlib (skipped if absent).
+    The epsilon axis starts at 0, and `phases` (metrics.json's epsilon_by_phase) mark each
+    phase's share: a head-first phase, which runs before step 1, as a band up to what it
+    spent; a full -> bias switch as a dashed line. A private run has no per-step training
+    loss to plot (see PRIVATE_STEP_FIELDS). Needs matplotlib (skipped if absent).
     """
     try:
         import matplotlib
@@ -123,10 +127,18 @@ def plot_steps(rows: Sequence[StepRow], out_dir: str | Path) -> list[Path]:
         if not any(v is not None and math.isfinite(v) for v in values):
             continue  # private run: no loss; non-private run: no epsilon
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot(steps, values, lw=1.5)
+        if field == "epsilon":
+            _mark_phases(ax, phases)
+            first = next((p for p in phases if p["phase"] == "head-first"), None)
+            if first is not None:  # the line starts where the head-first phase ended
+                steps, values = [0, *steps], [first["epsilon_after"], *values]
+            ax.set_ylim(bottom=0, top=max(v for v in values if v is not None) * 1.08)
+        ax.plot(steps, values, lw=1.5, label="total spent" if phases else None)
         ax.set_xlabel("logical step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+        if field == "epsilon" and phases:
+            ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         path = out_dir / f"{field}.png"
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
@@ -135,6 +147,19 @@ def plot_steps(rows: Sequence[StepRow], out_dir: str | Path) -> list[Path]:
         os.replace(tmp, path)
         written.append(path)
     return written
+
+
+def _mark_phases(ax, phases: Sequence[Mapping]) -> None:
+    done = 0
+    for i, p in enumerate(phases):
+        if p["phase"] == "head-first":
+            ax.axhspan(0, p["epsilon_after"], color="C1", alpha=0.15,
+                       label=f"head-first ({p['steps']} steps): {p['epsilon_after']:.3g}")  # fmt: skip
+            continue
+        done += p["steps"]
+        if i < len(phases) - 1:  # a switch to the next phase
+            ax.axvline(done, color="C2", ls="--", lw=1,
+                       label=f"{p['phase']} -> {phases[i + 1]['phase']}: {p['epsilon_after']:.3g}")  # fmt: skip
 
 
 def format_value(value) -> str:
@@ -151,9 +176,14 @@ def format_value(value) -> str:
     return str(value)
 
 
+def _one_line(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\n", " \u23ce ").replace("\t", " ")
+
+
 def format_table(rows: Sequence[tuple[str, object]], title: str | None = None) -> str:
     """A two-column plain-text table for the end of a run."""
-    cells = [(k, format_value(v)) for k, v in rows]
+    # one table line per row: a newline inside a cell (a generated sample) would break it
+    cells = [(_one_line(k), _one_line(format_value(v))) for k, v in rows]
     w1 = max((len(k) for k, _ in cells), default=0)
     w2 = max((len(v) for _, v in cells), default=0)
     line = "+" + "-" * (w1 + 2) + "+" + "-" * (w2 + 2) + "+"

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dpfit import checkpoint as ckpt
+from dpfit import outputs, progress
 from dpfit.accounting import check_neighbouring
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
@@ -62,8 +63,7 @@ class PhysicalBatchMemoryError(DPFitError, MemoryError):
     """A physical batch did not fit in memory."""
 
 
-class OutputError(DPFitError, OSError):
-    """Training finished (and its privacy was spent) but an output could not be written."""
+OutputError = outputs.OutputError  # re-exported: raised when an output cannot be written
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,10 @@ class TrainConfig:
         if not self.non_private and self.noise_multiplier is None and self.epsilon is None:
             raise ValueError("give a target epsilon or a noise multiplier (or non_private)")
         if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume needs a checkpoint_dir")
+            raise ValueError(
+                "--resume needs --checkpoint-dir DIR, the folder the interrupted run wrote its "
+                "checkpoints to (a new run needs no --resume)"
+            )
         if self.labels is not None:
             object.__setattr__(self, "labels", tuple(str(x).strip() for x in self.labels))
             if len(set(self.labels)) != len(self.labels) or len(self.labels) < 2:
@@ -310,11 +313,14 @@ def _is_oom(e: BaseException) -> bool:
 
 def _oom_error(config: TrainConfig, e: BaseException) -> PhysicalBatchMemoryError:
     smaller = max(1, config.physical_batch_size // 2)
+    text = config.task != "image-classification"  # images have no max length to lower
     return PhysicalBatchMemoryError(
-        f"a physical batch of up to {config.physical_batch_size} examples (max length "
-        f"{config.max_length}) did not fit in memory; retry with --physical-batch-size {smaller} "
-        "(the logical batch and the privacy guarantee stay the same) or a smaller --max-length. "
-        f"({type(e).__name__}: {str(e)[:200]})"
+        f"a physical batch of up to {config.physical_batch_size} examples"
+        + (f" (max length {config.max_length})" if text else "")
+        + f" did not fit in memory; retry with --physical-batch-size {smaller} (the logical "
+        "batch and the privacy guarantee stay the same)"
+        + (" or a smaller --max-length" if text else "")
+        + f". ({type(e).__name__}: {str(e)[:200]})"
     )
 
 
@@ -363,6 +369,54 @@ def _check_options(config: TrainConfig) -> None:
         raise DPFitError("--head-epochs and --full-epochs are separate schedules; pick one")
     if config.task == "causal-lm" and config.non_private:
         raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
+
+
+def _check_paths(config: TrainConfig) -> Path | None:
+    """Every folder the run writes to, checked and created before any data is read (a bad
+    path found after training would lose what the privacy was spent on); returns the
+    checkpoint to resume from. See dpfit.outputs and dpfit.checkpoint.check_checkpoint_dir."""
+    resume_path = None
+    if config.checkpoint_dir:
+        resume_path = ckpt.check_checkpoint_dir(config.checkpoint_dir, config.resume)
+    if is_main_process():  # distributed: rank 0 writes
+        if config.output:
+            outputs.check_output_dir(config.output, config.resume)
+        if config.checkpoint_dir:
+            outputs.prepare_dir(config.checkpoint_dir, "--checkpoint-dir")
+    return resume_path
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """Tokens the model can read: the size of its learned position table (RoBERTa's starts
+    after its padding index), or None for models without one (rotary, relative)."""
+    limits = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in (
+            "position_embeddings",
+            "wpe",
+            "embed_positions",
+        ):
+            offset = module.padding_idx + 1 if module.padding_idx is not None else 0
+            limits.append(module.num_embeddings - offset)
+    return min(limits) if limits else None
+
+
+def _fit_max_length(
+    model: torch.nn.Module, config: TrainConfig, given: bool, note: Callable[[str], None]
+) -> TrainConfig:
+    """An over-long max length fails only once a text is long enough (a shape error deep in
+    the model, possibly after privacy was spent): a --max-length above the model's limit is
+    refused here, naming it; the recipe's default is lowered to it (the limit is public)."""
+    limit = position_limit(model)
+    if limit is None or config.max_length <= limit:
+        return config
+    if given:
+        raise DPFitError(
+            f"--max-length {config.max_length} is more than {config.model or 'the model'} "
+            f"can read ({limit} positions); use --max-length {limit} or less"
+        )
+    note(f"max length {config.max_length} lowered to the model's {limit} positions")
+    return dataclasses.replace(config, max_length=limit)
 
 
 def _check_phases(config: TrainConfig) -> None:
@@ -458,11 +512,13 @@ def frozen_features(model, items: Sequence[dict], collate, batch_size: int, devi
     was_training = model.training
     model.eval()
     out = []
+    progress.report("head-first: features", 0, len(items))
     for start in range(0, len(items), batch_size):
         batch = collate(list(items[start : start + batch_size]))
         batch.pop("labels", None)
         batch.pop("position_ids", None)
         out.append(model.features(**{k: v.to(device) for k, v in batch.items()}).float().cpu())
+        progress.report("head-first: features", min(start + batch_size, len(items)), len(items))
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0)
 
@@ -570,6 +626,7 @@ def train(
     *,
     prepared: Prepared | None = None,
     task: Task | None = None,
+    set_by: str = "flags",
 ) -> TrainResult:
     """Run one training job as configured; see module docstring.
 
@@ -578,6 +635,8 @@ def train(
         on_note: called with human-readable notes (recipe, subsampling, split, resume).
         prepared, task: a task and its already built model and data (Python callers that
             hold a model object); by default the task named in `config` prepares them.
+        set_by: who set the recipe fields `config` sets, for the recipe note (a program
+            such as ``dpfit pretrain`` fills them from its own rule, not from flags).
     """
     t_start = time.perf_counter()
     notes: list[str] = []
@@ -589,6 +648,7 @@ def train(
             on_note(msg)
 
     _check_options(config)
+    resume_path = _check_paths(config)
     if config.insecure_reproducible_noise and not config.non_private:
         msg = (
             f"WARNING: --insecure-reproducible-noise: the DP noise and the Poisson sampling are "
@@ -620,10 +680,13 @@ def train(
     overrides = config.overrides()
     config = config.with_recipe(recipe)
     _check_phases(config)
+    if config.task != "image-classification":  # image models have no token positions
+        config = _fit_max_length(model, config, "max_length" in overrides, note)
+    described = recipe.describe(tokens=config.task != "image-classification")
     note(
         f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
-        f"{delta:.3g}, {summary.total:,} parameters): {recipe.describe()}"
-        + (f"; overridden by flags: {', '.join(overrides)}" if overrides else "")
+        f"{delta:.3g}, {summary.total:,} parameters): {described}"
+        + (f"; overridden by {set_by}: {', '.join(overrides)}" if overrides else "")
     )
     model.to(device)
     model.train()
@@ -650,14 +713,13 @@ def train(
     rows: list[StepRow] = []
     epoch = 0
     elapsed_before = 0.0
-    resume_path = ckpt.latest_checkpoint(config.checkpoint_dir) if config.resume else None
-    if config.resume and resume_path is None:
-        note(f"--resume: no checkpoint in {config.checkpoint_dir}; starting from scratch")
+    wall_before = 0.0  # wall time of the run's earlier processes (a resumed run)
 
     engine = None
     sigma = None
     head_state = None
     head_scores: dict = {}
+    head_epsilon = None  # spent by the head-first phase (its share of the budget)
     start_scores: dict = {}
     if prep.starts_trained:  # on resume too: the model is still the one loaded
         start_scores = _score_before(
@@ -684,6 +746,7 @@ def train(
         engine = _make_engine(model, config, n, total_steps, delta, sigma)
         if head_state is not None:
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
+            head_epsilon = engine.epsilon()
         params = list(engine.parameters())
     optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
     if engine is not None:  # the optimizer first: an empty first batch steps at once
@@ -714,6 +777,9 @@ def train(
         epoch = int(state["epoch"])
         elapsed_before = float(state["elapsed_s"])
         first_step = int(state.get("first_step", 0))
+        wall_before = float(state.get("wall_s", 0.0))
+        head_scores = dict(state.get("head_scores") or {})  # the probe's row survives resume
+        head_epsilon = state.get("head_epsilon")
         note(f"resumed from {resume_path.name}: logical step {len(rows)}, epoch {epoch + 1}")
         if engine is not None and len(rows) < total_steps and is_main_process():
             # fresh noise and batches from here on: a second continuation is a fork
@@ -744,8 +810,14 @@ def train(
                 "epoch": epoch_now,
                 "elapsed_s": elapsed_before + time.perf_counter() - t_loop,
                 "first_step": first_step,
+                "wall_s": wall_before + time.perf_counter() - t_start,
+                "head_scores": head_scores,
+                "head_epsilon": head_epsilon,
             },
         )
+
+    if head_steps and resume_path is None:
+        save(0)  # the head-first phase's ledger and head: a kill from here on can --resume
 
     acc_loss, acc_n = 0.0, 0
 
@@ -807,6 +879,10 @@ def train(
                     stopped = True
     except BudgetExhaustedError as e:
         note(f"stopped early: {e}")
+    except BaseException as e:  # the steps taken spent privacy: keep their record and model
+        if engine is not None and engine.steps_taken and config.output and is_main_process():
+            _save_partial(e, config, task, prep, model, engine, len(rows), note)
+        raise
     train_time = elapsed_before + time.perf_counter() - t_loop
 
     # From here on the privacy is spent: nothing may be lost to an error (metrics.json first).
@@ -830,6 +906,9 @@ def train(
         config, recipe, overrides, summary, scores, privacy, rows, train_time, t_start, device,
         head_steps, delta,
     )  # fmt: skip
+    metrics["wall_time_s"] += wall_before  # the whole run's, as train_time_s is
+    if privacy is not None:
+        metrics["epsilon_by_phase"] = _epsilon_by_phase(config, rows, head_steps, head_epsilon)
     if "accuracy" in head_scores:
         metrics["head_first_accuracy"] = head_scores["accuracy"]
     if "accuracy" in start_scores:
@@ -848,6 +927,61 @@ def train(
     elif errors:
         raise OutputError("; ".join(errors))
     return result
+
+
+def _epsilon_by_phase(
+    config: TrainConfig, rows: list[StepRow], head_steps: int, head_epsilon: float | None
+) -> list[dict]:
+    """Epsilon spent by the end of each phase, in order (the last is the run's): shows how
+    much of the budget the head-first or full phase took, which the plot marks."""
+    phases = []
+    if head_steps and head_epsilon is not None:
+        phases.append({"phase": "head-first", "steps": head_steps, "epsilon_after": head_epsilon})
+    main = [("main", rows)]
+    if config.full_epochs:
+        full = [r for r in rows if r.epoch <= config.full_epochs]
+        main = [("full", full), ("bias", rows[len(full) :])]
+    for name, part in main:
+        if part:
+            phases.append({"phase": name, "steps": len(part), "epsilon_after": part[-1].epsilon})
+    return phases
+
+
+def _save_partial(
+    error: BaseException, config: TrainConfig, task: Task, prep: Prepared, model, engine,
+    steps: int, note: Callable[[str], None],
+) -> None:  # fmt: skip
+    """A run stopped by an error or Ctrl-C after spending privacy: OUTPUT/metrics.json with
+    what was spent (status "failed" or "interrupted") and the model as it stands (a noised
+    model is post-processing of the steps taken). Best effort: the original error wins."""
+    out = Path(config.output)
+    status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    privacy = dict(engine.privacy_record())
+    privacy["insecure_seed"] = bool(config.insecure_reproducible_noise)
+    record = {
+        "status": status,
+        "error": f"{type(error).__name__}: {error}"[:500],
+        "task": config.task,
+        "private": True,
+        "epsilon": privacy["epsilon"],
+        "delta": privacy["delta"],
+        "steps": steps,
+        "insecure_seed": privacy["insecure_seed"],
+        "privacy": privacy,
+        "config": dataclasses.asdict(config),
+    }
+    try:
+        write_json(out / "metrics.json", record)
+        task.save(prep, model, out / "model")
+        write_json(out / "model" / "dpfit.json", {"private": True, "status": status, **privacy})
+    except Exception:  # noqa: BLE001 - the error that stopped training is the one to raise
+        logger.exception("could not write the record of the %s run to %s", status, out)
+        return
+    note(
+        f"{status} after {steps} steps, epsilon {privacy['epsilon']:.4g} spent: {out} holds "
+        "its metrics.json and the model so far"
+        + ("; rerun with --resume to continue" if config.checkpoint_dir else "")
+    )
 
 
 def _metrics(
@@ -875,7 +1009,8 @@ def _metrics(
         "batch_size": config.batch_size,
         "lr": config.lr,
         "lr_schedule": config.lr_schedule,
-        "max_length": config.max_length,
+        # images have no token length: the recipe's value is not what ran
+        "max_length": None if config.task == "image-classification" else config.max_length,
         "trainable_params": summary.trainable,
         "total_params": summary.total,
         "trainable_fraction": summary.fraction,
@@ -902,30 +1037,62 @@ def save_outputs(
     result: TrainResult, config: TrainConfig, task: Task, prep: Prepared, errors: list[str]
 ) -> Path:
     """DIR/metrics.json first (the record of what was spent), then steps.csv, the plot and
-    DIR/model (+ dpfit.json). An error while writing any of them is recorded in
-    metrics.json and raised as OutputError after the rest are written."""
+    DIR/model (+ dpfit.json). A write that fails for a path reason (OSError: folder removed,
+    disk full, permissions) is retried in a fallback folder (dpfit.outputs.fallback_dir);
+    every error is recorded in metrics.json and raised as one OutputError line that says
+    where each output is, after the rest are written."""
     out = Path(config.output)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "metrics.json", result.metrics)
-    private = not config.non_private
-    try:
-        write_steps_csv(out / "steps.csv", result.steps, private=private)
-        plot_steps(result.steps, out)
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"steps.csv/plots: {type(e).__name__}: {e}")
-    try:
-        task.save(prep, result.model, out / "model")
-        write_json(out / "model" / "dpfit.json", _privacy_file(result))
-    except Exception as e:  # noqa: BLE001
-        logger.exception("saving the model failed")
-        errors.append(f"model: {type(e).__name__}: {e}")
+    rescue: Path | None = None
+    places: dict[str, Path] = {}
+
+    def attempt(what: str, write: Callable[[Path], None]) -> None:
+        nonlocal rescue
+        try:
+            write(out)
+            places[what] = out
+            return
+        except Exception as e:  # noqa: BLE001 - recorded, re-raised as OutputError below
+            logger.exception("writing %s to %s failed", what, out)
+            errors.append(f"{what}: {type(e).__name__}: {e}")
+            if not isinstance(e, OSError):
+                return  # not the folder's fault: another folder would fail the same way
+        if rescue is None:
+            rescue = outputs.fallback_dir(config.output, config.task)
+        try:
+            write(rescue)
+            places[what] = rescue
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{what} (fallback {rescue}): {type(e).__name__}: {e}")
+
+    def metrics(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / "metrics.json", result.metrics)
+
+    def steps(folder: Path) -> None:
+        write_steps_csv(folder / "steps.csv", result.steps, private=not config.non_private)
+        plot_steps(result.steps, folder, result.metrics.get("epsilon_by_phase", ()))
+
+    def model(folder: Path) -> None:
+        task.save(prep, result.model, folder / "model")
+        write_json(folder / "model" / "dpfit.json", _privacy_file(result))
+
+    attempt("metrics.json", metrics)
+    attempt("steps.csv/plots", steps)
+    attempt("model", model)
     if errors:
         result.metrics["output_errors"] = list(errors)
-        write_json(out / "metrics.json", result.metrics)
-        raise OutputError(
-            f"training finished and {out / 'metrics.json'} records what it spent, but: "
-            + "; ".join(errors)
+        if "metrics.json" in places:
+            write_json(places["metrics.json"] / "metrics.json", result.metrics)
+        where = "; ".join(f"{k} in {v}" for k, v in places.items()) or "nothing was written"
+        spent = result.metrics.get("epsilon")
+        head = (
+            f"training finished (epsilon {spent:.4g} spent) but some outputs failed"
+            if isinstance(spent, float) and math.isfinite(spent)
+            else "training finished but some outputs failed"
         )
+        kept = " (metrics.json there records what was spent)" if "metrics.json" in places else ""
+        msg = f"{head}: {'; '.join(errors)}. Written: {where}{kept}"
+        raise OutputError(" ".join(msg.split()))  # one line, whatever the errors held
     return out
 
 
@@ -936,6 +1103,10 @@ def _privacy_file(result: TrainResult) -> dict:
     record.setdefault("steps", m.get("steps"))
     record["mode"] = m.get("mode")
     record["insecure_seed"] = m.get("insecure_seed", False)
+    config = m.get("config") or {}
+    if config.get("task") == "classification" and config.get("data") is None:
+        # `dpfit evaluate --model DIR/model` without --data scores the same held-out movies
+        record["bundled_split_seed"] = config.get("seed", 0)
     return record
 
 

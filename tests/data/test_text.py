@@ -9,6 +9,7 @@ from dpfit.data.text import (
     DataError,
     DataFileNotFoundError,
     EmptyDataError,
+    LabelTypeError,
     SingleClassError,
     UnseenLabelError,
     bundled_rotten_tomatoes,
@@ -119,9 +120,53 @@ def test_non_text_column(tmp_path):
     with pytest.raises(ColumnError, match="--text-column"):
         load_texts(p)
     js = tmp_path / "d.jsonl"
-    js.write_text('{"text": 3, "label": 1}\n{"text": "b", "label": 0}\n')
-    with pytest.raises(ColumnError, match="does not hold text"):
+    js.write_text('{"text": "a tedious waste of time", "label": 1}\n\n{"text": 3, "label": 0}\n')
+    with pytest.raises(ColumnError) as e:
         load_texts(js)
+    msg = str(e.value)  # the offending row, not a valid one
+    assert "line 3" in msg and "3 (int)" in msg and "tedious" not in msg and "\n" not in msg
+
+
+def test_non_utf8_file_names_the_line_and_the_fix(tmp_path):
+    p = tmp_path / "latin.csv"
+    p.write_bytes("text,label\nfine,pos\nun film rat\xe9,neg\n".encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        load_texts(p)
+    msg = str(e.value)
+    assert "line 3" in msg and "0xe9" in msg and "UTF-8" in msg and "iconv" in msg
+
+
+def test_labels_mixing_numbers_and_names_are_refused_or_mapped_by_labels(tmp_path):
+    rows = [("good", "pos"), ("bad", "neg"), ("fine", "1"), ("dull", "0")] * 5
+    p = write_csv(tmp_path / "d.csv", rows)
+    with pytest.raises(LabelTypeError) as e:
+        load_texts(p)
+    assert "'0' at line 5" in str(e.value) and "--labels" in str(e.value)
+    data = load_texts(p, label_names=("neg", "pos"), label_ids=True)
+    assert data.label_names == ("neg", "pos") and data.labels[:4] == (1, 0, 1, 0)
+    assert load_texts(p, label_names=("neg", "pos"), label_ids=True).num_labels == 2
+    with pytest.raises(UnseenLabelError):  # evaluation: a number is not a trained name
+        load_texts(p, label_names=("neg", "pos"))
+
+
+@pytest.mark.parametrize(
+    "labels,needle",
+    [
+        ([f"{0.37 * i:.2f}" for i in range(40)], "looks continuous"),
+        ([str(i) for i in range(1000)], "1000 distinct values"),
+    ],
+    ids=["float", "1000 classes"],
+)
+def test_continuous_or_too_many_labels_are_refused_in_one_short_line(tmp_path, labels, needle):
+    p = write_csv(tmp_path / "d.csv", [(f"text {i}", y) for i, y in enumerate(labels)])
+    with pytest.raises(LabelTypeError) as e:
+        load_texts(p)
+    assert needle in str(e.value) and len(str(e.value)) < 300
+
+
+def test_integral_floats_are_the_same_class(tmp_path):
+    p = write_csv(tmp_path / "d.csv", [("a", "1.0"), ("b", "0"), ("c", "1")])
+    assert load_texts(p).label_names == ("0", "1")
 
 
 def test_missing_column_names_the_flag(tmp_path):

@@ -23,7 +23,12 @@ from transformers import (  # noqa: E402
 
 from dpfit import clipping  # noqa: E402
 from dpfit.errors import DPFitError, LossReductionError  # noqa: E402
-from dpfit.integrations import DPTrainer, MissingPrivacyStateError, PrivacyArguments  # noqa: E402
+from dpfit.integrations import (  # noqa: E402
+    DPTrainer,
+    MissingPrivacyStateError,
+    NoCheckpointError,
+    PrivacyArguments,
+)
 from dpfit.integrations.losses import IGNORE_INDEX  # noqa: E402
 from dpfit.integrations.trainer import ENGINE_STATE_NAME  # noqa: E402
 from dpfit.models import load_classifier, save_tiny_random_model  # noqa: E402
@@ -201,6 +206,21 @@ def test_resume_without_engine_state_is_refused(make, tmp_path):
     # resume_from_checkpoint=True picks the newest checkpoint (4), which has the state
     again.train(resume_from_checkpoint=True)
     assert again.privacy_engine.steps_taken == 6
+
+
+def test_resume_without_a_checkpoint_is_refused_not_started_over(make, tmp_path):
+    """Issue 25: resuming with no checkpoint must not silently train from scratch (that
+    spends the budget twice): an error naming the folder, and no step taken."""
+    model, ds, collator = make()
+    trainer = DPTrainer(model=model, args=targs(tmp_path, max_steps=2), train_dataset=ds,
+                        data_collator=collator, privacy=PrivacyArguments(noise_multiplier=1.0))  # fmt: skip
+    out = tmp_path / "out"
+    with pytest.raises(NoCheckpointError, match=f"{out} (does not exist|holds no checkpoint)"):
+        trainer.train(resume_from_checkpoint=True)
+    missing = tmp_path / "typo" / "checkpoint-2"
+    with pytest.raises(NoCheckpointError, match="does not exist"):
+        trainer.train(resume_from_checkpoint=str(missing))
+    assert trainer.privacy_engine.steps_taken == 0
 
 
 # ----------------------------------------------------------------- per-example losses

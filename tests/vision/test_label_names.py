@@ -3,6 +3,7 @@ pass the rare-label rule of text classification; FashionMNIST's names are public
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -59,8 +60,15 @@ def test_rare_folder_class_is_refused_unless_declared_public(rare_folder, tmp_pa
 def test_frequent_or_declared_names_pass(tmp_path):
     n = MIN_PUBLIC_LABEL_COUNT
     folder = _folder(tmp_path / "imgs", {"flat": n, "checker": n})
-    got = prepare_images(TrainConfig(task=TASK, data=str(folder)), ImageOptions())
+    whole = TrainConfig(task=TASK, data=str(folder), eval_data=str(folder))  # no hold-out
+    got = prepare_images(whole, ImageOptions())
     assert got.label_source == "training data (each name frequent)"
+    # issue 26 item 6: the gate counts the images that train, not the folder: with 10% held
+    # out, or a --max-train-examples subset, fewer than n carry each name
+    with pytest.raises(RareLabelError):
+        prepare_images(TrainConfig(task=TASK, data=str(folder)), ImageOptions())
+    with pytest.raises(RareLabelError):
+        prepare_images(dataclasses.replace(whole, max_train_examples=2 * n - 4), ImageOptions())
     # --labels fixes the names and their order, and may name classes the data lacks
     got = prepare_images(
         TrainConfig(task=TASK, data=str(folder), labels=("checker", "flat", "stripes")),

@@ -87,7 +87,8 @@ def test_pretrain_public_then_private_bitfit_then_evaluate(tiny_npz, tmp_path, c
     assert tuple(header) == PRIVATE_STEP_FIELDS
     assert json.loads((fine / "model" / "dpfit.json").read_text())["private"]
     # a split that would overlap the public examples is refused
-    assert main([*base, "--public-fraction", "0.2"]) == 2
+    # (a new --output: the first run's folder holds its record and is never overwritten)
+    assert main([*base, "--public-fraction", "0.2", "--output", str(tmp_path / "fine2")]) == 2
     assert "would include some of those examples" in capsys.readouterr().err
 
     assert (

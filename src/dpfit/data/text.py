@@ -10,9 +10,11 @@ the reported accuracy wrong).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import random
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -53,6 +55,10 @@ class ColumnError(DataError):
 
 class UnseenLabelError(DataError):
     """Evaluation data has labels the model was never trained on."""
+
+
+class LabelTypeError(ColumnError):
+    """The label column does not look like class names: mixed types, continuous, too many."""
 
 
 @dataclass(frozen=True)
@@ -142,22 +148,43 @@ def bundled_rotten_tomatoes(seed: int = 0) -> BundledSplits:
 # -- reading files -------------------------------------------------------------------------
 
 
-def _read_rows(path: Path, split: str | None) -> tuple[list[dict], list[str]]:
-    """Rows as dicts plus the column names, for CSV/TSV/JSONL/JSON or a `datasets` folder."""
+def _read_text(path: Path) -> str:
+    """The file as UTF-8; a file in another encoding is a DataError naming the line and fix."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}: line {line} is not UTF-8 (byte 0x{data[e.start]:02x}; a Latin-1 or "
+            f"Windows-1252 file?); save it as UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > "
+            f"{path.with_stem(path.stem + '-utf8')}"
+        ) from None
+
+
+def _read_rows(path: Path, split: str | None) -> tuple[list[dict], list[str], list[str]]:
+    """Rows as dicts, the column names, and where each row is ("line 7", for errors), for
+    CSV/TSV/JSONL/JSON or a `datasets` folder."""
     if path.is_dir():
-        return _read_datasets_folder(path, split)
+        rows, columns = _read_datasets_folder(path, split)
+        return rows, columns, [f"row {i}" for i in range(1, len(rows) + 1)]
     suffix = path.suffix.lower()
     if suffix in (".csv", ".tsv"):
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
-            rows = list(reader)
-            return rows, list(reader.fieldnames or [])
+        text = _read_text(path)
+        reader = csv.DictReader(
+            io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ","
+        )
+        rows, where = [], []
+        for row in reader:
+            rows.append(row)
+            where.append(f"line {reader.line_num}")
+        return rows, list(reader.fieldnames or []), where
     if suffix in (".jsonl", ".json"):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        rows, where = [], []
+        text = _read_text(path)
         if suffix == ".json" and text.lstrip().startswith("["):
             rows = json.loads(text)
+            where = [f"item {i}" for i in range(1, len(rows) + 1)]
         else:
             for lineno, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
@@ -166,12 +193,13 @@ def _read_rows(path: Path, split: str | None) -> tuple[list[dict], list[str]]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from e
+                where.append(f"line {lineno}")
         if any(not isinstance(r, dict) for r in rows):
             raise DataError(f"{path}: every JSON line must be an object with named fields")
         columns: list[str] = []
         for r in rows:
             columns.extend(k for k in r if k not in columns)
-        return rows, columns
+        return rows, columns, where
     raise DataError(
         f"{path}: unsupported file type {suffix or '(none)'!r}; use one of "
         f"{', '.join(SUPPORTED_SUFFIXES)} or a folder written by datasets' save_to_disk"
@@ -216,7 +244,10 @@ def _label_key(value: object) -> str:
     """Labels are compared as strings so '1' in a CSV and 1 in JSONL mean the same class."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return str(value).strip()
+    key = str(value).strip()
+    if re.fullmatch(r"-?\d+\.0+", key):  # "1.0" in a CSV is the class 1, as 1.0 in JSON
+        key = key.split(".")[0]
+    return key
 
 
 def _sorted_label_names(keys: Iterable[str]) -> tuple[str, ...]:
@@ -232,6 +263,7 @@ def load_texts(
     label_column: str = "label",
     label_names: Sequence[str] | None = None,
     split: str | None = None,
+    label_ids: bool = False,
 ) -> LabeledTexts:
     """Read labelled text from CSV, TSV, JSONL, a JSON list, or a saved `datasets` folder.
 
@@ -240,6 +272,8 @@ def load_texts(
             these names (integer labels may also index them); otherwise the set is inferred
             (numeric order for integer labels, sorted order for names).
         split: which split of a saved DatasetDict folder (default: "train" or the first).
+        label_ids: with `label_names` (the user's --labels), an integer label k that is not
+            itself a name stands for the k-th name (their order fixes the class ids).
 
     Raises:
         DataFileNotFoundError, EmptyDataError, ColumnError, SingleClassError (training only),
@@ -248,7 +282,7 @@ def load_texts(
     path = Path(path)
     if not path.exists():
         raise DataFileNotFoundError(f"data file {str(path)!r} does not exist")
-    rows, columns = _read_rows(path, split)
+    rows, columns, where = _read_rows(path, split)
     if not rows:
         raise EmptyDataError(f"{path} holds no rows")
     for col, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
@@ -260,8 +294,9 @@ def load_texts(
 
     texts: list[str] = []
     raw_labels: list[str] = []
+    kept_at: list[str] = []
     skipped = 0
-    for row in rows:
+    for row, at in zip(rows, where, strict=True):
         text, label = row.get(text_column), row.get(label_column)
         if text is None or label is None or (isinstance(text, str) and not text.strip()):
             skipped += 1
@@ -271,16 +306,23 @@ def load_texts(
             continue
         texts.append(text)
         raw_labels.append(_label_key(label))
+        kept_at.append(at)
     if skipped:
         logger.warning("%s: skipped %d rows with an empty text or label", path, skipped)
     if not texts:
         raise EmptyDataError(
             f"{path}: no row has both a non-empty {text_column!r} and {label_column!r}"
         )
-    if any(not isinstance(t, str) for t in texts) or all(_is_number(t) for t in texts):
+    if all(_is_number(t) for t in texts):
         raise ColumnError(
-            f"{path}: column {text_column!r} does not hold text (e.g. {texts[0]!r}); "
-            "name the text column with --text-column"
+            f"{path}: column {text_column!r} holds numbers, not text (e.g. {texts[0]!r} at "
+            f"{kept_at[0]}); name the text column with --text-column"
+        )
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise ColumnError(
+            f"{path}: {kept_at[bad]}: {text_column!r} is {texts[bad]!r} ({type(texts[bad]).__name__}), "
+            f"not text; write it as a string (in quotes) or drop that row"
         )
 
     if label_names is None:
@@ -290,15 +332,53 @@ def load_texts(
                 f"{path}: every example has label {names[0]!r}; a classifier needs at least "
                 f"two classes in {label_column!r}"
             )
+        _check_inferred_labels(names, raw_labels, kept_at, path, label_column)
     else:
         names = tuple(label_names)
-    labels = _map_labels(raw_labels, names, path)
+    labels = _map_labels(raw_labels, names, path, ids=label_ids)
     return LabeledTexts(tuple(texts), tuple(labels), names, str(path))
 
 
-def _map_labels(raw: Sequence[str], names: Sequence[str], path: Path) -> list[int]:
+MAX_INFERRED_CLASSES = 100  # more distinct labels read from a file: refused, see below
+
+
+def _check_inferred_labels(
+    names: Sequence[str], raw: Sequence[str], at: Sequence[str], path: Path, column: str
+) -> None:
+    """Label sets read from the data that are almost surely a mistake, refused with the
+    reason: numbers mixed with names (0/1 beside neg/pos would train four classes), values
+    that look continuous, or more classes than MAX_INFERRED_CLASSES."""
+    numeric = [n for n in names if _is_number(n)]
+    if numeric and len(numeric) < len(names):
+        word = next(n for n in names if not _is_number(n))
+        i, j = raw.index(numeric[0]), raw.index(word)
+        raise LabelTypeError(
+            f"{path}: column {column!r} mixes numbers and names ({numeric[0]!r} at {at[i]}, "
+            f"{word!r} at {at[j]}), which would train {len(names)} classes; make the column "
+            "consistent, or give the classes in id order with --labels (e.g. --labels "
+            f"{','.join(n for n in names if not _is_number(n))[:60]}) to map number k to the "
+            "k-th name"
+        )
+    fractional = [n for n in numeric if not n.lstrip("-").isdigit()]
+    if fractional:
+        raise LabelTypeError(
+            f"{path}: column {column!r} looks continuous ({len(names)} distinct values, e.g. "
+            f"{fractional[0]!r}); a classifier needs categories: bin the values into classes, "
+            "or name the label column with --label-column"
+        )
+    if len(names) > MAX_INFERRED_CLASSES:
+        raise LabelTypeError(
+            f"{path}: column {column!r} has {len(names)} distinct values, more than the "
+            f"{MAX_INFERRED_CLASSES} classes dpfit reads from data (e.g. {names[0]!r}, "
+            f"{names[1]!r}); check --label-column, or give the classes with --labels"
+        )
+
+
+def _map_labels(
+    raw: Sequence[str], names: Sequence[str], path: Path, ids: bool = False
+) -> list[int]:
     index = {n: i for i, n in enumerate(names)}
-    default_names = all(n == f"LABEL_{i}" for i, n in enumerate(names))
+    default_names = ids or all(n == f"LABEL_{i}" for i, n in enumerate(names))
     out: list[int] = []
     unseen: Counter[str] = Counter()
     for key in raw:

@@ -6,6 +6,7 @@ _EXPORTS = {
     "DPOptimizer": "trainer",
     "DPTrainer": "trainer",
     "MissingPrivacyStateError": "trainer",
+    "NoCheckpointError": "trainer",
     "PrivacyArguments": "trainer",
     "LossInputs": "losses",
     "register_per_example_loss": "losses",

@@ -91,6 +91,11 @@ class MissingPrivacyStateError(DPFitError):
     """A checkpoint to resume from lacks the privacy engine's state (ledger, generators)."""
 
 
+class NoCheckpointError(DPFitError):
+    """Resuming was asked for but there is no checkpoint: starting over would spend the
+    privacy budget a second time, so it is an error, never a silent fresh start."""
+
+
 @dataclass(frozen=True)
 class PrivacyArguments:
     """The privacy half of a DPTrainer's configuration."""
@@ -423,9 +428,29 @@ class DPTrainer(Trainer):
     def _checkpoint_to_resume(self, resume_from_checkpoint) -> str | None:
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return None
+        fix = (
+            "name a checkpoint-N folder this DPTrainer wrote, or drop resume_from_checkpoint to "
+            "start a new run (which spends the privacy budget again)"
+        )
         if resume_from_checkpoint is True:
-            return get_last_checkpoint(self.args.output_dir)  # None: Trainer raises
-        return str(resume_from_checkpoint)
+            folder = self.args.output_dir
+            found = get_last_checkpoint(folder) if os.path.isdir(folder) else None
+            if found is None:
+                what = (
+                    "does not exist"
+                    if not os.path.exists(folder)
+                    else f"holds no {PREFIX_CHECKPOINT_DIR}-N folder "
+                    f"({len(os.listdir(folder)) if os.path.isdir(folder) else 0} entries)"
+                )
+                raise NoCheckpointError(
+                    f"resume_from_checkpoint=True: output_dir {folder} {what}; {fix}"
+                )
+            return found
+        path = str(resume_from_checkpoint)
+        if not os.path.isdir(path):
+            what = "does not exist" if not os.path.exists(path) else "is a file, not a folder"
+            raise NoCheckpointError(f"resume_from_checkpoint={path!r} {what}; {fix}")
+        return path
 
     def _restore_engine(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, ENGINE_STATE_NAME)

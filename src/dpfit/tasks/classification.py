@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dpfit import progress
 from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
 from dpfit.errors import DPFitError
 from dpfit.models import load_classifier
@@ -61,9 +62,13 @@ def prepare_data(config: TrainConfig) -> PreparedData:
         notes.append("label names: the bundled data's own (rotten, fresh), public")
     else:
         train = load_texts(
-            config.data, config.text_column, config.label_column, label_names=config.labels
+            config.data,
+            config.text_column,
+            config.label_column,
+            label_names=config.labels,
+            label_ids=config.labels is not None,  # number k in the file: the k-th --labels name
         )
-        notes.append(_public_label_note(train, config))
+        label_note_at = len(notes)  # the gate counts the rows that train: after split/subset
         if config.eval_data is None:
             if len(train) < 10:
                 raise DPFitError(
@@ -85,12 +90,16 @@ def prepare_data(config: TrainConfig) -> PreparedData:
             "(--full-data or --max-train-examples to change)"
         )
         train = train.subsample(config.max_train_examples, seed=config.seed)
+    if config.data is not None:
+        notes.insert(label_note_at, _public_label_note(train, config))
     return PreparedData(train, test, tuple(notes))
 
 
 def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
     """Label names are released (model/config.json id2label, metrics.json per_class): say
-    where they came from, and refuse names read from the data that few examples carry."""
+    where they came from, and refuse names read from the data that few examples carry.
+    `train` is what trains (after the hold-out and --max-train-examples): rows held out or
+    left unsampled do not make a name common among the examples the model learns from."""
     if config.labels is not None:
         return f"label names (public, from --labels): {', '.join(train.label_names)}"
     return check_data_label_names(
@@ -102,13 +111,22 @@ def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
     )
 
 
+ENCODE_CHUNK = 4096  # texts per tokenizer call: progress on large files, same result
+
+
 def encode(data: LabeledTexts, tokenizer, max_length: int) -> list[dict]:
     """Tokenise once up front; items are unpadded so each batch pads only to its own length."""
-    enc = tokenizer(list(data.texts), truncation=True, max_length=max_length)
-    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
-    return [
-        {**{k: enc[k][i] for k in keys}, "labels": label} for i, label in enumerate(data.labels)
-    ]
+    items: list[dict] = []
+    n = len(data)
+    for start in range(0, n, ENCODE_CHUNK):
+        progress.report("tokenising", start, n)
+        texts = list(data.texts[start : start + ENCODE_CHUNK])
+        enc = tokenizer(texts, truncation=True, max_length=max_length)
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+        labels = data.labels[start : start + ENCODE_CHUNK]
+        items += [{**{k: enc[k][i] for k in keys}, "labels": y} for i, y in enumerate(labels)]
+    progress.report("tokenising", n, n)
+    return items
 
 
 def make_collate(pad_token_id: int, position_ids: bool = False) -> Callable[[list[dict]], dict]:
@@ -149,6 +167,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     preds = [0] * len(items)
+    progress.report("evaluating", 0, len(order))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = collate([items[i] for i in idx])
@@ -156,6 +175,7 @@ def evaluate(
         logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
         for i, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
             preds[i] = p
+        progress.report("evaluating", start + len(idx), len(order))
     model.train(was_training)
     per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
     correct = 0

@@ -191,8 +191,7 @@ def prepare_images(
     seed = 0 if seed is None else seed
     data = load_images(config.data, "train", config.labels, image_size=size, channels=channels)
     all_public = not private_side and not fraction
-    label_source, note = _label_names(data, config, source, all_public)
-    notes.append(note)
+    label_note_at = len(notes)  # the gate counts the images that train: after every split
     if config.eval_data is not None:
         split = "test" if _is_bundled(config.eval_data) else "train"
         test = load_images(
@@ -230,7 +229,22 @@ def prepare_images(
     if opts.max_eval_examples is not None and opts.max_eval_examples < len(test):
         notes.append(f"evaluating on a random {opts.max_eval_examples} of {len(test)} images")
         test = test.subsample(opts.max_eval_examples, seed=config.seed)
+    label_source, note = _label_names(data, config, source, all_public)
+    notes.insert(label_note_at, note)
     return PreparedImages(data, test, public_split, tuple(notes), label_source)
+
+
+def _fresh_model_note(name: str, given: str | None) -> list[str]:
+    """A factory name builds an untrained network: say so, or a run looks like fine-tuning."""
+    from dpfit.vision.models import model_names
+
+    if str(name) not in model_names():
+        return []
+    how = "" if given else " (no --model)"
+    return [
+        f"model: {name}{how}, randomly initialised, no pretrained weights; to start from "
+        "trained features pass --model a `dpfit pretrain` output or another saved model"
+    ]
 
 
 PUBLISHED_IN = "the saved model (dpfit-vision.json) and metrics.json"
@@ -238,7 +252,9 @@ PUBLISHED_IN = "the saved model (dpfit-vision.json) and metrics.json"
 
 def _label_names(data: ImageData, config, source: str, all_public: bool) -> tuple[str, str]:
     """(source, note) of the class names this run publishes; refuses rare names read from
-    the data. `data` is the whole training set as read, before any split."""
+    the data. `data` is what trains (after the hold-out, the public/private split and
+    --max-train-examples): images left out do not make a name common among those the
+    model learns from (issue 26 item 6)."""
     names = ", ".join(data.label_names)
     if config.labels is not None:
         return "--labels", f"label names (public, from --labels): {names}"
@@ -331,7 +347,7 @@ class ImageClassificationTask:
             n=len(train),
             num_classes=loaded.spec.num_classes,
             head_names=loaded.head_names,
-            notes=list(data.notes),
+            notes=[*data.notes, *_fresh_model_note(model_name, config.model)],
             state={
                 "image_model": loaded,
                 "data": data,

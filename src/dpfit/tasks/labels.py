@@ -39,7 +39,8 @@ def check_data_label_names(
     if rare and not public_labels:
         raise RareLabelError(
             f"{source}: {len(rare)} label name(s) appear in fewer than "
-            f"{MIN_PUBLIC_LABEL_COUNT} training examples ({', '.join(rare)}). Label "
+            f"{MIN_PUBLIC_LABEL_COUNT} training examples ({', '.join(rare[:10])}"
+            f"{f', ... ({len(rare) - 10} more)' if len(rare) > 10 else ''}). Label "
             f"names are written un-noised into {published_in}, so a rare "
             "one can reveal who is in the data. Pass the public label set with --labels "
             "a,b,c, or declare the names in the data public with --public-labels"

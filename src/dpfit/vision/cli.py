@@ -113,8 +113,8 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--epochs",
         type=_positive_int,
-        help="passes over the public data (default: about 2,000 steps, 3 to 40 epochs, from "
-        "the number of public images)",
+        help="passes over the public data (default: the fewest giving 2,000 steps, between 3 "
+        "and 40 epochs, from the number of public images; the run's note gives its steps)",
     )
     g.add_argument("--batch-size", type=_positive_int, help="(128)")
     g.add_argument("--physical-batch-size", type=_positive_int, help="(128)")

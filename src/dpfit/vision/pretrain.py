@@ -58,18 +58,21 @@ def pretrain(config, on_step=None, on_note: Callable[[str], None] | None = None)
     from dpfit.tasks import get_task
     from dpfit.train import train
 
+    set_by = "dpfit pretrain's defaults (vision/pretrain.py) and any flags given"
     if config.epochs is not None:
-        return train(config, on_step=on_step, on_note=on_note)
+        return train(config, on_step=on_step, on_note=on_note, set_by=set_by)
     if not config.non_private:
         raise ValueError("pretrain is non-private training on public data")
     task = get_task(config.task)
     prep = task.prepare(config)
-    epochs = pretrain_epochs(prep.n, config.batch_size or PRETRAIN_BATCH)
+    batch = config.batch_size or PRETRAIN_BATCH
+    epochs = pretrain_epochs(prep.n, batch)
+    steps = epochs * math.ceil(prep.n / min(batch, prep.n))  # the loop's steps per epoch
     if on_note is not None:
         on_note(
-            f"pretraining length from the public n={prep.n}: {epochs} epochs (about "
-            f"{PRETRAIN_STEPS} steps of {config.batch_size or PRETRAIN_BATCH}, within "
-            f"[{PRETRAIN_MIN_EPOCHS}, {PRETRAIN_MAX_EPOCHS}])"
+            f"pretraining length from the public n={prep.n}: {epochs} epochs, {steps} steps "
+            f"of {batch} (the rule aims at {PRETRAIN_STEPS} steps within "
+            f"[{PRETRAIN_MIN_EPOCHS}, {PRETRAIN_MAX_EPOCHS}] epochs)"
         )
     config = dataclasses.replace(config, epochs=epochs)
-    return train(config, on_step=on_step, on_note=on_note, prepared=prep, task=task)
+    return train(config, on_step=on_step, on_note=on_note, prepared=prep, task=task, set_by=set_by)
