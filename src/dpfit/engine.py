@@ -412,8 +412,9 @@ class PrivacyEngine:
         n = batch_rows(per_ex, self._names)
         self._check_batch_axis(n, self._expected_rows(batch_size))
         batch = arrange(per_ex, self._params, n)
+        low_precision = self._hooks.take_low_precision()  # bf16 autocast (dpfit.precision)
         if self.config.check_gradients:
-            self._check(batch)
+            self._check(batch, low_precision)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
         self._clipped.clip_into(batch, self._clip_fn, self.max_grad_norm, scale)
