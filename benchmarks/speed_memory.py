@@ -18,11 +18,15 @@ Methods: nonpriv-full, nonpriv-bias, dpfit-bitfit, dpfit-full (only if dpfit's m
 accepts the model), opacus-hooks, opacus-ghost (DP full fine-tuning) and opacus-bias (hooks mode,
 only biases trainable). Opacus has no grad sampler for transformers' Conv1D, so for GPT-2 the
 Opacus rows run on a copy whose Conv1D layers are replaced by the equivalent nn.Linear.
-Methods are interleaved within each length, and repetitions rotate their order.
+Methods are interleaved within each length, and repetitions rotate their order. The bf16 rows
+(issue 28) are the methods nonpriv-full, nonpriv-bias, dpfit-bitfit and dpfit-full with `-bf16`
+appended: the forward pass under bf16 autocast (dpfit.precision); ask for them with --methods.
 
     python benchmarks/speed_memory.py                 # defaults (see --help)
     python benchmarks/speed_memory.py --quick         # smoke run (a few minutes on 2 cores)
     python benchmarks/speed_memory.py --lengths 64 128 256 512 --steps 3 --reps 2
+    python benchmarks/speed_memory.py --lengths 64 256 --methods nonpriv-bias dpfit-bitfit \
+        nonpriv-bias-bf16 dpfit-bitfit-bf16 --out benchmarks/results/speed_memory_bf16
 """
 
 from __future__ import annotations
