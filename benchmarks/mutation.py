@@ -341,6 +341,34 @@ MUTATIONS = (
         ),
         ("tests/test_accounting.py", "-k", "tightly and pld"),
     ),
+    # issue 28 (bf16 compute, dpfit.precision): under bf16 autocast the mechanism stays float32
+    Mutation(
+        "bf16-clip-norms",
+        "bf16 autocast: the per-example norms that set the clip factors are taken in bf16, so a "
+        "clipped contribution can exceed R by up to 0.4%",
+        (
+            (
+                CLIPPED_SUM,
+                "sq = dense.pow(2).sum(1) * scale**2",
+                "sq = dense.bfloat16().pow(2).sum(1).float() * scale**2",
+            ),
+        ),
+        ("tests/test_precision.py", "-k", "exceeds_R"),
+    ),
+    Mutation(
+        "bf16-position-sums",
+        "bf16 autocast: per-example bias gradients summed over positions into bf16 (every row "
+        "rounded to 8 bits before its norm)",
+        (
+            (
+                "dpfit/grad_sample/registry.py",
+                "accumulate and return float32 (dpfit.precision)\n"
+                "        return g.sum(dim=dims, dtype=torch.float32)",
+                "accumulate and return float32 (dpfit.precision)\n        return g.sum(dim=dims)",
+            ),
+        ),
+        ("tests/test_precision.py", "-k", "sums_over_positions"),
+    ),
     # issue 26 item 6: the public-label-name gate counts the rows that train, not the file
     Mutation(
         "label-gate-counts-whole-file",

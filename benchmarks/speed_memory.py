@@ -18,11 +18,15 @@ Methods: nonpriv-full, nonpriv-bias, dpfit-bitfit, dpfit-full (only if dpfit's m
 accepts the model), opacus-hooks, opacus-ghost (DP full fine-tuning) and opacus-bias (hooks mode,
 only biases trainable). Opacus has no grad sampler for transformers' Conv1D, so for GPT-2 the
 Opacus rows run on a copy whose Conv1D layers are replaced by the equivalent nn.Linear.
-Methods are interleaved within each length, and repetitions rotate their order.
+Methods are interleaved within each length, and repetitions rotate their order. The bf16 rows
+(issue 28) are the methods nonpriv-full, nonpriv-bias, dpfit-bitfit and dpfit-full with `-bf16`
+appended: the forward pass under bf16 autocast (dpfit.precision); ask for them with --methods.
 
     python benchmarks/speed_memory.py                 # defaults (see --help)
     python benchmarks/speed_memory.py --quick         # smoke run (a few minutes on 2 cores)
     python benchmarks/speed_memory.py --lengths 64 128 256 512 --steps 3 --reps 2
+    python benchmarks/speed_memory.py --lengths 64 256 --methods nonpriv-bias dpfit-bitfit \
+        nonpriv-bias-bf16 dpfit-bitfit-bf16 --out benchmarks/results/speed_memory_bf16
 """
 
 from __future__ import annotations
@@ -61,6 +65,13 @@ LABELS = {
     "opacus-ghost": "Opacus DP full (ghost)",
     "opacus-bias": "Opacus bias-only (hooks)",
 }
+# bf16 autocast rows (issue 28, dpfit.precision): the same method with its forward under
+# torch.autocast(bfloat16); parameters, norms, clipping and noise stay float32
+BF16 = "-bf16"
+BF16_METHODS = [
+    f"{m}{BF16}" for m in ("nonpriv-full", "nonpriv-bias", "dpfit-bitfit", "dpfit-full")
+]
+LABELS.update({m: f"{LABELS[m[: -len(BF16)]]} (bf16)" for m in BF16_METHODS})
 MODELS = ("roberta-base", "gpt2")
 
 
@@ -165,18 +176,21 @@ class SavedTensorMeter:
 
 
 # ---------------------------------------------------------------------------- worker
-def _metered_loss(model, crit, x, y, meter):
-    """Forward and loss; with a meter, count the tensors autograd saves on the way."""
+def _metered_loss(model, crit, x, y, meter, precision="fp32"):
+    """Forward and loss (under bf16 autocast for a -bf16 method); with a meter, count the
+    tensors autograd saves on the way."""
     import contextlib
 
     import torch
+
+    from dpfit.precision import autocast
 
     ctx = (
         torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)
         if meter is not None
         else contextlib.nullcontext()
     )
-    with ctx:
+    with ctx, autocast(precision, next(model.parameters()).device):
         return crit(model(**x).logits, y)
 
 
@@ -187,6 +201,9 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
 
     import dpfit
 
+    prec = "fp32"
+    if method.endswith(BF16):
+        method, prec = method[: -len(BF16)], "bf16"
     model = torch.load(model_path, weights_only=False)
     model.train()
     if method.startswith("opacus") and model_name == "gpt2":
@@ -209,7 +226,7 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
         def step(x, y, meter=None):
-            loss = _metered_loss(model, ce, x, y, meter)
+            loss = _metered_loss(model, ce, x, y, meter, prec)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -231,7 +248,7 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
 
         def step(x, y, meter=None):
-            loss = _metered_loss(model, ce, x, y, meter)
+            loss = _metered_loss(model, ce, x, y, meter, prec)
             loss.backward()
             engine.step(opt, batch_size=x.shape[0])
 
@@ -426,7 +443,19 @@ def ratios(table: dict, models, lengths) -> dict:
 
     for m in models:
         r: dict = {"dpfit_over_nonpriv_bias": {}, "speedup_vs_nonpriv_full": {}}
+        r["dpfit_over_nonpriv_bias_bf16"], r["bf16_speedup"] = {}, {}
         for L in lengths:
+            r["dpfit_over_nonpriv_bias_bf16"][L] = {
+                k: div(get(m, L, "dpfit-bitfit-bf16", k), get(m, L, "nonpriv-bias-bf16", k))
+                for k in ("wall_s", "cpu_s", "activation_bytes", "peak_mem_bytes")
+            }
+            r["bf16_speedup"][L] = {
+                meth: {
+                    k: div(get(m, L, meth[: -len(BF16)], k), get(m, L, meth, k))
+                    for k in ("wall_s", "cpu_s")
+                }
+                for meth in BF16_METHODS
+            }
             r["dpfit_over_nonpriv_bias"][L] = {
                 k: div(get(m, L, "dpfit-bitfit", k), get(m, L, "nonpriv-bias", k))
                 for k in ("wall_s", "cpu_s", "activation_bytes")
@@ -511,6 +540,29 @@ def markdown(table, rat, models, lengths, methods, meta) -> str:
                 f"{fmt(a['activation_bytes'], 3)} | {fmt(b['wall_s'])}x / {fmt(b['cpu_s'])}x |"
             )
         lines.append("")
+        if any(v["wall_s"] is not None for v in r["dpfit_over_nonpriv_bias_bf16"].values()):
+            lines.append(
+                "| len | bf16: dpfit / non-private bias-only, wall / CPU (target <= 1.02) | "
+                "activations ratio | peak-mem ratio (target <= 1.02) |"
+            )
+            lines.append("|---:|---|---:|---:|")
+            for L in lengths:
+                a = r["dpfit_over_nonpriv_bias_bf16"][L]
+                lines.append(
+                    f"| {L} | {fmt(a['wall_s'], 3)} / {fmt(a['cpu_s'], 3)} | "
+                    f"{fmt(a['activation_bytes'], 3)} | {fmt(a['peak_mem_bytes'], 3)} |"
+                )
+            lines.append("")
+            lines.append("| len | method | bf16 speed-up over fp32, wall / CPU |")
+            lines.append("|---:|---|---|")
+            for L in lengths:
+                for meth, v in r["bf16_speedup"][L].items():
+                    if v["wall_s"] is not None:
+                        lines.append(
+                            f"| {L} | {LABELS[meth[: -len(BF16)]]} | "
+                            f"{fmt(v['wall_s'])}x / {fmt(v['cpu_s'])}x |"
+                        )
+            lines.append("")
         L0 = r["ref_length"]
         lines.append(
             f"| at len {L0}: dpfit vs | speedup wall / CPU (target >= 3x) | "
@@ -574,7 +626,7 @@ def main(argv=None) -> int:
         default=None,
         help="sequence lengths (default 64 256 on CPU, 64 128 256 512 on CUDA)",
     )
-    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + BF16_METHODS)
     ap.add_argument(
         "--steps",
         type=int,

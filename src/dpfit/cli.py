@@ -171,6 +171,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     g.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "auto"),
+        default="fp32",
+        help="forward/backward dtype: bf16 autocast keeps float32 parameters, norms, clipping "
+        "and noise; auto = bf16 where the CPU has avx512_bf16/amx_bf16 or the GPU supports it",
+    )
+    g.add_argument(
         "--threads",
         default="auto",
         help="CPU threads for torch: a number, or auto (1 when the CPUs are already "
@@ -258,6 +265,7 @@ def train_config_from_args(args: argparse.Namespace):
         resume=args.resume,
         allow_fork=getattr(args, "fork", False),
         device=args.device,
+        precision=args.precision,
     )
 
 

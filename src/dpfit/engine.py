@@ -441,8 +441,9 @@ class PrivacyEngine:
         n = batch_rows(per_ex, self._names)
         self._check_batch_axis(n, self._expected_rows(batch_size))
         batch = arrange(per_ex, self._params, n)
+        low_precision = self._hooks.take_low_precision()  # bf16 autocast (dpfit.precision)
         if self.config.check_gradients:
-            self._check(batch)
+            self._check(batch, low_precision)
             # rows that add up may still be positions: one example against its gradient
             # alone, before anything of this batch is released
             self._probe.check(per_ex, n, self._hooks)

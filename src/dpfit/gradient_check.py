@@ -35,7 +35,10 @@ class AutogradCheck:
         self._all_positions = tuple(range(len(params)))
         self._tolerances: dict[tuple[torch.dtype, ...], list[float]] = {}
 
-    def __call__(self, batch: PhysicalBatch) -> None:
+    def __call__(self, batch: PhysicalBatch, compute_dtype: torch.dtype | None = None) -> None:
+        """compute_dtype: the autocast dtype the forward and backward ran in, if lower than the
+        parameters' (bf16 autocast over float32 masters): autograd's `.grad` then carries that
+        dtype's rounding, and the tolerance follows it."""
         names, per_ex, plain, factored = self.names, batch.per_example, batch.plain, batch.factored
         grads = [p.grad for p in self.params]
         # every parameter seen per example (the usual case) needs no lookup by parameter
@@ -82,10 +85,12 @@ class AutogradCheck:
         # more tensor ops (each costs more than the loop at these sizes)
         sq_errs, sq_sizes = sq.tolist()
         dtypes = tuple([p.grad.dtype for p in checked])
-        rel_tols = self._tolerances.get(dtypes)
+        key = (*dtypes, compute_dtype)
+        rel_tols = self._tolerances.get(key)
         if rel_tols is None:
-            rel_tols = [max(1e-3, 8 * torch.finfo(d).eps) for d in dtypes]
-            self._tolerances[dtypes] = rel_tols
+            low = torch.finfo(compute_dtype).eps if compute_dtype is not None else 0.0
+            rel_tols = [max(1e-3, 8 * torch.finfo(d).eps, 8 * low) for d in dtypes]
+            self._tolerances[key] = rel_tols
         for p, sq_err, sq_size, tol in zip(checked, sq_errs, sq_sizes, rel_tols, strict=True):
             err, size = sq_err**0.5, sq_size**0.5
             if err > tol * size + 1e-6:

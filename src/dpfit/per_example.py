@@ -27,7 +27,7 @@ from dpfit.errors import (
     UnsupportedLayerError,
 )
 from dpfit.grad_sample.full import norm_sampler_for
-from dpfit.grad_sample.registry import SamplerEntry, lookup, registered_layers
+from dpfit.grad_sample.registry import HALF_DTYPES, SamplerEntry, lookup, registered_layers
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,8 @@ class PerExampleHooks:
         # param -> {forward id -> per-example gradient [B, *param.shape] (or an OuterGrad)}
         self.per_example: dict[nn.Parameter, dict[int, Any]] = {}
         self._forward_id = 0
+        # the autocast dtype of a forward since the last take_low_precision() (bf16 autocast)
+        self.low_precision: torch.dtype | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self) -> None:
@@ -203,12 +205,24 @@ class PerExampleHooks:
     def _on_root_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             self._forward_id += 1
+            for device_type in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device_type):
+                    self.low_precision = torch.get_autocast_dtype(device_type)
+
+    def take_low_precision(self) -> torch.dtype | None:
+        """The autocast dtype of the forwards since the last call (None: none ran under
+        autocast); the gradient check allows that dtype's rounding."""
+        dtype, self.low_precision = self.low_precision, None
+        return dtype
 
     def _forward_hook(self, plan: LayerPlan) -> Callable:
         # resolved once here, not on every forward: these hooks run for every layer and pass
         entry, params, bd = plan.entry, plan.params, plan.batch_dim
         bias_fn = entry.bias if any(local in entry.bias_params for local in params) else None
         weight_fn = (plan.weight_fn or entry.weight) if plan.needs_input else None
+        # dense weight samplers (a new head) get float32 factors under bf16 autocast; the
+        # factored ones (full mode) compute in float32 themselves
+        upcast_weight = plan.needs_input and plan.weight_fn is None
         accumulate = self._accumulate
 
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
@@ -221,12 +235,17 @@ class PerExampleHooks:
             fid = self._forward_id
 
             def on_grad(g: torch.Tensor) -> None:
+                if upcast_weight and g.dtype in HALF_DTYPES:
+                    g = g.float()
+                    a = act.float()
+                else:
+                    a = act
                 if act is None:
                     res = bias_fn(module, g, bd)
                 elif bias_fn is None:
-                    res = weight_fn(module, act, g, bd)
+                    res = weight_fn(module, a, g, bd)
                 else:
-                    res = {**bias_fn(module, g, bd), **weight_fn(module, act, g, bd)}
+                    res = {**bias_fn(module, g, bd), **weight_fn(module, a, g, bd)}
                 for local, p in params.items():
                     per = res.get(local)
                     if per is not None:
@@ -252,6 +271,8 @@ class PerExampleHooks:
         return hook
 
     def _accumulate(self, p: nn.Parameter, g: torch.Tensor, fid: int) -> None:
+        if isinstance(g, torch.Tensor) and g.dtype in HALF_DTYPES and p.dtype not in HALF_DTYPES:
+            g = g.float()  # bf16 autocast over float32 masters: per-example rows in float32
         slot = self.per_example.get(p)
         if slot is None:
             self.per_example[p] = {fid: g}

@@ -33,6 +33,7 @@ from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
 from dpfit.models import count_bias_parameters
+from dpfit.precision import PRECISIONS, autocast, resolve_precision
 from dpfit.recipe import Recipe, default_delta, resolve_recipe
 from dpfit.reporting import StepRow, peak_memory_mb, plot_steps, write_json, write_steps_csv
 from dpfit.tasks import Prepared, Task, get_task
@@ -115,6 +116,7 @@ class TrainConfig:
     allow_fork: bool = False  # (resume) continue a checkpoint that was already continued
     device: str = "auto"  # (resume)
     eval_batch_size: int = 64  # (resume)
+    precision: str = "fp32"  # (resume) fp32 | bf16 | auto: forward/backward dtype (dpfit.precision)
 
     def __post_init__(self) -> None:
         if self.clipping is not None and self.clipping not in CLIPPING:
@@ -143,6 +145,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.lr is not None and not self.lr > 0:
@@ -174,6 +178,7 @@ class TrainConfig:
         "allow_fork",
         "device",
         "eval_batch_size",
+        "precision",
     )
 
     RECIPE_FIELDS = (
@@ -540,7 +545,8 @@ def _head_phase(
     engine state (ledger, generator) to carry into the main phase (None if non-private)."""
     import dpfit
 
-    feats = frozen_features(model, items, collate, config.physical_batch_size, device)
+    with autocast(config.precision, device):  # bf16 features, returned as float32
+        feats = frozen_features(model, items, collate, config.physical_batch_size, device)
     data = [(feats[i], int(items[i]["labels"])) for i in range(len(items))]
     note(f"head-first: features of {len(data)} examples computed once with the frozen backbone")
     head = model.head
@@ -690,6 +696,9 @@ def train(
     )
     model.to(device)
     model.train()
+    if config.precision != "fp32":  # resolved once; metrics.json records what ran
+        config = dataclasses.replace(config, precision=resolve_precision(config.precision, device))
+        note(f"compute precision: {config.precision} (forward and backward; float32 masters)")
 
     items = task.items(prep, config.max_length)
     if len(items) != n:
@@ -854,7 +863,8 @@ def train(
                 weight = batch.pop("_weight", 1.0)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 with _oom_guard(config):
-                    loss = task.loss(model, batch)
+                    with autocast(config.precision, device):  # float32 masters, norms, noise
+                        loss = task.loss(model, batch)
                     (loss * weight).backward()
                 if config.non_private:
                     bsz = int(next(iter(batch.values())).shape[0])

@@ -111,6 +111,10 @@ def move_batch_first(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
     return t if batch_dim == 0 else t.movedim(batch_dim, 0)
 
 
+# low-precision compute dtypes whose per-position sums are taken in float32: one bf16 rounding
+# of a per-example bias gradient is ~0.4% (dpfit.precision)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 # below this many elements torch's reduction is as fast as the product (and cheaper to call)
 MATMUL_SUM_MIN_NUMEL = 1 << 20
 
@@ -153,7 +157,10 @@ def sum_positions(g: torch.Tensor, batch_dim: int, kept: int = 1) -> torch.Tenso
             else:  # (positions, B * width)
                 out = g.new_ones(1, lead) @ g.view(lead, rows * width)
             return out.view(rows, *tail)
-    return g.sum(dim=[i for i in range(d - kept) if i != b])  # leaves (batch, *tail)
+    dims = [i for i in range(d - kept) if i != b]
+    if g.dtype in HALF_DTYPES:  # bf16 autocast: accumulate and return float32 (dpfit.precision)
+        return g.sum(dim=dims, dtype=torch.float32)
+    return g.sum(dim=dims)  # leaves (batch, *tail)
 
 
 def sum_to_channel(g: torch.Tensor, channel_dim: int) -> torch.Tensor:
@@ -167,4 +174,8 @@ def sum_to_channel(g: torch.Tensor, channel_dim: int) -> torch.Tensor:
     if c == g.dim() - 1:
         return sum_positions(g, 0, 1)
     dims = [d for d in range(1, g.dim()) if d != c]
-    return g.sum(dim=dims) if dims else g
+    if not dims:
+        return g
+    if g.dtype in HALF_DTYPES:  # bf16 autocast: accumulate and return float32
+        return g.sum(dim=dims, dtype=torch.float32)
+    return g.sum(dim=dims)

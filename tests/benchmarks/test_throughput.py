@@ -1,0 +1,52 @@
+"""benchmarks/throughput.py: its model-FLOP formula against torch's own FLOP counter."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import throughput  # noqa: E402
+
+import dpfit  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bert():
+    cfg = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    # eager attention: its score products are matmuls torch's counter sees (it does not count
+    # the fused CPU attention kernel, which does the same products)
+    cfg._attn_implementation = "eager"
+    return transformers.BertForSequenceClassification(cfg).train(), cfg
+
+
+@pytest.mark.parametrize("weights_train", [False, True])
+def test_model_flops_match_torch_flop_counter(weights_train):
+    """Forward and whole-step FLOPs from the shapes equal what torch counts for the products
+    (bias-only: no weight gradients; full: all of them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model, cfg = _bert()
+    if weights_train:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        dpfit.make_bias_trainable(model, train_head=("classifier",))
+    b, length = 3, 11
+    ids = torch.randint(3, 100, (b, length))
+    with FlopCounterMode(display=False) as fwd:
+        out = model(input_ids=ids).logits
+    with FlopCounterMode(display=False) as bwd:
+        out.sum().backward()
+    want = throughput.model_flops(cfg, length, 2, weights_train=weights_train)
+    assert fwd.get_total_flops() == b * want["forward"]
+    assert fwd.get_total_flops() + bwd.get_total_flops() == b * want["total"]
