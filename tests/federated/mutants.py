@@ -114,6 +114,19 @@ MUTANTS: list[tuple[str, str, str, str]] = [
         'metrics["loss_before"] = clamp_loss(loss, float(cfg["loss_bound"]))',
         'metrics["loss_before"] = loss',
     ),
+    (
+        "a second continuation of a checkpoint goes ahead without --fork (issue 26 item 3)",
+        f"{FED}/strategy.py",
+        "d / state[\"params_file\"], self.round, self.config.allow_fork",
+        "d / state[\"params_file\"], self.round, True",
+    ),
+    (
+        "a secure continuation reseeds its generators from public state (issue 26 item 3)",
+        f"{FED}/strategy.py",
+        "            self.continuation = ckpt.claim_continuation(",
+        "            self.sampling_rng, self.noise_rng = server_generators(self.round)\n"
+        "            self.continuation = ckpt.claim_continuation(",
+    ),
 ]
 
 TESTS = [

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
+from dpfit.checkpoint import CheckpointForkError
 from dpfit.federated.app import LocalGrid
 from dpfit.federated.clipping import clip_rule_names
 from dpfit.federated.strategy import (
@@ -132,17 +134,58 @@ def test_checkpoint_resume_continues_identically(tmp_path):
         secure.load_checkpoint(tmp_path)
 
 
-def test_secure_generator_state_survives_a_checkpoint(tmp_path):
-    """Without a seed the streams come from the OS; resume must continue them, not reseed."""
-    cfg = _cfg(method="adaptive-quantile", noise_multiplier=1.0, checkpoint_dir=str(tmp_path))
+def test_secure_continuations_draw_fresh_noise_and_a_fork_must_be_asked(tmp_path):
+    """Issue 26 item 3 (federated): a secure checkpoint holds no generator state.
+
+    Two continuations of one checkpoint must not share noise: their released models would
+    then differ by the noise-free difference of their updates. A second continuation is
+    refused unless asked for; the crash-resume chain (resume the continuation's own newer
+    checkpoint) is not.
+    """
+    d = 2000
+    init = [np.zeros(d, dtype=np.float32)]
+    cfg = _cfg(method="fixed", noise_multiplier=1.0, initial_clip=1.0, checkpoint_dir=str(tmp_path))
+    first = DPFedAvgServer(cfg, init)
+    first.aggregate([1, 2], [ClientReply(i, [np.full(d, 0.01, np.float32)], {}) for i in (1, 2)])
+    assert (tmp_path / "state.json").exists()
+    assert json.loads((tmp_path / "state.json").read_text())["rng"] is None
+
+    replies = [ClientReply(i, [np.full(d, 0.02, np.float32)], {}) for i in (1, 2)]
+    a = DPFedAvgServer(cfg, init)
+    assert a.load_checkpoint(tmp_path) and a.continuation.number == 1
+    a_params = [p.copy() for p in a.params]
+    refused = DPFedAvgServer(_cfg(**{**cfg.__dict__, "checkpoint_dir": None}), init)
+    with pytest.raises(CheckpointForkError, match="--fork"):
+        refused.load_checkpoint(tmp_path)
+    b = DPFedAvgServer(_cfg(**{**cfg.__dict__, "checkpoint_dir": None, "allow_fork": True}), init)
+    assert b.load_checkpoint(tmp_path) and b.continuation.fork
+    for p, q in zip(a_params, b.params, strict=True):
+        np.testing.assert_array_equal(p, q)  # the same starting point
+    a.aggregate([1, 2], replies)  # writes round 2: the continuation's own checkpoint
+    b.aggregate([1, 2], replies)
+    diff = a.params[0] - b.params[0]
+    # each continuation adds N(0, (z C)^2) / m with z = C = 1, m = 4: the difference has std
+    # sqrt(2) / 4; shared generators would make it exactly 0
+    assert np.std(diff) == pytest.approx(math.sqrt(2) / 4, rel=0.1)
+    # crash after the first continuation's round: resuming its newer checkpoint is no fork
+    again = DPFedAvgServer(cfg, init)
+    assert again.load_checkpoint(tmp_path) and again.round == 2
+    assert not again.continuation.fork
+
+
+def test_insecure_resume_restores_the_generators(tmp_path):
+    cfg = _cfg(
+        method="adaptive-quantile",
+        noise_multiplier=1.0,
+        insecure_seed=7,
+        checkpoint_dir=str(tmp_path),
+    )
     part = DPFedAvgServer(cfg, _init())
     part.aggregate([1, 2], [ClientReply(1, _update(0.1), {}), ClientReply(2, _update(0.2), {})])
     resumed = DPFedAvgServer(cfg, _init())
-    assert resumed.noise_rng.bit_generator.state != part.noise_rng.bit_generator.state
     assert resumed.load_checkpoint(tmp_path)
     assert resumed.noise_rng.bit_generator.state == part.noise_rng.bit_generator.state
     assert resumed.sampling_rng.bit_generator.state == part.sampling_rng.bit_generator.state
-    assert not resumed.insecure
 
 
 # ------------------------------------------------------------------ privacy-critical randomness

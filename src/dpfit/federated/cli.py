@@ -147,6 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs for the simulation engine")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint each round; resume")
+    p.add_argument(
+        "--fork",
+        action="store_true",
+        help="continue a checkpoint that was already continued (a fork: releasing both runs "
+        "costs the shared rounds plus both continuations' own rounds; refused without it)",
+    )
     p.add_argument("--output", default=None, help="write metrics.json, rounds.csv, plots")
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
     p.add_argument(
@@ -192,6 +198,7 @@ def configs(args: argparse.Namespace):
         accountant=args.accountant,
         insecure_seed=args.seed if args.insecure_reproducible_noise else None,
         checkpoint_dir=args.checkpoint_dir,
+        allow_fork=args.fork,
         target_quantile=args.target_quantile,
         quantile_lr=args.quantile_lr,
         vote_noise_std=args.vote_noise,
@@ -243,6 +250,16 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "local_mode": task.local_mode,
         "stopped": server.stop_reason,
         "insecure_seed": server.insecure,
+        "continuation": (
+            None
+            if server.continuation is None
+            else {
+                "checkpoint": server.continuation.checkpoint,
+                "continuation": server.continuation.number,
+                "shared_rounds": server.continuation.steps,
+                "fork": server.continuation.fork,
+            }
+        ),
     }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from flwr.serverapp.strategy import Strategy
 
+from dpfit import checkpoint as ckpt
 from dpfit.federated.accounting import (
     BudgetExhausted,
     ClientLevelAccountant,
@@ -75,6 +76,9 @@ class ServerConfig:
     round_timeout: float = 600.0
     node_wait_timeout: float = 120.0
     checkpoint_dir: str | None = None
+    # continue a checkpoint that was already continued (a fork: releasing both runs costs the
+    # shared rounds plus both continuations' own rounds); off, a second continuation is refused
+    allow_fork: bool = False
     # clip-rule settings: same names and defaults as ClipConfig, copied into it by name
     target_quantile: float = ClipConfig.target_quantile
     quantile_lr: float = ClipConfig.quantile_lr
@@ -245,6 +249,7 @@ class DPFedAvgServer:
         )
         self.sampling_rng, self.noise_rng = server_generators(config.insecure_seed)
         self.insecure = config.insecure_seed is not None
+        self.continuation: ckpt.Continuation | None = None  # set by a secure resume
         self.round = 0
         self.initialised = False
         self.initial_clip = self.rule.clip_norm
@@ -413,18 +418,24 @@ class DPFedAvgServer:
             "vote_counts": self.vote_counts,
             "rule": self.rule.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "rng": {
-                "sampling": self.sampling_rng.bit_generator.state,
-                "noise": self.noise_rng.bit_generator.state,
-            },
+            # generator states only for an insecure seed: a secure continuation draws fresh
+            # OS randomness, so two continuations of one checkpoint never share noise
+            "rng": (
+                {
+                    "sampling": self.sampling_rng.bit_generator.state,
+                    "noise": self.noise_rng.bit_generator.state,
+                }
+                if self.insecure
+                else None
+            ),
             "history": [asdict(r) for r in self.history],
         }
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Write params + state atomically: a crash mid-write leaves the previous round.
 
-        The state holds the sampling and noise generators: a checkpoint is as secret as the
-        un-noised updates (whoever reads it can regenerate every noise vector).
+        A checkpoint holds the un-noised model between rounds and is secret; the generator
+        states are in it only for an insecurely seeded run.
         """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -439,6 +450,8 @@ class DPFedAvgServer:
         for old in d.glob("round*.npz"):
             if old.name != f"{tag}.npz":
                 old.unlink(missing_ok=True)
+                for marker in ckpt.continuation_markers(old):
+                    marker.unlink(missing_ok=True)
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> bool:
         """Resume from ``directory`` if it holds a checkpoint; returns whether it did."""
@@ -460,8 +473,14 @@ class DPFedAvgServer:
         self.vote_counts = list(state["vote_counts"])
         self.rule.load_state_dict(state["rule"])
         self.accountant.load_state_dict(state["accountant"])
-        self.sampling_rng.bit_generator.state = state["rng"]["sampling"]
-        self.noise_rng.bit_generator.state = state["rng"]["noise"]
+        if self.insecure:
+            self.sampling_rng.bit_generator.state = state["rng"]["sampling"]
+            self.noise_rng.bit_generator.state = state["rng"]["noise"]
+        else:
+            # fresh OS randomness from here on; a second continuation of this round is a fork
+            self.continuation = ckpt.claim_continuation(
+                d / state["params_file"], self.round, self.config.allow_fork
+            )
         self.history = [RoundRecord(**r) for r in state["history"]]
         logger.info("resumed from %s at round %d (C=%.4g)", d, self.round, self.rule.clip_norm)
         return True
