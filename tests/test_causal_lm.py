@@ -163,6 +163,8 @@ def test_cli_task_causal_lm_writes_metrics(tmp_path, capsys):
     from dpfit.cli import summary_rows
 
     rows = dict(summary_rows(m))
-    assert rows["epsilon"] == m["epsilon"] and "sigma (noise multiplier)" in rows
+    assert rows["epsilon (add-remove neighbours)"] == m["epsilon"]
+    assert rows["epsilon (replace-one neighbours)"] == m["epsilon_replace_one"] > m["epsilon"]
+    assert "sigma (noise multiplier)" in rows
     assert "NOT PRIVATE against" not in rows
     assert "NOT PRIVATE against" in dict(summary_rows({**m, "insecure_seed": True}))
