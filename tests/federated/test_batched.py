@@ -127,7 +127,7 @@ def test_a_whole_run_equals_the_in_process_flower_run(bert, method):
     )
     assert batched.vote_counts == pytest.approx(flower.vote_counts, abs=1e-9)
     start = initial_arrays(task)
-    for a, b, s in zip(batched.params, flower.params, start, strict=True):
+    for a, b in zip(batched.params, flower.params, strict=True):
         # float32 here (the exact check is float64 above): AdamW's normalisation amplifies
         # rounding where a gradient is near zero
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=3e-4)

@@ -35,6 +35,7 @@ from dpfit.federated.client import (
     LocalModel,
     TaskConfig,
     _batches,
+    _length_chunks,
     clamp_loss,
     load_local_model,
     top_layer_prefix,
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 NODE_OFFSET = 1000  # node ids as LocalGrid.for_app numbers them: the same Poisson draws
 CLIENT_CHUNK = 100  # clients per computation (memory bound; results do not depend on it)
 EVAL_CHUNK = 128
+FLAT_CHUNK = 256  # (client, example) pairs per top-layer computation
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 
@@ -90,12 +92,10 @@ class FrozenCache:
         finally:
             backbone.encoder.layer = layers
 
-    def gather(
-        self, texts: Sequence[Sequence[str | None]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, texts: Sequence[Sequence[str | None]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, B) texts (None = empty slot) -> hidden (K, B, L, H) and mask (K, B, L)."""
         k, b = len(texts), max(len(row) for row in texts)
-        length = max((len(self.store[t]) for row in texts for t in row if t is not None))
+        length = max(len(self.store[t]) for row in texts for t in row if t is not None)
         ref = next(iter(self.store.values()))
         hidden = torch.zeros(k, b, length, ref.shape[-1], dtype=ref.dtype)
         mask = torch.zeros(k, b, length, dtype=ref.dtype)
@@ -282,9 +282,9 @@ class BatchedClients:
 
     def _stack(self, arrays: Sequence[np.ndarray], k: int) -> list[torch.Tensor]:
         return [
-            torch.as_tensor(np.asarray(a), dtype=self.dtype).unsqueeze(0).repeat(
-                k, *([1] * np.ndim(a))
-            )
+            torch.as_tensor(np.asarray(a), dtype=self.dtype)
+            .unsqueeze(0)
+            .repeat(k, *([1] * np.ndim(a)))
             for a in arrays
         ]
 
@@ -298,14 +298,33 @@ class BatchedClients:
         stacked: Sequence[torch.Tensor],
         rows: list[list[tuple[str, int] | None]],
     ) -> torch.Tensor:
-        """Per-slot cross-entropy (K, B); empty slots give 0."""
-        texts = [[None if s is None else s[0] for s in row] for row in rows]
-        hidden, mask = self.cache.gather(texts)
-        logits = self.top.logits(hidden, mask, self._params(stacked))
-        labels = torch.tensor([[0 if s is None else s[1] for s in row] for row in rows])
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        weight = torch.tensor([[0.0 if s is None else 1.0 for s in row] for row in rows])
-        return ce.reshape(labels.shape) * weight.to(ce.dtype)
+        """Each client's SUM of cross-entropies over its row (K,); empty slots add nothing.
+
+        All (client, example) pairs are flattened, sorted by length and cut into chunks
+        padded to at most ``PAD_SLACK`` x their real tokens; each example reads its own
+        client's parameters (gathered by client index), so clients still train apart.
+        """
+        flat = [
+            (k, t, y) for k, row in enumerate(rows) for s in row if s is not None for t, y in [s]
+        ]
+        dtype = stacked[0].dtype
+        total = torch.zeros(len(rows), dtype=dtype)
+        if not flat:
+            return total
+        lengths = [len(self.cache.store[t]) for _, t, _ in flat]
+        chunks = _length_chunks([[0] * n for n in lengths], np.arange(len(flat)))
+        params = self._params(stacked)
+        for chunk in chunks:
+            for part in np.array_split(chunk, max(1, math.ceil(len(chunk) / FLAT_CHUNK))):
+                items = [flat[i] for i in part]
+                hidden, mask = self.cache.gather([[t] for _, t, _ in items])
+                kidx = torch.as_tensor([k for k, _, _ in items])
+                per_example = {n: v.index_select(0, kidx) for n, v in params.items()}
+                logits = self.top.logits(hidden, mask, per_example)[:, 0]
+                labels = torch.as_tensor([y for _, _, y in items])
+                ce = F.cross_entropy(logits, labels, reduction="none")
+                total = total.index_add(0, kidx, ce)
+        return total
 
     @torch.no_grad()
     def mean_losses(
@@ -315,7 +334,7 @@ class BatchedClients:
         rows = [[(e.text, e.label) for e in d] for d in data]
         width = max(len(r) for r in rows)
         rows = [r + [None] * (width - len(r)) for r in rows]
-        total = self._losses(stacked, rows).sum(1)
+        total = self._losses(stacked, rows)
         return [float(t) / max(1, len(d)) for t, d in zip(total, data, strict=True)]
 
     # -- local training -----------------------------------------------------------------
@@ -331,7 +350,9 @@ class BatchedClients:
         stacked = [t.requires_grad_(True) for t in self._stack(start, k)]
         opt = _StackedOptimizer(task.local_optimizer, stacked, task.lr)
         for _ in range(task.local_epochs):
-            plans = [_batches(len(d), task.local_batch_size, r) for d, r in zip(data, rngs)]
+            plans = [
+                _batches(len(d), task.local_batch_size, r) for d, r in zip(data, rngs, strict=True)
+            ]
             for s in range(max(len(p) for p in plans)):
                 rows: list[list[tuple[str, int] | None]] = []
                 sizes = []
@@ -343,7 +364,7 @@ class BatchedClients:
                 rows = [r + [None] * (width - len(r)) for r in rows]
                 active = torch.tensor([n > 0 for n in sizes])
                 denom = torch.tensor([max(n, 1) for n in sizes], dtype=self.dtype)
-                loss = (self._losses(stacked, rows).sum(1) / denom).sum()
+                loss = (self._losses(stacked, rows) / denom).sum()
                 for t in stacked:
                     t.grad = None
                 loss.backward()
