@@ -460,6 +460,8 @@ class BatchedClients:
         """(loss, accuracy) on a fixed split through the cache: the full model's results."""
         self.cache.fill(texts)
         y = torch.as_tensor(list(labels))
+        order = np.argsort([len(self.cache.store[t]) for t in texts], kind="stable")
+        chunks = [order[i : i + EVAL_CHUNK] for i in range(0, len(order), EVAL_CHUNK)]
 
         @torch.no_grad()
         def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
@@ -467,12 +469,12 @@ class BatchedClients:
                 return math.nan, math.nan
             stacked = self._stack(params, 1)
             loss_sum, correct = 0.0, 0
-            for i in range(0, len(texts), EVAL_CHUNK):
-                sl = slice(i, i + EVAL_CHUNK)
-                hidden, mask = self.cache.gather([list(texts[sl])])
+            for idx in chunks:  # similar lengths together: little padding
+                hidden, mask = self.cache.gather([[texts[i] for i in idx]])
                 logits = self.top.logits(hidden, mask, self._params(stacked))[0]
-                loss_sum += float(F.cross_entropy(logits, y[sl], reduction="sum"))
-                correct += int((logits.argmax(-1) == y[sl]).sum())
+                yy = y[torch.as_tensor(idx)]
+                loss_sum += float(F.cross_entropy(logits, yy, reduction="sum"))
+                correct += int((logits.argmax(-1) == yy).sum())
             return loss_sum / len(texts), correct / len(texts)
 
         return fn
