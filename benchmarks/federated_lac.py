@@ -80,7 +80,13 @@ def setup(args: argparse.Namespace):
     val_data = ([e.text for e in val], [e.label for e in val])
     test_data = ([e.text for e in test], [e.label for e in test])
     t0 = time.perf_counter()
+    cache_file = Path(args.cache_file) if args.cache_file else None
+    if cache_file is not None and cache_file.exists():  # the frozen layers' output, reused
+        engine.cache.store.update(torch.load(cache_file))
     engine.cache.fill([e.text for p in range(task.num_clients) for e in client_examples(task, p)])
+    engine.cache.fill(val_data[0] + test_data[0])
+    if cache_file is not None:
+        torch.save(engine.cache.store, cache_file)
     logging.info("cache filled in %.0fs", time.perf_counter() - t0)
     return task, engine, val_data, test_data
 
@@ -233,8 +239,10 @@ def cmd_run(args: argparse.Namespace) -> None:
             r = json.loads(line)
             done.add((r["method"], r["epsilon_target"], r["seed"]))
     task, engine, val, test = setup(args)
-    plan = [(NON_PRIVATE, None, s) for s in args.seeds]
-    plan += [(m, e, s) for e in args.epsilons for s in args.seeds for m in args.methods]
+    # seed by seed, so that an interrupted run still has complete pairs; the non-private
+    # reference at the first seed only (it has nothing to pair with)
+    plan = [(NON_PRIVATE, None, args.seeds[0])]
+    plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
     for method, eps, seed in plan:
         if (method, eps, seed) in done:
             continue
@@ -430,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--local-optimizer", choices=("adamw", "sgd"), default="sgd")
     p.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"], help="pilot only")
     p.add_argument("--lr", type=float, default=None, help="default: adamw 1e-3, sgd 0.1")
+    p.add_argument("--cache-file", default=None, help="keep the frozen-layer cache here")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="federated_lac")
     args = p.parse_args(argv)
