@@ -414,11 +414,44 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+DOCS = Path(__file__).parent.parent / "docs" / "federated.md"
+MARKERS = ("<!-- federated_lac:begin -->", "<!-- federated_lac:end -->")
+
+
+def docs_section(pilot_md: str, protocol_md: str) -> str:
+    """The docs' section: both renderings, their titles one level down, the plot's path
+    relative to docs/."""
+    out = []
+    for text in (pilot_md, protocol_md):
+        for line in text.splitlines():
+            if line.startswith("#"):
+                line = "#" + line
+            out.append(
+                line.replace("](federated_lac.png)", "](../benchmarks/results/federated_lac.png)")
+            )
+        out.append("")
+    return "\n".join(out).strip()
+
+
+def write_into_docs(section: str, docs: Path) -> None:
+    body = docs.read_text()
+    begin, end = MARKERS
+    if begin not in body or end not in body:
+        raise SystemExit(f"{docs} has no {begin} ... {end} markers")
+    head, rest = body.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    docs.write_text(f"{head}{begin}\n{section}\n{end}{tail}")
+
+
 def cmd_render(args: argparse.Namespace) -> None:
     runs = load_runs(args.out / f"{args.name}.jsonl")
     text = render(runs, args.name)
     (args.out / f"{args.name}.md").write_text(text)
     plot(runs, args.out / f"{args.name}.png")
+    pilot = render_pilot(json.loads((args.out / "federated_lac_pilot.json").read_text()))
+    (args.out / "federated_lac_pilot.md").write_text(pilot)
+    if args.docs is not None:
+        write_into_docs(docs_section(pilot, text), args.docs)
     print(text)
 
 
@@ -440,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=None, help="default: adamw 1e-3, sgd 0.1")
     p.add_argument("--cache-file", default=None, help="keep the frozen-layer cache here")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--docs", type=Path, default=DOCS, help="render: also write into this page")
     p.add_argument("--name", default="federated_lac")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
