@@ -219,6 +219,20 @@ def render_pilot(data: dict) -> str:
             f"{norms[-1] / norms[0]:.2f} | {losses[0]:.3f} -> {losses[-1]:.3f} | "
             f"{_corr(norms, losses):.2f} | {r['test_accuracy']:.3f} |"
         )
+
+    def corr_of(r: dict) -> float:
+        c = _corr(
+            [x["median_update_norm"] for x in r["rounds"]], [x["val_loss"] for x in r["rounds"]]
+        )
+        return -math.inf if math.isnan(c) else c
+
+    best = max(data["runs"], key=corr_of)
+    lines += [
+        "",
+        f"Rule: keep the optimizer whose update norm tracks the validation loss most closely "
+        f"(highest correlation over the rounds). Kept: **{best['local_optimizer']}** "
+        f"(correlation {corr_of(best):.2f}).",
+    ]
     lines += ["", "Per round (median update norm / validation loss):", ""]
     lines += ["| round | " + " | ".join(r["local_optimizer"] for r in data["runs"]) + " |"]
     lines += ["|---" * (1 + len(data["runs"])) + "|"]
