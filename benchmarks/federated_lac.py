@@ -257,9 +257,16 @@ def cmd_run(args: argparse.Namespace) -> None:
     # reference at the first seed only (it has nothing to pair with)
     plan = [(NON_PRIVATE, None, args.seeds[0])]
     plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
+    claims = Path(args.claims) if args.claims else None
     for method, eps, seed in plan:
         if (method, eps, seed) in done:
             continue
+        if claims is not None:  # several workers share one plan: each run is claimed once
+            claims.mkdir(parents=True, exist_ok=True)
+            try:
+                os.close(os.open(claims / f"{method}_{eps}_{seed}", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue
         row = one_run(method, eps, seed, args, task, engine, val, test)
         row["load_avg"] = os.getloadavg()[0]
         with open(path, "a") as f:
@@ -486,6 +493,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"], help="pilot only")
     p.add_argument("--lr", type=float, default=None, help="default: adamw 1e-3, sgd 0.1")
     p.add_argument("--cache-file", default=None, help="keep the frozen-layer cache here")
+    p.add_argument(
+        "--claims", default=None, help="run: a folder through which workers share the plan"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--docs", type=Path, default=DOCS, help="render: also write into this page")
     p.add_argument("--name", default="federated_lac")
