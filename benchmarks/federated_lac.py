@@ -245,6 +245,19 @@ def render_pilot(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cmd_splits(args: argparse.Namespace) -> None:
+    """The majority-class floor of the test split (a model that learned nothing reaches it)."""
+    from dpfit.federated.app import splits
+
+    _, val, test = splits(0)
+    data = {}
+    for name, split in (("validation", val), ("test", test)):
+        counts = [sum(e.label == y for e in split) for y in (0, 1)]
+        data[name] = {"examples": len(split), "majority_accuracy": max(counts) / len(split)}
+    (args.out / "federated_lac_splits.json").write_text(json.dumps(data, indent=1))
+    print(data)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     path = args.out / f"{args.name}.jsonl"
     done = set()
@@ -294,11 +307,16 @@ def paired_interval(diffs: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def load_floor(out: Path) -> dict | None:
+    path = out / "federated_lac_splits.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def load_runs(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def render(runs: list[dict], name: str) -> str:
+def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
     seeds = sorted({r["seed"] for r in runs})
@@ -321,6 +339,15 @@ def render(runs: list[dict], name: str) -> str:
         "",
         "## Test accuracy (mean and sd over seeds)",
         "",
+        *(
+            [
+                "Majority-class accuracy of the test split (what a model that learned nothing "
+                f"reaches): {floor['test']['majority_accuracy']:.4f}.",
+                "",
+            ]
+            if floor
+            else []
+        ),
         "| rule | " + " | ".join(f"eps {e:g}" for e in eps_list) + " |",
         "|---" * (1 + len(eps_list)) + "|",
     ]
@@ -466,7 +493,7 @@ def write_into_docs(section: str, docs: Path) -> None:
 
 def cmd_render(args: argparse.Namespace) -> None:
     runs = load_runs(args.out / f"{args.name}.jsonl")
-    text = render(runs, args.name)
+    text = render(runs, args.name, load_floor(args.out))
     (args.out / f"{args.name}.md").write_text(text)
     plot(runs, args.out / f"{args.name}.png")
     pilot = render_pilot(json.loads((args.out / "federated_lac_pilot.json").read_text()))
@@ -478,7 +505,7 @@ def cmd_render(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=("pilot", "run", "render"))
+    p.add_argument("command", choices=("pilot", "run", "render", "splits"))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--epsilons", type=float, nargs="+", default=[8.0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -504,7 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("transformers", "httpx", "dpfit.federated.strategy"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
-    {"pilot": cmd_pilot, "run": cmd_run, "render": cmd_render}[args.command](args)
+    commands = {"pilot": cmd_pilot, "run": cmd_run, "render": cmd_render, "splits": cmd_splits}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":
