@@ -486,14 +486,21 @@ def run_batched(
     on_round: Callable[[RoundRecord], None] | None = None,
     client_data: ClientData | None = None,
     eval_data: tuple[Sequence[str], Sequence[int]] | None = None,
+    prefill: bool = True,
 ) -> DPFedAvgServer:
-    """A run with the batched engine, through the same server core as the Flower engines."""
+    """A run with the batched engine, through the same server core as the Flower engines.
+
+    ``prefill``: cache every client's examples before the first round (the simulation holds
+    all clients' data anyway); otherwise a client's are cached when it is first sampled.
+    """
     from dpfit.federated.app import client_examples, eval_split, initial_arrays
 
     lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
     engine = BatchedClients(lm, task, client_data or (lambda p: client_examples(task, p)))
     texts, labels = eval_data if eval_data is not None else eval_split(task, "validation")
     server = DPFedAvgServer(server_cfg, initial_arrays(task), engine.evaluate_fn(texts, labels))
+    if prefill:  # every client's frozen-layer output up front: later rounds are steady
+        engine._data(range(task.num_clients))
     return drive(server, engine, task.num_clients, on_round)
 
 
