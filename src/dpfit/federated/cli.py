@@ -432,6 +432,13 @@ def run(args: argparse.Namespace) -> int:
     except CalibrationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # e.g. the batched engine asked for a local mode it cannot run
+        from dpfit.federated.batched import BatchedEngineError
+
+        if not isinstance(exc, BatchedEngineError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.output:
         metrics = write_outputs(server, task, args.output)
     else:
