@@ -174,7 +174,8 @@ def render(data: dict) -> str:
         "",
         "Batched engine: all of a round's sampled clients as one computation, the frozen "
         "lower layers computed once per example and cached (round 1 includes filling that "
-        "cache for the clients it samples and the validation examples).",
+        "cache for every client's examples and the validation examples; later rounds are "
+        "the steady cost, the one to set against the per-client path's).",
         "",
         "Wall seconds are what a user waits on this shared machine; CPU seconds (this process "
         "and its Ray workers, user + system) are much less sensitive to other jobs: on an idle "
