@@ -11,6 +11,7 @@ the sampling performed, not the replies that came back.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ def training_event(
     return schedule_event(q, [tuple(round_multipliers)] * rounds, one_off_multipliers, kind, prior)
 
 
+@functools.lru_cache(maxsize=64)
 def vote_noise_for_share(
     target_epsilon: float, delta: float, share: float, kind: str = "rdp"
 ) -> float:
