@@ -86,13 +86,17 @@ from dpfit.federated.tuning import (
 
 METHODS = ("fixed", "adaptive-quantile", "automatic", "dynamic", "lac", "clac")
 # Each baseline's grid: what a practitioner would try. Every point spends the same per run
-# (the selection's bound takes one candidate's RDP), so the dynamic rule tunes its clip decay
-# at the default noise decay. LAC and CLAC add no hyperparameter.
+# (the selection's bound takes one candidate's RDP), so the dynamic rule tunes its C_0 and
+# its clip decay rate rho_c (issue 29: the decay belongs in its grid; 1 = no decay) at the
+# default noise decay, which would change a candidate's privacy cost. LAC and CLAC add no
+# hyperparameter.
 GRIDS: dict[str, list[dict]] = {
     "fixed": [{"initial_clip": c} for c in (0.1, 0.3, 1.0, 3.0)],
     "adaptive-quantile": [{"target_quantile": g} for g in (0.3, 0.5, 0.7)],
     "automatic": [{"initial_clip": r} for r in (0.1, 0.3, 1.0, 3.0)],
-    "dynamic": [{"initial_clip": c} for c in (0.3, 1.0, 3.0)],
+    "dynamic": [
+        {"initial_clip": c, "clip_decay": d} for c in (0.3, 1.0, 3.0) for d in (0.25, 0.5, 1.0)
+    ],
 }
 # The untuned setting of each method: C = 1, median target (Andrew et al.), decay 0.5.
 DEFAULTS: dict[str, dict] = {
@@ -145,6 +149,32 @@ def _partitions(
 def _install_partitions() -> None:
     """Route the app's partition lookup through ``_partitions`` (this process only)."""
     fed_app.partitions = _partitions
+
+
+def stratified_subsample(examples: list, k: int, seed: int) -> list:
+    """k examples with the split's class proportions (issue 29: 300 random validation
+    examples, 69% one class, made private tuning's picks close to random)."""
+    if k <= 0 or k >= len(examples):
+        return examples
+    rng = np.random.default_rng(seed)
+    out = []
+    for y in sorted({e.label for e in examples}):
+        idx = [i for i, e in enumerate(examples) if e.label == y]
+        take = round(k * len(idx) / len(examples))
+        out += [int(i) for i in rng.choice(idx, size=take, replace=False)]
+    return [examples[i] for i in sorted(out)]
+
+
+_APP_EVAL_SPLIT = fed_app.eval_split
+
+
+def _stratified_eval_split(task: TaskConfig, which: str = "validation"):
+    """The server's validation examples, stratified; the test split as the app draws it."""
+    if which != "validation":
+        return _APP_EVAL_SPLIT(task, which)
+    _, val, _ = fed_app.splits(task.seed)
+    data = stratified_subsample(val, task.eval_examples, task.seed + 1)
+    return [e.text for e in data], [e.label for e in data]
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,6 +302,8 @@ def server_config(method: str, eps: float, args: argparse.Namespace) -> ServerCo
 
 def _setup(args: argparse.Namespace) -> None:
     _install_partitions()
+    if args.stratified_validation:  # this process only, like the partitions
+        fed_app.eval_split = _stratified_eval_split
     if args.local_mode == "head" and args.feature_cache:
         _install_features(feature_cache_path(args), args.standardize, args.data_seed)
     torch.set_num_threads(args.threads)
@@ -523,7 +555,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--examples-per-client", type=int, default=10, help="cap; 0 = all")
-    p.add_argument("--eval-examples", type=int, default=300)
+    p.add_argument("--eval-examples", type=int, default=600)
+    p.add_argument(
+        "--stratified-validation",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="validation examples with the split's class proportions (what tuning scores on)",
+    )
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--no-tune", action="store_true", help="only the default rows")
     p.add_argument("--tuning-share", type=float, default=1 / 3, help="of each target epsilon")
@@ -723,7 +761,10 @@ def _evaluation_data(settings: dict) -> list[str]:
         _, val, test = fed_app.splits(int(settings["data_seed"]))
         k, seed = int(settings["eval_examples"]), int(settings["data_seed"])
         for name, split in (("validation", val), ("test", test)):
-            ex = fed_app._subsample(split, k, seed + 1)  # what make_evaluate_fn scores on
+            if name == "validation" and settings.get("stratified_validation"):
+                ex = stratified_subsample(split, k, seed + 1)
+            else:
+                ex = fed_app._subsample(split, k, seed + 1)  # what make_evaluate_fn scores on
             pos = statistics.mean(e.label for e in ex)
             out.append(f"| {name} | {len(ex)} | {pos:.3f} | {max(pos, 1 - pos):.3f} |")
     except Exception as exc:  # the bundled data is missing: say so rather than guess

@@ -129,6 +129,28 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
 ]
 
+# issue 29, item 2: reply validation and DP-CLAC's significant-decrease rule
+MUTANTS += [
+    (
+        "vote validation accepts any vector summing to 1 (e.g. [1, 1, -1])",
+        f"{FED}/strategy.py",
+        "if any(x not in (0.0, 1.0) for x in values) or sum(values) != 1.0:",
+        "if sum(values) != 1.0:",
+    ),
+    (
+        "DP-CLAC shrinks on any decrease of the noised loss",
+        f"{FED}/clipping/clac.py",
+        "if anchor - loss > significance * math.sqrt(2.0) * loss_std:",
+        "if anchor - loss > 0:",
+    ),
+    (
+        "a non-finite client loss reaches the rule",
+        f"{FED}/strategy.py",
+        "loss = None if loss is None else validate_loss(loss)",
+        "loss = None if loss is None else float(loss)",
+    ),
+]
+
 TESTS = [
     "tests/federated/test_clipping.py",
     "tests/federated/test_accounting.py",

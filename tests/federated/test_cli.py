@@ -169,3 +169,20 @@ def test_client_learning_rate_follows_the_local_mode_unless_given():
     assert lr("--local-mode", "bias") == LOCAL_LR["bias"] < LOCAL_LR["head"]
     assert lr("--local-mode", "lora") == LOCAL_LR["lora"]
     assert lr("--local-mode", "bias", "--lr", "0.05") == 0.05
+
+
+def test_batched_engine_runs_from_the_cli(capsys):
+    rc = _run(
+        [*TINY, "--engine", "batched", "--local-mode", "lora-top", "--local-optimizer", "sgd",
+         "--method", "clac", "--json"]
+    )  # fmt: skip
+    assert rc == 0
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert metrics["rounds"] == 2 and metrics["epsilon"] <= 8.0 * (1 + 1e-6)
+    assert metrics["local_mode"] == "lora-top"
+
+
+def test_batched_engine_refuses_a_mode_it_cannot_batch(capsys):
+    rc = _run([*TINY, "--engine", "batched", "--local-mode", "bias"])
+    assert rc == 2
+    assert "lora-top" in capsys.readouterr().err

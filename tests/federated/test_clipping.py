@@ -299,3 +299,44 @@ def test_dynamic_rule_decays_clip_and_noise_on_du_et_al_schedule():
         pytest.approx((z0 * rs ** (t / t_total),)) for t in range(t_total)
     ]
     assert rule.clip_norm == pytest.approx(c0 * rc)  # after T rounds: rho_c C_0
+
+
+def test_clac_does_not_shrink_on_a_flat_noised_loss():
+    """Issue 29: the noised mean loss of a model that does not improve (std 0.083, the eps 2
+    setting) must not walk C down. The paper's ratio step on the same draws collapses C,
+    which shows the test can tell the two apart."""
+    m, bound = 100, 2.0
+    # pick the loss share so the noised mean has std 0.083
+    share = (bound / m / 0.083) ** 2
+    cfg = ClipConfig(
+        initial_clip=1.0, noise_multiplier=1.0, expected_clients=m, loss_bound=bound,
+        loss_budget_share=share,
+    )  # fmt: skip
+    rule = ClacClip(cfg)
+    assert rule.mean_loss_std() == pytest.approx(0.083, rel=1e-6)
+    rng = np.random.default_rng(11)
+    paper_c = 1.0
+    for _ in range(1000):
+        rule.observe(RoundObservation(client_losses=(0.69,) * m), rng)
+        if len(rule.losses) >= 2:
+            paper_c = lac_step(paper_c, rule.losses[-1], rule.losses[-2])
+    assert rule.clip_norm > 0.5
+    assert paper_c < 1e-3
+
+
+def test_clac_shrinks_on_a_real_decrease_and_gets_the_vote():
+    cfg = ClipConfig(
+        initial_clip=1.0, noise_multiplier=0.0, expected_clients=10, vote_noise_std=1e-6
+    )
+    rule = ClacClip(cfg)
+    assert ClacClip.needs_votes and ClacClip.one_off_multipliers(cfg) == (cfg.vote_noise_std,)
+    rule.initialise_from_votes([[0, 1, 0]] * 3, np.random.default_rng(0))
+    assert rule.clip_norm == pytest.approx(0.5)
+    for loss in (0.8, 0.4, 0.6, 0.2):
+        rule.observe(RoundObservation(client_losses=(loss,) * 10), np.random.default_rng(0))
+    # 0.8 -> 0.4 halves C; 0.6 is above the anchor 0.4; 0.2 halves it again
+    assert rule.clip_norm == pytest.approx(0.5 * 0.5 * 0.5)
+    state = rule.state_dict()
+    again = ClacClip(cfg)
+    again.load_state_dict(state)
+    assert again.anchor == pytest.approx(0.2) and again.clip_norm == rule.clip_norm

@@ -423,3 +423,69 @@ def test_automatic_rule_through_the_server_normalises_every_update():
             e += a * 0.5 / (norm + 0.01)  # R / (||Delta|| + gamma), Bu et al. AUTO-S
     for got, e in zip(server.params, expected, strict=True):
         np.testing.assert_allclose(got, e / 4, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ malformed replies (issue 29)
+
+
+@pytest.mark.parametrize("method", ["lac", "clac"])
+def test_malformed_votes_are_dropped_and_counted_and_the_run_goes_on(method, caplog):
+    """[1, 1, -1] sums to 1 with a 1 in it, but is not one-hot; wrong length, NaN, text and
+    values of 2 are not either. They are dropped (counted for the operator), the vote uses
+    the rest, and the first round runs."""
+    cfg = _cfg(method=method, num_clients=20, noise_multiplier=1.0, vote_noise_std=1e-6)
+    server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (0.7, 0.5))
+    bad = [[1, 1, -1], [0, 1], [0, float("nan"), 1], ["a", 0, 0], [0, 2, -1], None]
+    good = [[0, 1, 0]] * 5 + [[1, 0, 0]] * 2
+    server.initialise(bad + good)
+    assert server.votes_rejected == len(bad)
+    assert server.vote_counts == pytest.approx([2, 5, 0], abs=1e-3)
+    assert server.rule.clip_norm == pytest.approx(0.5 * cfg.initial_clip)
+    assert "vote dropped" in caplog.text
+    server.aggregate([1, 2], [ClientReply(1, _update(0.1), {"loss_before": 0.5})])
+    assert server.round == 1
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), "abc", [1.0]])
+def test_a_malformed_client_loss_drops_the_reply_and_keeps_the_round(loss):
+    server = DPFedAvgServer(_cfg(method="clac", noise_multiplier=0.0, initial_clip=100.0), _init())
+    server.initialise([[0, 0, 1]])
+    replies = [
+        ClientReply(1, _update(1.0), {"loss_before": loss}),
+        ClientReply(2, _update(2.0), {"loss_before": 0.5}),
+    ]
+    server.aggregate([1, 2], replies)
+    assert server.last_counts.rejected == 1
+    np.testing.assert_allclose(server.params[1], 2.0 / 4)  # only client 2's update
+    assert server.rule.losses == [pytest.approx(0.5 / 4)]
+
+
+def test_median_update_norm_is_in_the_operator_counts_only():
+    server = DPFedAvgServer(_cfg(initial_clip=100.0), _init())
+    replies = [ClientReply(i, _update(v), {}) for i, v in enumerate([1.0, 2.0, 5.0], 1)]
+    rec = server.aggregate([1, 2, 3], replies)
+    assert server.last_counts.median_update_norm == pytest.approx(2.0 * math.sqrt(10))
+    assert "median_update_norm" not in vars(rec)  # RoundRecord is what a round releases
+
+
+def test_vote_noise_follows_the_budget_share_rule():
+    """sigma_h alone spends vote_budget_share of the target (checked with dp-accounting
+    directly), and the run with the vote still meets the target."""
+    import dp_accounting as dpa
+
+    for eps, share in [(8.0, 0.1), (2.0, 0.2)]:
+        cfg = _cfg(
+            method="lac", num_clients=1000, clients_per_round=100, rounds=30,
+            noise_multiplier=None, target_epsilon=eps, vote_budget_share=share,
+        )  # fmt: skip
+        server = DPFedAvgServer(cfg, _init())
+        sigma = server.rule.config.vote_noise_std
+        acc = dpa.rdp.RdpAccountant()
+        acc.compose(dpa.GaussianDpEvent(sigma))
+        assert acc.get_epsilon(1e-5) == pytest.approx(share * eps, rel=2e-3)
+        assert server.rule.one_off_multipliers(server.rule.config) == (sigma,)
+    # an explicit sigma_h wins; a rule without a vote has none
+    assert DPFedAvgServer(
+        _cfg(method="lac", noise_multiplier=1.0, vote_noise_std=3.0), _init()
+    ).rule.config.vote_noise_std == pytest.approx(3.0)
+    assert _cfg(method="fixed", noise_multiplier=1.0).vote_noise(1.0) == 0.0

@@ -11,6 +11,7 @@ the sampling performed, not the replies that came back.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,24 @@ def training_event(
 ) -> dpa.DpEvent:
     """The whole run: prior, one-off releases, then ``rounds`` identical sampled rounds."""
     return schedule_event(q, [tuple(round_multipliers)] * rounds, one_off_multipliers, kind, prior)
+
+
+@functools.lru_cache(maxsize=64)
+def vote_noise_for_share(
+    target_epsilon: float, delta: float, share: float, kind: str = "rdp"
+) -> float:
+    """sigma_h of the clip-candidate vote: the Gaussian (sensitivity 1, every client votes,
+    no sampling) that ALONE spends ``share`` of ``target_epsilon`` at ``delta``.
+
+    A fixed sigma_h ignores both the budget and the number of voters; tying it to a share of
+    the budget makes its privacy cost explicit, and the rounds are then calibrated with the
+    vote included, so the run still meets the target.
+    """
+    if not 0.0 < share < 1.0:
+        raise CalibrationError(f"vote budget share must be in (0, 1), got {share}")
+    return calibrate(
+        dpa.GaussianDpEvent, share * target_epsilon, delta, kind, upper=1e4, tolerance=1e-4
+    )
 
 
 def calibrate_noise_multiplier(

@@ -46,7 +46,7 @@ ROUND_COLUMNS = (
 # takes a large step; BiTFiT clients at 1e-2 learn nothing even centrally, 3e-3 is within
 # about a point of central training (benchmarks/results/federated_central_bias*.md); LoRA
 # keeps the usual adapter rate.
-LOCAL_LR = {"head": 1e-2, "bias": 3e-3, "lora": 1e-3}
+LOCAL_LR = {"head": 1e-2, "bias": 3e-3, "lora": 1e-3, "lora-top": 1e-3}
 
 DEFAULT_RUN = {
     "engine": "local",
@@ -96,10 +96,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--local-mode",
-        choices=("bias", "lora", "head"),
+        choices=("bias", "lora", "head", "lora-top"),
         default="bias",
         help="what clients train: bias = BiTFiT (biases + head), lora = peft LoRA adapters + "
-        "head (for models without biases, e.g. smollm2), head = linear probe on frozen features",
+        "head (for models without biases, e.g. smollm2), head = linear probe on frozen "
+        "features, lora-top = LoRA on the top layer's q/v + its biases + head (batched engine)",
+    )
+    p.add_argument(
+        "--local-optimizer",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="client optimizer (no weight decay)",
     )
     p.add_argument("--lora-r", type=int, default=4)
     p.add_argument("--partition", choices=("iid", "dirichlet", "movie"), default="iid")
@@ -126,9 +133,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--target-quantile", type=float, default=0.5)
     p.add_argument("--quantile-lr", type=float, default=0.2)
-    p.add_argument("--vote-noise", type=float, default=10.0, help="sigma_h of the LAC vote")
+    p.add_argument(
+        "--vote-noise",
+        type=float,
+        default=None,
+        help="sigma_h of the LAC/CLAC vote (default: the Gaussian that alone spends "
+        "--vote-budget-share of the target epsilon)",
+    )
+    p.add_argument("--vote-budget-share", type=float, default=0.1)
     p.add_argument("--loss-bound", type=float, default=2.0, help="L_max for DP-CLAC")
     p.add_argument("--loss-budget-share", type=float, default=0.1)
+    p.add_argument(
+        "--clac-significance",
+        type=float,
+        default=2.0,
+        help="DP-CLAC shrinks C only on a loss decrease > k sqrt(2) x the noise std of a mean",
+    )
     p.add_argument(
         "--auto-gamma", type=float, default=0.01, help="automatic: R / (||update|| + gamma)"
     )
@@ -141,9 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
     p.add_argument(
         "--engine",
-        choices=("simulation", "local"),
+        choices=("simulation", "local", "batched"),
         default="simulation",
-        help="Flower simulation engine (Ray), or in-process (no Ray)",
+        help="Flower simulation engine (Ray), in-process (no Ray), or batched: all of a "
+        "round's clients as one computation (--local-mode lora-top; same server core)",
     )
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs for the simulation engine")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint each round; resume")
@@ -183,6 +204,7 @@ def configs(args: argparse.Namespace):
         examples_per_client=args.examples_per_client,
         eval_examples=args.eval_examples,
         seed=args.seed,
+        local_optimizer=args.local_optimizer,
     )
     no_target = args.noise_multiplier is not None
     server = ServerConfig(
@@ -202,8 +224,10 @@ def configs(args: argparse.Namespace):
         target_quantile=args.target_quantile,
         quantile_lr=args.quantile_lr,
         vote_noise_std=args.vote_noise,
+        vote_budget_share=args.vote_budget_share,
         loss_bound=args.loss_bound,
         loss_budget_share=args.loss_budget_share,
+        clac_significance=args.clac_significance,
         auto_gamma=args.auto_gamma,
         clip_decay=args.clip_decay,
         noise_decay=args.noise_decay,
@@ -354,7 +378,7 @@ def _header(server_cfg: Any, task: Any, engine: str) -> str:
         f"{task.examples_per_client or 'all'} examples each), {server_cfg.clients_per_round:g} "
         f"expected per round, {server_cfg.rounds} rounds, local {task.local_mode} "
         f"({engine} engine)"
-        + ("; first, every client votes for C_0" if server_cfg.method == "lac" else "")
+        + ("; first, every client votes for C_0" if server_cfg.method in ("lac", "clac") else "")
     )
 
 
@@ -410,6 +434,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.engine == "local":
             server = run_local(server_cfg, task, on_round=progress)
+        elif args.engine == "batched":
+            from dpfit.federated.batched import run_batched
+
+            server = run_batched(server_cfg, task, on_round=progress)
         else:
             server = run_simulation(
                 server_cfg,
@@ -419,6 +447,13 @@ def run(args: argparse.Namespace) -> int:
                 verbose=getattr(args, "verbose", 0),
             )
     except CalibrationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # e.g. the batched engine asked for a local mode it cannot run
+        from dpfit.federated.batched import BatchedEngineError
+
+        if not isinstance(exc, BatchedEngineError):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.output:

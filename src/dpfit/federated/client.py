@@ -7,7 +7,10 @@ each update and noising the sum. What trains is chosen by ``local_mode``:
 - ``lora``: LoRA adapters (peft) on the attention query/value projections, plus the head
   (e.g. the bundled SmolLM2-135M, which has no biases);
 - ``head``: the classifier head on frozen backbone features, which are computed once per
-  client and cached (a linear probe; cheap enough for benchmarks with many clients).
+  client and cached (a linear probe; cheap enough for benchmarks with many clients);
+- ``lora-top``: LoRA adapters on the TOP encoder layer's query/value projections, that
+  layer's biases, and the head. Everything below the top layer is frozen, so the batched
+  engine (``dpfit.federated.batched``) computes it once per example and caches it.
 
 Only the trainable tensors travel: the server's arrays, each update and each vote's trial
 parameters are the adapters / biases and the head, in a fixed order.
@@ -37,7 +40,9 @@ from dpfit.federated.clipping import clip_update, one_hot_vote
 
 logger = logging.getLogger(__name__)
 
-LOCAL_MODES = ("bias", "lora", "head")
+LOCAL_MODES = ("bias", "lora", "head", "lora-top")
+# local optimizers by name (weight decay 0: an update is the data's, not a pull to zero)
+LOCAL_OPTIMIZERS = ("adamw", "sgd")
 
 
 class ClientTaskError(ValueError):
@@ -62,11 +67,16 @@ class TaskConfig:
     eval_examples: int = 200
     seed: int = 0
     threads: int = 1
+    local_optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.local_mode not in LOCAL_MODES:
             raise ClientTaskError(
                 f"local_mode must be one of {LOCAL_MODES}, got {self.local_mode!r}"
+            )
+        if self.local_optimizer not in LOCAL_OPTIMIZERS:
+            raise ClientTaskError(
+                f"local_optimizer must be one of {LOCAL_OPTIMIZERS}, got {self.local_optimizer!r}"
             )
 
     def to_record(self) -> dict[str, Any]:
@@ -154,9 +164,22 @@ class LocalModel:
         return out
 
 
-def _trainable(name: str, local_mode: str) -> bool:
+def top_layer_prefix(net: torch.nn.Module) -> str:
+    """Name prefix of the top encoder layer (BERT-style ``backbone.encoder.layer.<L-1>.``)."""
+    encoder = getattr(getattr(net, "backbone", None), "encoder", None)
+    if encoder is None or not hasattr(encoder, "layer"):
+        raise ClientTaskError(
+            "local mode 'lora-top' needs a BERT-style encoder (backbone.encoder.layer); "
+            "use --local-mode lora or bias for this model"
+        )
+    return f"backbone.encoder.layer.{len(encoder.layer) - 1}."
+
+
+def _trainable(name: str, local_mode: str, top: str = "") -> bool:
     if name.startswith("head."):
         return True
+    if local_mode == "lora-top":
+        return name.startswith(top) and ("lora_" in name or name.endswith(".bias"))
     if local_mode == "lora":
         return "lora_" in name
     if local_mode == "bias":
@@ -164,9 +187,10 @@ def _trainable(name: str, local_mode: str) -> bool:
     return False  # head mode: the head only
 
 
-def _add_lora(net: torch.nn.Module, rank: int) -> torch.nn.Module:
+def _add_lora(net: torch.nn.Module, rank: int, top_only: bool = False) -> torch.nn.Module:
     """LoRA adapters (peft) on the attention projections peft uses for this model type
-    (BERT: query/value; LLaMA: q_proj/v_proj), injected in place: the head stays ours."""
+    (BERT: query/value; LLaMA: q_proj/v_proj), injected in place: the head stays ours.
+    ``top_only``: on the top encoder layer only (local mode ``lora-top``)."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
 
@@ -176,28 +200,43 @@ def _add_lora(net: torch.nn.Module, rank: int) -> torch.nn.Module:
             f"LoRA: no default attention projections known for model type {model_type!r}; "
             "use --local-mode bias or head"
         )
+    extra: dict[str, Any] = {}
+    if top_only:
+        extra = {
+            "layers_to_transform": [net.config.num_hidden_layers - 1],
+            "layers_pattern": "layer",
+        }
     cfg = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS[model_type]
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=TARGETS[model_type],
+        **extra,
     )
     return inject_adapter_in_model(cfg, net)
 
 
 @functools.lru_cache(maxsize=2)
-def load_local_model(model: str, local_mode: str, lora_r: int, seed: int) -> LocalModel:
+def load_local_model(
+    model: str, local_mode: str, lora_r: int, seed: int, dtype: str = "float32"
+) -> LocalModel:
     """Load once per process; the frozen weights never change, the trainables are overwritten.
 
     ``model``: a folder, hub id or bundled name (``minilm``, ``smollm2``); empty = MiniLM.
     The seed fixes LoRA's random A matrices identically everywhere (the head starts at zero).
+    ``dtype`` float64 is for exactness tests (batched engine against the per-client path).
     """
     from dpfit.models import load_classifier
 
     loaded = load_classifier(model or None, LABEL_NAMES, seed=seed)
     net = loaded.model
-    if local_mode == "lora":
+    if local_mode in ("lora", "lora-top"):
         torch.manual_seed(seed)
-        net = _add_lora(net, lora_r)
+        net = _add_lora(net, lora_r, top_only=local_mode == "lora-top")
+    net = net.to(getattr(torch, dtype))
+    top = top_layer_prefix(net) if local_mode == "lora-top" else ""
     for name, p in net.named_parameters():
-        p.requires_grad_(_trainable(name, local_mode))
+        p.requires_grad_(_trainable(name, local_mode, top))
     trainable = [n for n, p in net.named_parameters() if p.requires_grad]
     if local_mode != "head" and all(n.startswith("head.") for n in trainable):
         raise ClientTaskError(
@@ -276,7 +315,8 @@ def _logits(lm: LocalModel, texts: Sequence[str], idx: np.ndarray, max_length: i
         feats = _Features.get(lm, texts, max_length)[torch.as_tensor(idx)]
         return lm.model.head(feats)
     ids = lm.encode(texts, max_length)
-    return lm.model(**lm.batch([ids[i] for i in idx])).logits
+    # features then head, not model(...): the same logits, in the model's own dtype
+    return lm.model.head(lm.model.features(**lm.batch([ids[i] for i in idx])))
 
 
 def evaluate(
@@ -318,6 +358,14 @@ def backward_batch(
     return total
 
 
+def make_local_optimizer(name: str, params: list[torch.nn.Parameter], lr: float):
+    """The client's optimizer by name: AdamW or plain SGD, both without weight decay."""
+    classes = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+    if name not in classes:
+        raise ClientTaskError(f"local_optimizer must be one of {sorted(classes)}, got {name!r}")
+    return classes[name](params, lr=lr, weight_decay=0.0)
+
+
 def local_train(
     lm: LocalModel,
     start: Sequence[np.ndarray],
@@ -337,7 +385,7 @@ def local_train(
     lm.set_arrays(start)
     named = lm.parameters_by_name()
     params = [named[n] for n in lm.trainable]
-    opt = torch.optim.AdamW(params, lr=task.lr, weight_decay=0.0)
+    opt = make_local_optimizer(task.local_optimizer, params, task.lr)
     y = torch.as_tensor(list(labels))
     ids = lm.encode(texts, task.max_length)
     losses = []

@@ -29,11 +29,15 @@ from dpfit.federated.accounting import (
     BudgetExhausted,
     ClientLevelAccountant,
     calibrate_noise_multiplier,
+    epsilon_of,
+    training_event,
+    vote_noise_for_share,
 )
 from dpfit.federated.clipping import (
     ClipConfig,
     LacClip,
     RoundObservation,
+    VotedStart,
     clip_rule_class,
     make_clip_rule,
 )
@@ -44,8 +48,16 @@ logger = logging.getLogger(__name__)
 EvaluateFn = Callable[[Sequence[np.ndarray]], tuple[float, float]]
 
 
-class InvalidUpdate(ValueError):
+class InvalidReply(ValueError):
+    """A client's reply is unusable: it is dropped and counted, and the round goes on."""
+
+
+class InvalidUpdate(InvalidReply):
     """A client's update is unusable (non-finite values, wrong number or shapes of arrays)."""
+
+
+class InvalidVote(InvalidReply):
+    """A client's vote is not a one-hot vector over the candidates."""
 
 
 class CheckpointMismatch(RuntimeError):
@@ -84,9 +96,13 @@ class ServerConfig:
     quantile_lr: float = ClipConfig.quantile_lr
     count_budget_share: float = ClipConfig.count_budget_share
     vote_factors: tuple[float, ...] = ClipConfig.vote_factors
-    vote_noise_std: float = ClipConfig.vote_noise_std
+    # sigma_h of the vote; None: the Gaussian that alone spends vote_budget_share of the
+    # target epsilon (of the rounds' epsilon when z is fixed); see vote_noise_for_share
+    vote_noise_std: float | None = None
+    vote_budget_share: float = 0.1
     loss_bound: float = ClipConfig.loss_bound
     loss_budget_share: float = ClipConfig.loss_budget_share
+    clac_significance: float = ClipConfig.clac_significance
     auto_gamma: float = ClipConfig.auto_gamma
     clip_decay: float = ClipConfig.clip_decay
     noise_decay: float = ClipConfig.noise_decay
@@ -118,11 +134,26 @@ class ServerConfig:
     def sample_rate(self) -> float:
         return self.clients_per_round / self.num_clients
 
+    def vote_noise(self, noise_multiplier: float) -> float:
+        """sigma_h: as given, or by the budget-share rule; 0 when the run is not private."""
+        if noise_multiplier <= 0:
+            return 0.0
+        if self.vote_noise_std is not None:
+            return float(self.vote_noise_std)
+        if not clip_rule_class(self.method).needs_votes:
+            return 0.0  # no vote in this run
+        if self.target_epsilon is not None:
+            eps = self.target_epsilon
+        else:  # z fixed: a share of what the rounds alone spend
+            rounds = training_event(self.sample_rate, self.rounds, (noise_multiplier,))
+            eps = epsilon_of(rounds, self.delta, "rdp")
+        return vote_noise_for_share(eps, self.delta, self.vote_budget_share)
+
     def clip_config(self, noise_multiplier: float) -> ClipConfig:
         derived = {
             "noise_multiplier": noise_multiplier,
             "expected_clients": self.clients_per_round,
-            "vote_noise_std": self.vote_noise_std if noise_multiplier > 0 else 0.0,
+            "vote_noise_std": self.vote_noise(noise_multiplier),
             "total_rounds": max(1, self.rounds),
         }
         shared = {f.name for f in fields(ClipConfig)} & {f.name for f in fields(self)}
@@ -158,10 +189,12 @@ class RoundRecord:
 
 @dataclass(frozen=True)
 class RoundCounts:
-    """Exact per-round client counts and timing: for the operator's log, never released.
+    """Exact per-round client counts, timing and the median update norm: for the operator's
+    log, never released.
 
-    How many sampled clients answered is a statistic of who took part, and no noise
-    covers it; it goes to the DEBUG log (``-vv``) and nowhere else.
+    How many sampled clients answered, and how large their raw updates were, are statistics
+    of who took part with no noise on them; they go to the DEBUG log (``-vv``) and nowhere
+    else (a benchmark that is not private anyway may read them from ``last_counts``).
     """
 
     round: int
@@ -169,6 +202,7 @@ class RoundCounts:
     answered: int
     rejected: int
     seconds: float
+    median_update_norm: float = math.nan
 
 
 def validate_update(update: Sequence[np.ndarray], shapes: Sequence[tuple[int, ...]]) -> None:
@@ -176,10 +210,37 @@ def validate_update(update: Sequence[np.ndarray], shapes: Sequence[tuple[int, ..
     if len(update) != len(shapes):
         raise InvalidUpdate(f"expected {len(shapes)} arrays, got {len(update)}")
     for i, (a, s) in enumerate(zip(update, shapes, strict=True)):
+        a = np.asarray(a)
         if tuple(a.shape) != tuple(s):
             raise InvalidUpdate(f"array {i} has shape {tuple(a.shape)}, expected {tuple(s)}")
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+            raise InvalidUpdate(f"array {i} has dtype {a.dtype}, expected numbers")
         if not np.all(np.isfinite(a)):
             raise InvalidUpdate(f"array {i} has NaN or Inf values")
+
+
+def validate_loss(value: Any) -> float:
+    """A reported client loss as a float; InvalidReply if it is not a finite number."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise InvalidReply(f"loss {value!r} is not a number") from None
+    if not math.isfinite(x):
+        raise InvalidReply(f"loss {x} is not finite")
+    return x
+
+
+def validate_vote(vote: Any, num_candidates: int) -> list[int]:
+    """The vote as a list of ints; InvalidVote unless it is one-hot over the candidates."""
+    try:
+        values = [float(x) for x in vote]
+    except (TypeError, ValueError):
+        raise InvalidVote(f"vote {vote!r} is not a list of numbers") from None
+    if len(values) != num_candidates:
+        raise InvalidVote(f"vote has {len(values)} entries, expected {num_candidates}")
+    if any(x not in (0.0, 1.0) for x in values) or sum(values) != 1.0:
+        raise InvalidVote(f"vote {values} is not one-hot")
+    return [int(x) for x in values]
 
 
 def server_generators(
@@ -254,6 +315,7 @@ class DPFedAvgServer:
         self.initialised = False
         self.initial_clip = self.rule.clip_norm
         self.vote_counts: list[float] = []
+        self.votes_rejected = 0  # operator's log only
         self.history: list[RoundRecord] = []
         self.stop_reason: str | None = None
         self.last_counts: RoundCounts | None = None  # operator's log only
@@ -286,7 +348,7 @@ class DPFedAvgServer:
     # -- initialisation (DP-LAC votes, v_0) ------------------------------------------------
 
     def vote_query_config(self) -> dict[str, Any]:
-        assert isinstance(self.rule, LacClip)
+        assert isinstance(self.rule, VotedStart)
         return {
             "candidates": self.rule.candidates(),
             "noise_multiplier": self.rule.update_multiplier,
@@ -294,27 +356,33 @@ class DPFedAvgServer:
         }
 
     def initialise(self, votes: Sequence[Sequence[int]] | None = None) -> None:
-        """Before round 1: the private vote for C0 (DP-LAC) and the validation loss v_0."""
-        if isinstance(self.rule, LacClip):
+        """Before round 1: the private vote for C0 (DP-LAC, DP-CLAC) and, for DP-LAC, the
+        validation loss v_0. Malformed votes are dropped and counted (operator's log)."""
+        if isinstance(self.rule, VotedStart):
             good = []
+            self.votes_rejected = 0
             for v in votes or []:
-                v = [int(x) for x in v]
-                if len(v) == len(self.rule.candidates()) and sorted(v)[-1] == 1 and sum(v) == 1:
-                    good.append(v)
-                else:
-                    logger.warning("rejected malformed vote %s", v)
+                try:
+                    good.append(validate_vote(v, len(self.rule.candidates())))
+                except InvalidVote as exc:
+                    self.votes_rejected += 1
+                    logger.warning("vote dropped: %s", exc)
             counts = self.rule.initialise_from_votes(good, self.noise_rng)
             self.vote_counts = [float(c) for c in counts]
             if self.rule.config.vote_noise_std > 0:
                 self.accountant.record_one_off(self.rule.config.vote_noise_std)
             else:
                 self.accountant.record_one_off(0.0)
-            logger.debug("operator only: %d well-formed votes", len(good))
+            logger.debug(
+                "operator only: %d well-formed votes, %d dropped", len(good), self.votes_rejected
+            )
             logger.info(
-                "vote: noised counts %s -> C0=%.4g",
+                "vote: sigma_h=%.3g, noised counts %s -> C0=%.4g",
+                self.rule.config.vote_noise_std,
                 np.round(counts, 2).tolist(),
                 self.rule.clip_norm,
             )
+        if isinstance(self.rule, LacClip):
             v0, _ = self.evaluate()
             self.rule.observe_validation(v0)
         self.initial_clip = self.rule.clip_norm
@@ -349,19 +417,23 @@ class DPFedAvgServer:
                 continue
             try:
                 validate_update(r.update, self.shapes)
-            except InvalidUpdate as exc:
+                loss = r.metrics.get("loss_before")
+                loss = None if loss is None else validate_loss(loss)
+            except InvalidReply as exc:
                 rejected += 1
                 logger.warning(
-                    "round %d: update of client %s rejected: %s", self.round, r.node_id, exc
+                    "round %d: reply of client %s rejected (dropped): %s",
+                    self.round,
+                    r.node_id,
+                    exc,
                 )
                 continue
             clipped, norm = self.rule.clip(r.update)
             for acc, c in zip(total, clipped, strict=True):
                 acc += c
             norms.append(norm)
-            loss = r.metrics.get("loss_before")
             if loss is not None:
-                losses.append(float(loss))
+                losses.append(loss)
         std = self.rule.update_noise_std()
         m = self.config.clients_per_round
         for p, acc in zip(self.params, total, strict=True):
@@ -385,7 +457,12 @@ class DPFedAvgServer:
             noise_std=std,
         )
         self.last_counts = RoundCounts(
-            self.round, len(sampled), answered, rejected, time.perf_counter() - t0
+            self.round,
+            len(sampled),
+            answered,
+            rejected,
+            time.perf_counter() - t0,
+            float(np.median(norms)) if norms else math.nan,
         )
         logger.debug("operator only: %s", self.last_counts)
         self.history.append(record)
@@ -581,7 +658,11 @@ class DPFedAvg(Strategy):
             if reply.has_error():
                 logger.warning("vote query failed on a client: %s", reply.error)
                 continue
-            votes.append([int(x) for x in reply.content["vote"]["vote"]])
+            try:
+                votes.append(list(reply.content["vote"]["vote"]))
+            except Exception as exc:  # malformed content: counted as a dropped vote
+                logger.warning("vote reply malformed: %s", exc)
+                votes.append([])
         return votes
 
     def start(self, grid: Any, initial_arrays: Any = None, num_rounds: int | None = None, **_: Any):

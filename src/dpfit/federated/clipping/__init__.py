@@ -9,7 +9,8 @@ can be tested on synthetic norms without Flower; one file per rule, registered b
 - ``fixed``: DP-FedAvg, C constant (``fixed.py``);
 - ``adaptive-quantile``: Andrew et al. 2021 (``quantile.py``);
 - ``lac``: DP-LAC, vote for C0 then the public validation-loss ratio (``lac.py``);
-- ``clac``: DP-CLAC, the same ratio on privately aggregated client losses (``clac.py``);
+- ``clac``: DP-CLAC, the vote, then a significant-decrease rule on privately aggregated
+  client losses (``clac.py``);
 - ``automatic``: Bu et al. 2023, every update normalised to R/(||Delta|| + gamma)
   (``automatic.py``);
 - ``dynamic``: Du et al. 2021, C and z decayed on a schedule (``dynamic.py``).
@@ -37,12 +38,13 @@ from dpfit.federated.clipping.base import (
     register_clip_rule,
     split_multiplier,
 )
-from dpfit.federated.clipping.clac import ClacClip, private_mean_loss
+from dpfit.federated.clipping.clac import ClacClip, private_mean_loss, significant_decrease_step
 from dpfit.federated.clipping.dynamic import DynamicClip, dynamic_clip, dynamic_multiplier
 from dpfit.federated.clipping.fixed import FixedClip
 from dpfit.federated.clipping.lac import (
     LacClip,
     LossRatioClip,
+    VotedStart,
     lac_step,
     noised_histogram,
     one_hot_vote,
@@ -67,6 +69,7 @@ __all__ = [
     "QuantileClip",
     "RoundObservation",
     "UnknownClipRule",
+    "VotedStart",
     "automatic_scale",
     "clip_rule_class",
     "clip_rule_names",
@@ -84,5 +87,6 @@ __all__ = [
     "private_mean_loss",
     "quantile_step",
     "register_clip_rule",
+    "significant_decrease_step",
     "split_multiplier",
 ]

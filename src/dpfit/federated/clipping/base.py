@@ -86,10 +86,11 @@ class ClipConfig:
     count_budget_share: float = 0.1
     # DP-LAC
     vote_factors: tuple[float, ...] = (0.25, 0.5, 1.0)
-    vote_noise_std: float = 10.0
+    vote_noise_std: float = 10.0  # the server sets it by its budget-share rule
     # DP-CLAC
     loss_bound: float = 2.0
     loss_budget_share: float = 0.1
+    clac_significance: float = 2.0  # shrink only on a decrease > k sqrt(2) std of the mean
     # automatic clipping (Bu et al. 2023)
     auto_gamma: float = 0.01
     # dynamic DP-SGD (Du et al. 2021): C and z reach these fractions of C_0, z_0 at round T
@@ -107,6 +108,8 @@ class ClipConfig:
             raise ClipRuleError(f"total_rounds must be >= 1, got {self.total_rounds}")
         if not 0.0 < self.target_quantile < 1.0:
             raise ClipRuleError(f"target_quantile must be in (0, 1), got {self.target_quantile}")
+        if self.clac_significance < 0:
+            raise ClipRuleError(f"clac_significance must be >= 0, got {self.clac_significance}")
         if self.auto_gamma <= 0:
             raise ClipRuleError(f"auto_gamma must be > 0, got {self.auto_gamma}")
         for name in ("clip_decay", "noise_decay"):

@@ -83,12 +83,13 @@ class LossRatioClip(ClipRule):
         self.losses = [float(x) for x in state.get("losses", [])]
 
 
-@register_clip_rule("lac")
-@dataclass
-class LacClip(LossRatioClip):
-    """DP-LAC: C0 from a private vote, then the public validation-loss ratio (free)."""
+class VotedStart:
+    """C0 from a private vote of all clients over ``vote_factors`` x C_init (DP-LAC; DP-CLAC).
 
-    needs_validation: ClassVar[bool] = True
+    Each client votes one-hot for the candidate with the lowest local loss after a simulated
+    noisy aggregate; the server adds N(0, sigma_h^2) to each count (sensitivity 1) once.
+    """
+
     needs_votes: ClassVar[bool] = True
 
     @classmethod
@@ -106,6 +107,14 @@ class LacClip(LossRatioClip):
         counts = noised_histogram(votes, len(cands), self.config.vote_noise_std, rng)
         self.clip_norm = cands[int(np.argmax(counts))]
         return counts
+
+
+@register_clip_rule("lac")
+@dataclass
+class LacClip(VotedStart, LossRatioClip):
+    """DP-LAC: C0 from a private vote, then the public validation-loss ratio (free)."""
+
+    needs_validation: ClassVar[bool] = True
 
     def observe_validation(self, val_loss: float) -> float:
         """Record v for the current model (call once before round 1 and after each round)."""

@@ -1,0 +1,555 @@
+"""Batched client simulation: a round's sampled clients trained as one computation.
+
+The per-client path (``client.local_train`` behind Flower) runs the whole model once per
+client and step. With local mode ``lora-top`` everything that trains (LoRA on the top
+encoder layer's query/value, that layer's biases, the head) sits in the top layer or above,
+so the lower layers see only frozen weights: their output for an example never changes. This
+engine computes it once per example (``FrozenCache``) and then runs only the top layer and
+the head, for all of a round's clients at once: each client's trainables are stacked on a
+leading client axis, the frozen weights are shared, and the per-client parts are batched
+matrix products. The loss is the sum over clients of each client's batch-mean loss, so one
+backward gives every client its own gradient, and the optimizer (AdamW or SGD written as
+element-wise updates with a per-client step count) steps each client as its own optimizer
+would. Each client's data order comes from the same generator as on the per-client path, so
+the updates are the per-client path's (checked to 1e-6 in float64 by the tests).
+
+``run_batched`` drives the SAME server core as Flower (``DPFedAvgServer``: Poisson sampling,
+reply validation, clip rules, one noise draw, accountant, checkpoints), so only the transport
+differs: replies are built in-process instead of crossing a Grid.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dpfit.data.bundled import TextExample
+from dpfit.federated.client import (
+    ClientTaskError,
+    LocalModel,
+    TaskConfig,
+    _batches,
+    _length_chunks,
+    clamp_loss,
+    load_local_model,
+    top_layer_prefix,
+)
+from dpfit.federated.clipping import clip_update
+from dpfit.federated.strategy import ClientReply, DPFedAvgServer, RoundRecord, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+NODE_OFFSET = 1000  # node ids as LocalGrid.for_app numbers them: the same Poisson draws
+CLIENT_CHUNK = 100  # clients per computation (memory bound; results do not depend on it)
+EVAL_CHUNK = 128
+FLAT_CHUNK = 256  # (client, example) pairs per top-layer computation
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+class BatchedEngineError(ClientTaskError):
+    """The model or local mode cannot be simulated by the batched engine."""
+
+
+class FrozenCache:
+    """Input of the top encoder layer for each text: the frozen lower layers, run once.
+
+    Keyed by text; each entry is the unpadded (length, width) hidden states. Computed in
+    length-sorted chunks with the attention mask, so padding does not change a real token's
+    states.
+    """
+
+    def __init__(self, lm: LocalModel, max_length: int) -> None:
+        self.lm = lm
+        self.max_length = max_length
+        self.store: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def fill(self, texts: Sequence[str]) -> None:
+        missing = sorted({t for t in texts if t not in self.store})
+        if not missing:
+            return
+        lm = self.lm
+        ids = lm.encode(missing, self.max_length)
+        backbone = lm.model.backbone
+        layers = backbone.encoder.layer
+        order = np.argsort([len(x) for x in ids], kind="stable")
+        backbone.encoder.layer = layers[:-1]  # the frozen part only; restored below
+        try:
+            for i in range(0, len(order), EVAL_CHUNK):
+                idx = order[i : i + EVAL_CHUNK]
+                batch = lm.batch([ids[j] for j in idx])
+                out = backbone(**batch).last_hidden_state
+                for row, j in enumerate(idx):
+                    n = len(ids[j])
+                    self.store[missing[j]] = out[row, :n].clone()
+        finally:
+            backbone.encoder.layer = layers
+
+    def gather(self, texts: Sequence[Sequence[str | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, B) texts (None = empty slot) -> hidden (K, B, L, H) and mask (K, B, L)."""
+        k, b = len(texts), max(len(row) for row in texts)
+        length = max(len(self.store[t]) for row in texts for t in row if t is not None)
+        ref = next(iter(self.store.values()))
+        hidden = torch.zeros(k, b, length, ref.shape[-1], dtype=ref.dtype)
+        mask = torch.zeros(k, b, length, dtype=ref.dtype)
+        for i, row in enumerate(texts):
+            for j, t in enumerate(row):
+                if t is None:
+                    mask[i, j, 0] = 1.0  # an empty slot: one zero token, weight 0 in the loss
+                    continue
+                h = self.store[t]
+                hidden[i, j, : len(h)] = h
+                mask[i, j, : len(h)] = 1.0
+        return hidden, mask
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """Names of one linear layer's parameters (and its LoRA factors, if any)."""
+
+    weight: str
+    bias: str
+    lora_a: str | None = None
+    lora_b: str | None = None
+    scaling: float = 0.0
+
+
+class TopLayer:
+    """The top BERT layer, pooling and head as a function of stacked client parameters."""
+
+    def __init__(self, lm: LocalModel) -> None:
+        if lm.local_mode != "lora-top":
+            raise BatchedEngineError(
+                f"the batched engine needs --local-mode lora-top, got {lm.local_mode!r}"
+            )
+        net = lm.model
+        self.prefix = top_layer_prefix(net)
+        if net.pooling not in ("mean", "cls", "pooler"):
+            raise BatchedEngineError(
+                f"the batched engine supports mean, cls or pooler pooling, not {net.pooling!r}"
+            )
+        self.pooling = net.pooling
+        self.pooler = getattr(net.backbone, "pooler", None)
+        cfg = net.config
+        if cfg.hidden_act != "gelu":
+            raise BatchedEngineError(f"hidden_act {cfg.hidden_act!r}: the engine implements gelu")
+        self.heads = cfg.num_attention_heads
+        self.eps = cfg.layer_norm_eps
+        self.named = dict(net.named_parameters())
+        self.trainable = list(lm.trainable)
+        outside = [n for n in self.trainable if not n.startswith((self.prefix, "head."))]
+        if outside:
+            raise BatchedEngineError(f"parameters below the top layer train: {outside}")
+        layer = net.backbone.encoder.layer[-1]
+        self.q = self._linear("attention.self.query", layer.attention.self.query)
+        self.k = self._linear("attention.self.key", layer.attention.self.key)
+        self.v = self._linear("attention.self.value", layer.attention.self.value)
+        self.o = self._linear("attention.output.dense", layer.attention.output.dense)
+        self.ln1 = (
+            self._name("attention.output.LayerNorm.weight"),
+            self._name("attention.output.LayerNorm.bias"),
+        )
+        self.i = self._linear("intermediate.dense", layer.intermediate.dense)
+        self.o2 = self._linear("output.dense", layer.output.dense)
+        self.ln2 = (self._name("output.LayerNorm.weight"), self._name("output.LayerNorm.bias"))
+        self.head = _Linear("head.weight", "head.bias")
+
+    def _name(self, suffix: str) -> str:
+        name = self.prefix + suffix
+        if name not in self.named:
+            raise BatchedEngineError(f"expected parameter {name} in the model")
+        return name
+
+    def _linear(self, path: str, module: torch.nn.Module) -> _Linear:
+        if hasattr(module, "base_layer"):  # peft LoRA wrapper
+            scaling = float(module.scaling["default"])
+            return _Linear(
+                self._name(f"{path}.base_layer.weight"),
+                self._name(f"{path}.base_layer.bias"),
+                self._name(f"{path}.lora_A.default.weight"),
+                self._name(f"{path}.lora_B.default.weight"),
+                scaling,
+            )
+        return _Linear(self._name(f"{path}.weight"), self._name(f"{path}.bias"))
+
+    def _get(self, name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return params[name] if name in params else self.named[name].detach()
+
+    def _apply(self, lin: _Linear, x: torch.Tensor, params: dict[str, torch.Tensor]):
+        """x (K, N, in) -> (K, N, out); stacked (K, ...) tensors are per client."""
+        w, b = self._get(lin.weight, params), self._get(lin.bias, params)
+        y = x @ w.transpose(-1, -2) if w.dim() == 2 else torch.bmm(x, w.transpose(1, 2))
+        y = y + (b if b.dim() == 1 else b[:, None, :])
+        if lin.lora_a is not None:
+            a, bb = self._get(lin.lora_a, params), self._get(lin.lora_b, params)
+            at = a.transpose(-1, -2)
+            xa = x @ at if a.dim() == 2 else torch.bmm(x, at)
+            bt = bb.transpose(-1, -2)
+            y = y + lin.scaling * (xa @ bt if bb.dim() == 2 else torch.bmm(xa, bt))
+        return y
+
+    def _norm(self, x: torch.Tensor, names: tuple[str, str], params) -> torch.Tensor:
+        w, b = self._get(names[0], params), self._get(names[1], params)
+        y = F.layer_norm(x, x.shape[-1:], eps=self.eps) * w
+        return y + (b if b.dim() == 1 else b[:, None, :])
+
+    def logits(
+        self, hidden: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """hidden (K, B, L, H), mask (K, B, L) -> logits (K, B, classes)."""
+        k, b, length, width = hidden.shape
+        x = hidden.reshape(k, b * length, width)
+        nh, dh = self.heads, width // self.heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(k * b, length, nh, dh).transpose(1, 2)
+
+        q, kk, v = (split(self._apply(lin, x, params)) for lin in (self.q, self.k, self.v))
+        scores = q @ kk.transpose(-1, -2) / math.sqrt(dh)
+        key_mask = mask.reshape(k * b, 1, 1, length)
+        scores = scores + (1.0 - key_mask) * torch.finfo(scores.dtype).min
+        ctx = torch.softmax(scores, dim=-1) @ v
+        ctx = ctx.transpose(1, 2).reshape(k, b * length, width)
+        a = self._norm(self._apply(self.o, ctx, params) + x, self.ln1, params)
+        inter = F.gelu(self._apply(self.i, a, params))
+        out = self._norm(self._apply(self.o2, inter, params) + a, self.ln2, params)
+        out = out.reshape(k, b, length, width)
+        if self.pooling == "mean":
+            m = mask.unsqueeze(-1)
+            pooled = (out * m).sum(2) / m.sum(2).clamp(min=1.0)
+        elif self.pooling == "cls":
+            pooled = out[:, :, 0]
+        else:  # frozen BERT pooler on the first token
+            pooled = self.pooler(out.reshape(k * b, length, width)).reshape(k, b, width)
+        return self._apply(self.head, pooled, params)
+
+
+class _StackedOptimizer:
+    """AdamW (weight decay 0) or SGD on stacked client tensors, one step count per client.
+
+    The update is element-wise, so stepping the stack equals stepping each client's own
+    ``torch.optim`` optimizer; clients without a batch in a step are left untouched.
+    """
+
+    def __init__(self, name: str, params: list[torch.Tensor], lr: float) -> None:
+        self.name, self.params, self.lr = name, params, lr
+        k = params[0].shape[0]
+        self.steps = torch.zeros(k, dtype=torch.long)
+        if name == "adamw":
+            self.m = [torch.zeros_like(p) for p in params]
+            self.v = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def step(self, active: torch.Tensor) -> None:
+        self.steps += active.long()
+        for i, p in enumerate(self.params):
+            g = p.grad
+            shape = (-1,) + (1,) * (p.dim() - 1)
+            act = active.reshape(shape)
+            if self.name == "sgd":
+                p.sub_(torch.where(act, self.lr * g, torch.zeros_like(g)))
+                continue
+            b1, b2 = ADAM_BETAS
+            m = torch.where(act, self.m[i].lerp(g, 1 - b1), self.m[i])
+            v = torch.where(act, self.v[i] * b2 + (1 - b2) * g * g, self.v[i])
+            self.m[i], self.v[i] = m, v
+            t = self.steps.clamp(min=1).to(p.dtype).reshape(shape)
+            step_size = self.lr / (1 - b1**t)
+            denom = v.sqrt() / (1 - b2**t).sqrt() + ADAM_EPS
+            p.sub_(torch.where(act, step_size * m / denom, torch.zeros_like(p)))
+
+
+ClientData = Callable[[int], Sequence[TextExample]]
+
+
+class BatchedClients:
+    """Local training, client losses and votes for many clients at once (``lora-top``)."""
+
+    def __init__(self, lm: LocalModel, task: TaskConfig, client_data: ClientData) -> None:
+        self.lm, self.task, self.client_data = lm, task, client_data
+        self.top = TopLayer(lm)
+        self.cache = FrozenCache(lm, task.max_length)
+        self.dtype = next(lm.model.parameters()).dtype
+
+    # -- parameters ---------------------------------------------------------------------
+
+    def _stack(self, arrays: Sequence[np.ndarray], k: int) -> list[torch.Tensor]:
+        return [
+            torch.as_tensor(np.asarray(a), dtype=self.dtype)
+            .unsqueeze(0)
+            .repeat(k, *([1] * np.ndim(a)))
+            for a in arrays
+        ]
+
+    def _params(self, stacked: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(zip(self.top.trainable, stacked, strict=True))
+
+    # -- forward pieces -----------------------------------------------------------------
+
+    def _losses(
+        self,
+        stacked: Sequence[torch.Tensor],
+        rows: list[list[tuple[str, int] | None]],
+    ) -> torch.Tensor:
+        """Each client's SUM of cross-entropies over its row (K,); empty slots add nothing.
+
+        All (client, example) pairs are flattened, sorted by length and cut into chunks
+        padded to at most ``PAD_SLACK`` x their real tokens; each example reads its own
+        client's parameters (gathered by client index), so clients still train apart.
+        """
+        flat = [
+            (k, t, y) for k, row in enumerate(rows) for s in row if s is not None for t, y in [s]
+        ]
+        dtype = stacked[0].dtype
+        total = torch.zeros(len(rows), dtype=dtype)
+        if not flat:
+            return total
+        lengths = [len(self.cache.store[t]) for _, t, _ in flat]
+        chunks = _length_chunks([[0] * n for n in lengths], np.arange(len(flat)))
+        params = self._params(stacked)
+        for chunk in chunks:
+            for part in np.array_split(chunk, max(1, math.ceil(len(chunk) / FLAT_CHUNK))):
+                items = [flat[i] for i in part]
+                hidden, mask = self.cache.gather([[t] for _, t, _ in items])
+                kidx = torch.as_tensor([k for k, _, _ in items])
+                per_example = {n: v.index_select(0, kidx) for n, v in params.items()}
+                logits = self.top.logits(hidden, mask, per_example)[:, 0]
+                labels = torch.as_tensor([y for _, _, y in items])
+                ce = F.cross_entropy(logits, labels, reduction="none")
+                total = total.index_add(0, kidx, ce)
+        return total
+
+    @torch.no_grad()
+    def mean_losses(
+        self, stacked: Sequence[torch.Tensor], data: list[Sequence[TextExample]]
+    ) -> list[float]:
+        """Each client's mean cross-entropy on its own data (per-client ``evaluate``)."""
+        rows = [[(e.text, e.label) for e in d] for d in data]
+        width = max(len(r) for r in rows)
+        rows = [r + [None] * (width - len(r)) for r in rows]
+        total = self._losses(stacked, rows)
+        return [float(t) / max(1, len(d)) for t, d in zip(total, data, strict=True)]
+
+    # -- local training -----------------------------------------------------------------
+
+    def train(
+        self,
+        start: Sequence[np.ndarray],
+        data: list[Sequence[TextExample]],
+        rngs: list[np.random.Generator],
+    ) -> list[list[np.ndarray]]:
+        """Each client's update (new - start), as ``client.local_train`` would return it."""
+        task, k = self.task, len(data)
+        stacked = [t.requires_grad_(True) for t in self._stack(start, k)]
+        opt = _StackedOptimizer(task.local_optimizer, stacked, task.lr)
+        for _ in range(task.local_epochs):
+            plans = [
+                _batches(len(d), task.local_batch_size, r) for d, r in zip(data, rngs, strict=True)
+            ]
+            for s in range(max(len(p) for p in plans)):
+                rows: list[list[tuple[str, int] | None]] = []
+                sizes = []
+                for d, p in zip(data, plans, strict=True):
+                    idx = p[s] if s < len(p) else np.zeros(0, dtype=int)
+                    rows.append([(d[i].text, d[i].label) for i in idx])
+                    sizes.append(len(idx))
+                width = max(sizes)
+                rows = [r + [None] * (width - len(r)) for r in rows]
+                active = torch.tensor([n > 0 for n in sizes])
+                denom = torch.tensor([max(n, 1) for n in sizes], dtype=self.dtype)
+                loss = (self._losses(stacked, rows) / denom).sum()
+                for t in stacked:
+                    t.grad = None
+                loss.backward()
+                opt.step(active)
+        out = []
+        for i in range(k):
+            out.append(
+                [
+                    (t[i].detach() - torch.as_tensor(np.asarray(a), dtype=self.dtype))
+                    .cpu()
+                    .numpy()
+                    .astype(np.asarray(a).dtype)
+                    for t, a in zip(stacked, start, strict=True)
+                ]
+            )
+        return out
+
+    def _data(self, pids: Sequence[int]) -> list[Sequence[TextExample]]:
+        data = [self.client_data(p) for p in pids]
+        self.cache.fill([e.text for d in data for e in d])
+        return data
+
+    def round_replies(
+        self,
+        start: Sequence[np.ndarray],
+        pids: Sequence[int],
+        server_round: int,
+        report_loss: bool = False,
+        loss_bound: float = 0.0,
+    ) -> list[ClientReply]:
+        """The replies the sampled clients' ClientApp would send in ``server_round``."""
+        replies: list[ClientReply] = []
+        for c in range(0, len(pids), CLIENT_CHUNK):
+            chunk = list(pids[c : c + CLIENT_CHUNK])
+            data = self._data(chunk)
+            rngs = [np.random.default_rng([self.task.seed, p, server_round]) for p in chunk]
+            metrics: list[dict] = [{} for _ in chunk]
+            if report_loss:
+                before = self.mean_losses(self._stack(start, len(chunk)), data)
+                for m, x in zip(metrics, before, strict=True):
+                    m["loss_before"] = clamp_loss(x, loss_bound)
+            for r in rngs:  # the ClientApp's failure-injection draw, to keep the data order
+                r.random()
+            updates = self.train(start, data, rngs)
+            for p, u, m in zip(chunk, updates, metrics, strict=True):
+                replies.append(ClientReply(NODE_OFFSET + p, update=u, metrics=m))
+        return replies
+
+    def candidate_losses(
+        self,
+        start: Sequence[np.ndarray],
+        pids: Sequence[int],
+        candidates: Sequence[float],
+        noise_multiplier: float,
+        expected_clients: float,
+    ) -> np.ndarray:
+        """(clients, candidates) local losses after one simulated noisy aggregate per
+        candidate, drawn as ``client.candidate_losses`` draws them (the vote query)."""
+        out = []
+        for c in range(0, len(pids), CLIENT_CHUNK):
+            chunk = list(pids[c : c + CLIENT_CHUNK])
+            data = self._data(chunk)
+            rngs = [np.random.default_rng([self.task.seed, p, 0]) for p in chunk]
+            updates = self.train(start, data, rngs)
+            trials: list[list[list[np.ndarray]]] = [[] for _ in candidates]
+            for u, rng in zip(updates, rngs, strict=True):
+                for j, cand in enumerate(candidates):
+                    clipped, _ = clip_update(u, cand)
+                    std = noise_multiplier * cand / expected_clients
+                    trials[j].append(
+                        [
+                            np.asarray(s)
+                            + cu
+                            + (rng.normal(0.0, std, size=cu.shape).astype(cu.dtype) if std else 0)
+                            for s, cu in zip(start, clipped, strict=True)
+                        ]
+                    )
+            cols = []
+            for j in range(len(candidates)):
+                stacked = [
+                    torch.as_tensor(np.stack([t[i] for t in trials[j]]), dtype=self.dtype)
+                    for i in range(len(start))
+                ]
+                cols.append(self.mean_losses(stacked, data))
+            out.append(np.asarray(cols).T)
+        return np.concatenate(out, axis=0)
+
+    # -- server-side evaluation ---------------------------------------------------------
+
+    def evaluate_fn(
+        self, texts: Sequence[str], labels: Sequence[int]
+    ) -> Callable[[Sequence[np.ndarray]], tuple[float, float]]:
+        """(loss, accuracy) on a fixed split through the cache: the full model's results."""
+        self.cache.fill(texts)
+        y = torch.as_tensor(list(labels))
+        order = np.argsort([len(self.cache.store[t]) for t in texts], kind="stable")
+        chunks = [order[i : i + EVAL_CHUNK] for i in range(0, len(order), EVAL_CHUNK)]
+
+        @torch.no_grad()
+        def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
+            if not texts:
+                return math.nan, math.nan
+            stacked = self._stack(params, 1)
+            loss_sum, correct = 0.0, 0
+            for idx in chunks:  # similar lengths together: little padding
+                hidden, mask = self.cache.gather([[texts[i] for i in idx]])
+                logits = self.top.logits(hidden, mask, self._params(stacked))[0]
+                yy = y[torch.as_tensor(idx)]
+                loss_sum += float(F.cross_entropy(logits, yy, reduction="sum"))
+                correct += int((logits.argmax(-1) == yy).sum())
+            return loss_sum / len(texts), correct / len(texts)
+
+        return fn
+
+
+def run_batched(
+    server_cfg: ServerConfig,
+    task: TaskConfig,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    client_data: ClientData | None = None,
+    eval_data: tuple[Sequence[str], Sequence[int]] | None = None,
+    prefill: bool = True,
+) -> DPFedAvgServer:
+    """A run with the batched engine, through the same server core as the Flower engines.
+
+    ``prefill``: cache every client's examples before the first round (the simulation holds
+    all clients' data anyway); otherwise a client's are cached when it is first sampled.
+    """
+    from dpfit.federated.app import client_examples, eval_split, initial_arrays
+
+    lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+    engine = BatchedClients(lm, task, client_data or (lambda p: client_examples(task, p)))
+    texts, labels = eval_data if eval_data is not None else eval_split(task, "validation")
+    server = DPFedAvgServer(server_cfg, initial_arrays(task), engine.evaluate_fn(texts, labels))
+    if prefill:  # every client's frozen-layer output up front: later rounds are steady
+        engine._data(range(task.num_clients))
+    return drive(server, engine, task.num_clients, on_round)
+
+
+def drive(
+    server: DPFedAvgServer,
+    engine: BatchedClients,
+    num_clients: int,
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> DPFedAvgServer:
+    """Vote (if the rule asks), then rounds until done or out of budget: ``DPFedAvg.start``
+    with in-process replies."""
+    from dpfit.federated.accounting import BudgetExhausted
+
+    cfg = server.config
+    if cfg.checkpoint_dir:
+        server.load_checkpoint(cfg.checkpoint_dir)
+    pids = list(range(num_clients))
+    if not server.initialised:
+        votes = None
+        if type(server.rule).needs_votes:
+            q = server.vote_query_config()
+            losses = engine.candidate_losses(
+                server.params,
+                pids,
+                q["candidates"],
+                q["noise_multiplier"],
+                q["expected_clients"],
+            )
+            from dpfit.federated.clipping import one_hot_vote
+
+            votes = [one_hot_vote(row) for row in losses]
+        server.initialise(votes)
+    rule = type(server.rule)
+    while server.round < cfg.rounds:
+        try:
+            server.check_budget()
+        except BudgetExhausted as exc:
+            server.stop_reason = str(exc)
+            logger.error("%s", exc)
+            break
+        sampled = server.sample_clients([NODE_OFFSET + p for p in pids])
+        replies = engine.round_replies(
+            server.params,
+            [n - NODE_OFFSET for n in sampled],
+            server.round + 1,
+            report_loss=rule.needs_client_loss,
+            loss_bound=float(server.rule.config.loss_bound),
+        )
+        record = server.aggregate(sampled, replies)
+        if on_round is not None:
+            on_round(record)
+    return server

@@ -1,0 +1,74 @@
+"""The issue-29 protocol's tables and docs section are the rendering of the recorded runs; the
+paired intervals and the recorded epsilons are recomputed independently (scipy's t quantile,
+dp-accounting directly)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _benchmark():
+    path = ROOT / "benchmarks" / "federated_lac.py"
+    spec = importlib.util.spec_from_file_location("federated_lac", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs():
+    return [json.loads(x) for x in (RESULTS / "federated_lac.jsonl").read_text().splitlines()]
+
+
+def test_tables_and_docs_are_the_rendering_of_the_recorded_runs(tmp_path):
+    bench = _benchmark()
+    runs = _runs()
+    text = bench.render(runs, "federated_lac", bench.load_floor(RESULTS))
+    assert (RESULTS / "federated_lac.md").read_text() == text
+    pilot = bench.render_pilot(json.loads((RESULTS / "federated_lac_pilot.json").read_text()))
+    assert (RESULTS / "federated_lac_pilot.md").read_text() == pilot
+    docs = tmp_path / "federated.md"
+    docs.write_text((ROOT / "docs" / "federated.md").read_text())
+    bench.write_into_docs(bench.docs_section(pilot, text), docs)
+    assert docs.read_text() == (ROOT / "docs" / "federated.md").read_text()
+
+
+def test_paired_interval_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    bench = _benchmark()
+    diffs = [0.012, -0.004, 0.02]
+    mean, lo, hi = bench.paired_interval(diffs)
+    n = len(diffs)
+    sd = (sum((d - mean) ** 2 for d in diffs) / (n - 1)) ** 0.5
+    half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+    assert (lo, hi) == pytest.approx((mean - half, mean + half), rel=1e-3)
+
+
+def test_recorded_epsilons_recomputed_with_dp_accounting():
+    """Rules with one Gaussian per round (fixed, automatic, lac: plus the vote once)."""
+    import dp_accounting as dpa
+
+    checked = 0
+    for r in _runs():
+        if r["method"] not in ("fixed", "automatic", "lac") or r["stopped"]:
+            continue
+        q = r["clients_per_round"] / r["clients"]
+        acc = dpa.rdp.RdpAccountant()
+        if r["method"] == "lac":
+            acc.compose(dpa.GaussianDpEvent(r["vote_noise_std"]))
+        rounds = len(r["rounds"])
+        acc.compose(
+            dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(r["noise_multiplier"])), rounds
+        )
+        eps = acc.get_epsilon(1e-5)
+        assert eps == pytest.approx(r["epsilon"], rel=1e-3)
+        assert eps <= r["epsilon_target"] * (1 + 1e-3)
+        checked += 1
+    assert checked > 0
