@@ -117,8 +117,8 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "a second continuation of a checkpoint goes ahead without --fork (issue 26 item 3)",
         f"{FED}/strategy.py",
-        "d / state[\"params_file\"], self.round, self.config.allow_fork",
-        "d / state[\"params_file\"], self.round, True",
+        'd / state["params_file"], self.round, self.config.allow_fork',
+        'd / state["params_file"], self.round, True',
     ),
     (
         "a secure continuation reseeds its generators from public state (issue 26 item 3)",
