@@ -23,8 +23,9 @@ def _run(argv):
     return run(parser.parse_args(argv))
 
 
-# What `dpfit federated` prints without -v: a header, one line per round, then the table.
-OWN_LINE = re.compile(r"^(dpfit federated: .*|round +\d+/\d+  C=.*|\|.*\||)$")
+# What `dpfit federated` prints without -v: a header, the vote's start and end, one line per
+# round, then the table.
+OWN_LINE = re.compile(r"^(dpfit federated: .*|clip vote: .*|round +\d+/\d+  C=.*|\|.*\||)$")
 
 
 def _foreign_lines(text: str) -> list[str]:
@@ -51,6 +52,7 @@ def test_simulation_engine_writes_metrics_rounds_and_plots(tmp_path, capfd):
         assert (out / png).stat().st_size > 0
     captured = capfd.readouterr()  # file descriptors: the Ray actors write to them too
     assert "round   2/2" in captured.out
+    assert "clip vote: done" in captured.out  # the ServerApp's thread reaches the listener
     # no Ray actor logs, Flower warnings or transformers load reports without -v
     assert _foreign_lines(captured.out) == []
     assert captured.err == ""
@@ -63,6 +65,9 @@ def test_default_output_is_rounds_and_table_only(capfd):
     captured = capfd.readouterr()
     lines = captured.out.splitlines()
     assert lines[0].startswith("dpfit federated: lac, eps=8")
+    # the vote is the longest silent stretch before round 1: it says when it starts and ends
+    assert lines[1] == "clip vote: 4 clients score the candidates ..."
+    assert lines[2] == "clip vote: done"
     assert sum(line.startswith("round ") for line in lines) == 2
     assert "majority class" in captured.out and "test acc" in captured.out
     assert _foreign_lines(captured.out) == []

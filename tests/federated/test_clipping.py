@@ -303,8 +303,9 @@ def test_dynamic_rule_decays_clip_and_noise_on_du_et_al_schedule():
 
 def test_clac_does_not_shrink_on_a_flat_noised_loss():
     """Issue 29: the noised mean loss of a model that does not improve (std 0.083, the eps 2
-    setting) must not walk C down. The paper's ratio step on the same draws collapses C,
-    which shows the test can tell the two apart."""
+    setting) must not walk C down. Over the protocol's horizon (30 rounds, 40 seeds) C stays
+    at C0 in most runs; shrinking on any decrease (the significance test removed) moves the
+    median, and the paper's ratio step on the same draws collapses C over 1000 rounds."""
     m, bound = 100, 2.0
     # pick the loss share so the noised mean has std 0.083
     share = (bound / m / 0.083) ** 2
@@ -312,15 +313,24 @@ def test_clac_does_not_shrink_on_a_flat_noised_loss():
         initial_clip=1.0, noise_multiplier=1.0, expected_clients=m, loss_bound=bound,
         loss_budget_share=share,
     )  # fmt: skip
-    rule = ClacClip(cfg)
-    assert rule.mean_loss_std() == pytest.approx(0.083, rel=1e-6)
-    rng = np.random.default_rng(11)
+    assert ClacClip(cfg).mean_loss_std() == pytest.approx(0.083, rel=1e-6)
+    finals = []
+    for seed in range(40):
+        rule, rng = ClacClip(cfg), np.random.default_rng(seed)
+        for _ in range(30):
+            rule.observe(RoundObservation(client_losses=(0.69,) * m), rng)
+        finals.append(rule.clip_norm)
+    # k = 2: a spurious shrink has probability ~2.3% a round (measured: 33% of 30-round
+    # runs end below 0.9 C0; shrinking on any decrease: 90%, median 0.77)
+    assert np.median(finals) == 1.0
+    assert np.mean(np.array(finals) < 0.9) <= 0.5
+    rule, rng = ClacClip(cfg), np.random.default_rng(11)
     paper_c = 1.0
     for _ in range(1000):
         rule.observe(RoundObservation(client_losses=(0.69,) * m), rng)
         if len(rule.losses) >= 2:
             paper_c = lac_step(paper_c, rule.losses[-1], rule.losses[-2])
-    assert rule.clip_norm > 0.5
+    assert rule.clip_norm > 0.3  # anchored: C >= (lowest draw) / (first draw)
     assert paper_c < 1e-3
 
 

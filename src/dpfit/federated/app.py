@@ -13,6 +13,7 @@ bundled Rotten Tomatoes data: IID, Dirichlet label skew, or natural clients by m
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import logging
@@ -250,11 +251,14 @@ def run_simulation(
 
     holder: dict[str, DPFedAvgServer] = {}
     server_app = ServerApp()
+    # Flower may run the ServerApp in another thread, which does not inherit context
+    # variables: carry the caller's progress listener (the vote's progress) across
+    caller = contextvars.copy_context()
 
     @server_app.main()
     def main(grid: Any, context: Any) -> None:
         strategy = build_strategy(server_cfg, task, on_round)
-        holder["server"] = strategy.start(grid)
+        holder["server"] = caller.copy().run(strategy.start, grid)
 
     init_args: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False}
     if not verbose:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpfit import progress
 from dpfit.data.bundled import TextExample
 from dpfit.federated.client import (
     ClientTaskError,
@@ -522,6 +523,7 @@ def drive(
         votes = None
         if type(server.rule).needs_votes:
             q = server.vote_query_config()
+            progress.report("clip vote", 0, num_clients)
             losses = engine.candidate_losses(
                 server.params,
                 pids,
@@ -532,6 +534,7 @@ def drive(
             from dpfit.federated.clipping import one_hot_vote
 
             votes = [one_hot_vote(row) for row in losses]
+            progress.report("clip vote", num_clients, num_clients)
         server.initialise(votes)
     rule = type(server.rule)
     while server.round < cfg.rounds:

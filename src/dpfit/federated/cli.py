@@ -409,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}; deploy with: flwr run {args.write_app} <connection> --stream")
         return 0
     quiet_third_party(getattr(args, "verbose", 0))
+    from dpfit import progress as dpfit_progress
     from dpfit.federated.app import make_evaluate_fn, run_local, run_simulation
 
     quiet = args.json
@@ -431,7 +432,18 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
+    def on_stage(stage: str, done: int, total: int) -> None:
+        # the vote and other long stretches before round 1 say what they are doing
+        if quiet:
+            return
+        if done == 0:
+            print(f"{stage}: {total} clients score the candidates ...", flush=True)
+        elif done >= total:
+            print(f"{stage}: done", flush=True)
+
     try:
+        stages = dpfit_progress.listening(on_stage)
+        stages.__enter__()  # left in the finally below, whatever the engine raises
         if args.engine == "local":
             server = run_local(server_cfg, task, on_round=progress)
         elif args.engine == "batched":
@@ -456,6 +468,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        stages.__exit__(None, None, None)
     if args.output:
         metrics = write_outputs(server, task, args.output)
     else:

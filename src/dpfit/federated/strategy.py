@@ -25,6 +25,7 @@ import numpy as np
 from flwr.serverapp.strategy import Strategy
 
 from dpfit import checkpoint as ckpt
+from dpfit import progress
 from dpfit.federated.accounting import (
     BudgetExhausted,
     ClientLevelAccountant,
@@ -653,6 +654,7 @@ class DPFedAvg(Strategy):
 
         cfg = dict(self.task_record, **self.server.vote_query_config())
         msgs = self._messages(ArrayRecord(self.server.params), cfg, nodes, MessageType.QUERY)
+        progress.report("clip vote", 0, len(nodes))  # every client scores every candidate
         votes = []
         for reply in grid.send_and_receive(msgs, timeout=self.server.config.round_timeout):
             if reply.has_error():
@@ -663,6 +665,7 @@ class DPFedAvg(Strategy):
             except Exception as exc:  # malformed content: counted as a dropped vote
                 logger.warning("vote reply malformed: %s", exc)
                 votes.append([])
+        progress.report("clip vote", len(nodes), len(nodes))
         return votes
 
     def start(self, grid: Any, initial_arrays: Any = None, num_rounds: int | None = None, **_: Any):
