@@ -622,6 +622,18 @@ MUTATIONS += (
         ),
         ("tests/integrations/test_trainer_virtual.py", "-k", "physical_size"),
     ),
+    Mutation(
+        "physical-batches-collated-eagerly",
+        "the loader collates every physical batch of a logical batch before the first forward",
+        (
+            (
+                "dpfit/sampling.py",
+                "yield PhysicalBatches(sizes, self._collated(chunks))",
+                "yield PhysicalBatches(sizes, iter(list(self._collated(chunks))))",
+            ),
+        ),
+        ("tests/integrations/test_trainer_virtual.py", "-k", "physical_size"),
+    ),
 )
 
 

@@ -121,12 +121,25 @@ def test_physical_batches_give_the_one_pass_update_at_sigma_zero(make, tmp_path)
 
 
 def test_forward_batches_are_at_most_the_physical_size(make, tmp_path):
-    """The memory bound: no forward sees more than physical_batch_size examples."""
+    """The memory bound: no forward sees more than physical_batch_size examples, and each
+    physical batch is collated only after the previous one's forward (never the whole logical
+    batch's inputs at once)."""
+    model, ds, collator = make()
+    forwards_at_collate = []
+
+    def lazy_checked(features):
+        forwards_at_collate.append(len(trainer.forward_rows))
+        return collator(features)
+
     privacy = PrivacyArguments(noise_multiplier=1.0, insecure_seed=5, physical_batch_size=4)
-    trainer, _ = run(make, tmp_path, privacy, per_device_train_batch_size=24)
+    trainer = Recording(model=model, args=targs(tmp_path, per_device_train_batch_size=24),
+                        train_dataset=ds, data_collator=lazy_checked, privacy=privacy)  # fmt: skip
+    trainer.train()
     sizes = [s for item in trainer.items if item is not None for s in item]
     assert max(trainer.forward_rows) == 4 == max(sizes)
     assert len(sizes) > 3 * 2  # several physical batches per logical batch
+    assert len(forwards_at_collate) == len(sizes)
+    assert all(seen >= i for i, seen in enumerate(forwards_at_collate))
 
 
 def test_one_noise_draw_per_logical_step_and_accounting_unchanged(make, tmp_path, noise_draws):
