@@ -594,6 +594,49 @@ MUTATIONS += (
 )
 
 
+# issue 30, item 4: DPTrainer virtual steps (PrivacyArguments.physical_batch_size): one noise
+# draw per logical step, however many physical batches; no forward larger than the physical size
+MUTATIONS += (
+    Mutation(
+        "noise-per-physical-batch",
+        "each physical batch of a logical batch releases its own noised step",
+        (
+            (
+                ENGINE,
+                "        if not self._steps.physical_done():\n            return False\n",
+                "        if not self._steps.physical_done():\n"
+                "            self._release(optimizer)\n            return False\n",
+            ),
+        ),
+        ("tests/integrations/test_trainer_virtual.py", "-k", "noise"),
+    ),
+    Mutation(
+        "trainer-physical-batch-ignored",
+        "DPTrainer runs each logical batch as one forward whatever physical_batch_size says",
+        (
+            (
+                "dpfit/integrations/trainer.py",
+                "physical_batch_size=self.privacy.physical_batch_size,",
+                "physical_batch_size=None,",
+            ),
+        ),
+        ("tests/integrations/test_trainer_virtual.py", "-k", "physical_size"),
+    ),
+    Mutation(
+        "physical-batches-collated-eagerly",
+        "the loader collates every physical batch of a logical batch before the first forward",
+        (
+            (
+                "dpfit/sampling.py",
+                "yield PhysicalBatches(sizes, self._collated(chunks))",
+                "yield PhysicalBatches(sizes, iter(list(self._collated(chunks))))",
+            ),
+        ),
+        ("tests/integrations/test_trainer_virtual.py", "-k", "physical_size"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

@@ -282,6 +282,7 @@ class PrivacyEngine:
         max_steps: int | None = None,
         yield_empty: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
+        group_physical: bool = False,
     ) -> PoissonDataLoader:
         """A Poisson-sampling loader over `dataset` at rate q = expected_batch_size/sample_size.
 
@@ -294,6 +295,8 @@ class PrivacyEngine:
         noise-only step taken inside the loader, which needs it: without it, empty batches
         drawn before the first `step()` wait for that call, so their noise reaches the
         parameters after the next batch's gradient was already taken at the old ones.
+        group_physical: yield one `dpfit.sampling.PhysicalBatches` per logical batch (its
+        physical batches, collated as iterated) for loops that take one item per step.
         """
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise SamplingError(
@@ -330,6 +333,7 @@ class PrivacyEngine:
             batch_context=no_sync_context(self._ddp),
             stop=None if max_steps is None else (lambda: self.ledger.steps >= max_steps),
             yield_empty=yield_empty,
+            group_physical=group_physical,
         )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)

@@ -32,6 +32,7 @@ __all__ = [
     "LogicalBatch",
     "LogicalBatchEvents",
     "LogicalStepTracker",
+    "PhysicalBatches",
     "PoissonBatchSampler",
     "PoissonDataLoader",
     "RankPart",
@@ -237,6 +238,26 @@ class EmptyBatch(Mapping):
 EMPTY_BATCH = EmptyBatch()
 
 
+class PhysicalBatches:
+    """One logical batch as its physical batches, for loops that take one item per logical
+    step (transformers' Trainer): iterating it collates one physical batch at a time, so only
+    one physical batch of inputs exists at once. Iterate it once, stepping after each backward.
+    """
+
+    def __init__(self, sizes: tuple[int, ...], batches: Iterator[Any]) -> None:
+        self.sizes = sizes  # examples in each physical batch, in order
+        self._batches = batches
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._batches
+
+    def __repr__(self) -> str:
+        return f"PhysicalBatches(sizes={self.sizes})"
+
+
 def default_collate(items: list[Any]) -> Any:
     return torch.utils.data.default_collate(items)
 
@@ -258,6 +279,7 @@ class PoissonDataLoader:
         batch_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         stop: Callable[[], bool] | None = None,
         yield_empty: bool = False,
+        group_physical: bool = False,
     ) -> None:
         if physical_batch_size is not None and physical_batch_size < 1:
             raise ValueError("physical_batch_size must be >= 1")
@@ -275,6 +297,9 @@ class PoissonDataLoader:
         # (its step is then the caller's): for loops that count one item per logical step,
         # like transformers' Trainer, so that every rank of a job counts the same steps
         self.yield_empty = yield_empty
+        # yield one PhysicalBatches per logical batch instead of its physical batches one by
+        # one: for the same one-item-per-logical-step loops
+        self.group_physical = group_physical
 
     def __len__(self) -> int:
         """Logical steps per pass (the number of physical batches varies)."""
@@ -295,11 +320,18 @@ class PoissonDataLoader:
                     self.events.empty()
                 continue
             chunks = self._chunks(idx)
-            self.events.begin(LogicalBatch(len(idx), len(chunks), tuple(len(c) for c in chunks)))
-            for chunk in chunks:
-                with self.batch_context():
-                    yield self.collate_fn([self.dataset[i] for i in chunk])
+            sizes = tuple(len(c) for c in chunks)
+            self.events.begin(LogicalBatch(len(idx), len(chunks), sizes))
+            if self.group_physical:
+                yield PhysicalBatches(sizes, self._collated(chunks))
+            else:
+                yield from self._collated(chunks)
             self.events.end()
+
+    def _collated(self, chunks: list[list[int]]) -> Iterator[Any]:
+        for chunk in chunks:
+            with self.batch_context():
+                yield self.collate_fn([self.dataset[i] for i in chunk])
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

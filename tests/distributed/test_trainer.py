@@ -26,7 +26,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("trainer")
-    codes = launch(out, 2, model_dir, "update", "resume", script="trainer_worker.py", timeout=400)
+    codes = launch(out, 2, model_dir, "update", "update_physical", "resume",
+                   script="trainer_worker.py", timeout=400)  # fmt: skip
     assert codes == [0, 0], launch.logs
     return results(out, 2)
 
@@ -40,6 +41,20 @@ def test_two_ranks_give_the_one_process_update(job, model_dir, tmp_path):
         got = job[rank]["update"]
         assert got["steps"] == got["global_step"] == 3
         assert got["sample_rate"] == ref["sample_rate"] == 1.0
+        err = (got["delta"] - ref["delta"]).norm()
+        assert err <= 1e-6 * ref["delta"].norm(), (rank, err)
+
+
+def test_two_ranks_with_physical_batches_give_the_one_process_update(job, model_dir, tmp_path):
+    """As above, each rank's share of 12 split into physical batches of 5 (issue 30 item 4):
+    the 3 steps still match one process in one pass to 1e-6, and DDP never reduces."""
+    ref = trainer_worker.run(1, tmp_path, model_dir, "update")
+    assert ref["physical_sizes"] == [(24,)] * 3
+    for rank in (0, 1):
+        got = job[rank]["update_physical"]
+        assert got["physical_sizes"] == [(5, 5, 2)] * 3
+        assert got["steps"] == got["global_step"] == 3
+        assert got["ddp_reduces"] == 0
         err = (got["delta"] - ref["delta"]).norm()
         assert err <= 1e-6 * ref["delta"].norm(), (rank, err)
 

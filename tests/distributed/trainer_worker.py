@@ -56,8 +56,10 @@ def settings(name: str, world: int):
     """(PrivacyArguments, TrainingArguments keywords) of a scenario."""
     from dpfit.integrations import PrivacyArguments
 
-    if name == "update":  # sigma=0, q=1: the logical batch is all N examples, every step
-        return PrivacyArguments(noise_multiplier=0.0), dict(
+    if name in ("update", "update_physical"):  # sigma=0, q=1: all N examples, every step;
+        # update_physical: each rank's share of 12 in physical batches of 5, 5 and 2
+        physical = 5 if name == "update_physical" else None
+        return PrivacyArguments(noise_multiplier=0.0, physical_batch_size=physical), dict(
             per_device_train_batch_size=N // world, max_steps=3, save_strategy="no"
         )
     # sigma=1, q=2/24: each rank expects 2/world examples, so many of its batches are empty;
@@ -73,15 +75,17 @@ def train(world: int, out: Path, model_dir: str, name: str, stop_at=None, resume
     from transformers import TrainerCallback, TrainingArguments
 
     from dpfit.integrations import DPTrainer
-    from dpfit.sampling import EmptyBatch
+    from dpfit.sampling import EmptyBatch, PhysicalBatches
 
     rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
     privacy, kw = settings(name, world)
-    counts = {"empty_batches": 0, "ddp_reduces": None}
+    counts = {"empty_batches": 0, "ddp_reduces": None, "physical_sizes": []}
 
     class Counting(DPTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             counts["empty_batches"] += isinstance(inputs, EmptyBatch)
+            if isinstance(inputs, PhysicalBatches):
+                counts["physical_sizes"].append(inputs.sizes)
             return super().training_step(model, inputs, num_items_in_batch)
 
     class Watch(TrainerCallback):

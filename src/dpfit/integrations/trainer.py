@@ -9,15 +9,19 @@
 What changes, and why (docs/trainer.md has the user's view):
 * Batches come from the engine's Poisson loader (what the accountant assumes), not from
   Trainer's shuffled fixed-size loader. ``per_device_train_batch_size`` is the *expected*
-  logical batch; each logical batch is one forward/backward (Trainer's loop fetches exactly
-  one batch per update, so the engine's virtual steps cannot be used here).
+  logical batch. ``PrivacyArguments.physical_batch_size`` splits it into physical batches
+  (virtual steps): Trainer's loop fetches one item per update, so each item is the whole
+  logical batch as ``PhysicalBatches``, and ``training_step`` runs a forward/backward per
+  physical batch, clipping each into the engine's sum; the optimizer step adds the one noise
+  draw of the logical step. Memory is that of one physical batch; accounting is unchanged.
 * Noise and sampling randomness come from the OS (``TrainingArguments.seed`` only seeds
   public things such as dropout); ``PrivacyArguments.insecure_seed`` makes them reproducible
   and the run not private against anyone who knows that seed.
 * ``optimizer.step()`` becomes ``engine.step(optimizer)`` through a thin optimizer wrapper
   (clip per example, add noise, step, account); Trainer's own gradient clipping is turned off
   on a copy of the arguments, since clipping the summed gradient is not DP and would corrupt
-  the engine's consistency check. Gradient accumulation > 1 is refused for the same reason.
+  the engine's consistency check. Gradient accumulation > 1 is refused for the same reason
+  (its fixed count of batches per update is not a Poisson batch; use physical_batch_size).
 * The training loss is a mean over examples of each example's own loss (dpfit.integrations
   .losses): a model's own token-level loss weights an example by its neighbours' lengths.
 * Only released or public figures are logged: the raw gradient norm, the training loss (unless
@@ -62,7 +66,7 @@ from dpfit.errors import DPFitError, LossReductionError
 from dpfit.integrations.losses import LossInputs, per_example_loss_for
 from dpfit.models import head_module_names
 from dpfit.params import make_bias_trainable
-from dpfit.sampling import EmptyBatch
+from dpfit.sampling import EmptyBatch, PhysicalBatches
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +123,17 @@ class PrivacyArguments:
     # Resume from a checkpoint that was already continued (a fork): each continuation draws
     # fresh noise, and releasing several costs each one's own steps (dpfit.json: continuation).
     allow_fork: bool = False
+    # Largest forward/backward batch per device (virtual steps): a logical batch is processed
+    # in physical batches of at most this many examples, clipped into one sum and noised once.
+    # None: each logical batch is one forward/backward. Privacy and the update do not change.
+    physical_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.physical_batch_size is not None and self.physical_batch_size < 1:
+            raise DPFitError(
+                f"physical_batch_size must be a positive number of examples or None, got "
+                f"{self.physical_batch_size}"
+            )
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -202,7 +217,8 @@ def _check_training_arguments(targs) -> None:
     if targs.gradient_accumulation_steps != 1:
         raise DPFitError(
             "DPTrainer needs gradient_accumulation_steps=1: the Poisson logical batch is "
-            "per_device_train_batch_size; accumulation would change what one noised step is"
+            "per_device_train_batch_size; accumulation would change what one noised step is. "
+            "To bound memory, set PrivacyArguments(physical_batch_size=...) instead"
         )
     if targs.include_num_input_tokens_seen not in ("no", False, None):
         raise DPFitError(
@@ -307,10 +323,15 @@ class DPTrainer(Trainer):
                 dataset = self._remove_unused_columns(dataset, description="training")
         except ImportError:  # pragma: no cover
             pass
-        # one physical batch per logical batch: Trainer fetches one batch per update; an empty
-        # one comes out as EMPTY_BATCH, so Trainer counts it (its step is taken in step())
+        # one item per logical batch, as Trainer fetches one batch per update: its physical
+        # batches (PhysicalBatches), or EMPTY_BATCH for an empty one, so Trainer counts it
+        # (its noise-only step is taken in step())
         loader = self.privacy_engine.data_loader(
-            dataset, collate_fn=self.data_collator, yield_empty=True
+            dataset,
+            collate_fn=self.data_collator,
+            physical_batch_size=self.privacy.physical_batch_size,
+            yield_empty=True,
+            group_physical=True,
         )
         if self._resumed_loader_state is not None:
             loader.load_state_dict(self._resumed_loader_state)
@@ -329,15 +350,29 @@ class DPTrainer(Trainer):
         return self.optimizer
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """A forward and backward on this rank's share of the logical batch, with DDP's own
-        gradient all-reduce off: it would average the unclipped gradients across ranks, and
-        the engine reduces the clipped sums (plus rank 0's noise) once in the optimizer step.
-        An EMPTY_BATCH has no forward; the optimizer step takes its noise-only step."""
+        """A forward and backward per physical batch of this rank's share of the logical
+        batch, with DDP's own gradient all-reduce off: it would average the unclipped
+        gradients across ranks, and the engine reduces the clipped sums (plus rank 0's noise)
+        once in the optimizer step. Every physical batch but the last is clipped into the
+        engine's sum here; the last is clipped by the optimizer step, which then adds the one
+        noise draw of the logical step. An EMPTY_BATCH has no forward; the optimizer step
+        takes its noise-only step. Returns the mean loss over the logical batch's examples."""
+        if self._dp_optimizer is None:  # Trainer creates the optimizer before training
+            raise DPFitError("DPTrainer got a training batch before its optimizer existed")
         if isinstance(inputs, EmptyBatch):
-            if self._dp_optimizer is None:  # Trainer creates the optimizer before training
-                raise DPFitError("DPTrainer got a training batch before its optimizer existed")
             self._dp_optimizer.empty = True
             return torch.zeros((), device=self.args.device)
+        if not isinstance(inputs, PhysicalBatches):  # a batch from a user's own loader
+            return self._forward_backward(model, inputs)
+        total, last = None, len(inputs) - 1
+        for i, (size, batch) in enumerate(zip(inputs.sizes, inputs, strict=True)):
+            loss = self._forward_backward(model, batch) * size
+            total = loss if total is None else total + loss
+            if i < last:  # clip into the sum; no release until the logical batch is done
+                self.privacy_engine.step(self._dp_optimizer.inner)
+        return total / sum(inputs.sizes)
+
+    def _forward_backward(self, model, inputs):
         sync_off = nullcontext
         if isinstance(model, DistributedDataParallel):
             sync_off = model.no_sync
@@ -346,7 +381,7 @@ class DPTrainer(Trainer):
             # fixed); Trainer can only ask for it with DDP's deprecated broadcast_buffers
             distributed.stop_forward_buffer_sync(model)
         with sync_off():
-            return super().training_step(model, inputs, num_items_in_batch)
+            return super().training_step(model, inputs, None)
 
     def _get_num_items_in_batch(self, batch_samples, device):
         """Not counted: the loss is a per-example mean, and Trainer would all-gather the label
