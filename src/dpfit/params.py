@@ -76,3 +76,68 @@ def make_bias_trainable(model: nn.Module, train_head: Iterable[str] = ()) -> Tra
         )
     log.info("bias-only training: %s", summary)
     return summary
+
+
+# peft's LoRA adapter containers (peft.tuners.lora.LoraLayer.adapter_layer_names): lora_A and
+# lora_B hold one nn.Linear / nn.Conv per adapter; the others are parameter dicts with no
+# per-example sampler (LoRA on embeddings, DoRA), which the engine reports as unsupported
+LORA_CONTAINERS = ("lora_A", "lora_B")
+# peft keeps a frozen copy of a module it trains in full (the head) under this name
+_PEFT_FROZEN_COPY = "original_module"
+_PEFT_TRAINED_COPY = "modules_to_save"
+
+
+def is_lora(name: str) -> bool:
+    """Whether a parameter or module name lies inside a peft LoRA adapter (lora_A / lora_B)."""
+    return any(part in LORA_CONTAINERS for part in name.split("."))
+
+
+def is_lora_module(name: str) -> bool:
+    """Whether a module is one adapter's layer: ``....lora_A.<adapter>`` (or lora_B)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in LORA_CONTAINERS
+
+
+def in_peft_head(name: str) -> bool:
+    """Under a module peft trains in full (``modules_to_save``, e.g. a classifier head)."""
+    return _PEFT_TRAINED_COPY in name.split(".")
+
+
+def make_lora_trainable(
+    model: nn.Module, train_head: Iterable[str] = (), biases: bool = True
+) -> TrainableSummary:
+    """Freeze every parameter except the peft LoRA adapters, the biases (``biases=True``:
+    the bias+lora mode; False: LoRA-only) and the head.
+
+    The head is whatever peft trains in full (``modules_to_save``, which peft sets for
+    sequence classification) plus the module-name prefixes in `train_head`. peft's frozen copy
+    of such a head (``original_module``) stays frozen, biases included. Why a helper: peft's
+    ``LoraConfig(bias=...)`` covers biases too, but "all" would also train that frozen copy.
+    """
+    heads = tuple(train_head)
+    matched = dict.fromkeys(heads, False)
+    lora_found = False
+    for name, p in _unique_named_parameters(model):
+        parts = name.split(".")
+        in_head = [h for h in heads if name == h or name.startswith(h + ".")]
+        for h in in_head:
+            matched[h] = True
+        lora = is_lora(name)
+        lora_found |= lora
+        frozen_copy = _PEFT_FROZEN_COPY in parts
+        train = lora or bool(in_head) or in_peft_head(name) or (biases and is_bias(name))
+        p.requires_grad_(train and not frozen_copy)
+    missing = [h for h, ok in matched.items() if not ok]
+    if missing:
+        raise NoTrainableParametersError(
+            f"train_head names {missing} match no parameter; module names look like "
+            f"{[n for n, _ in list(model.named_modules())[1:6]]}"
+        )
+    if not lora_found:
+        raise NoTrainableParametersError(
+            "the model has no LoRA adapters; wrap it with peft first, e.g. "
+            "peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=[...]))"
+        )
+    summary = summarize(model)
+    log.info("%s training: %s", "bias+LoRA" if biases else "LoRA", summary)
+    return summary
