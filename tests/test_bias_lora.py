@@ -218,3 +218,67 @@ def test_lora_modes_without_adapters_are_an_error():
         make_engine(base, mode="bias+lora")
     with pytest.raises(NoTrainableParametersError, match="peft"):
         dpfit.make_lora_trainable(base)
+
+
+# --------------------------------------------------------------------------- dpfit train
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
+
+    root = tmp_path_factory.mktemp("lora_cli")
+    return (
+        str(save_tiny_random_model(root / "model")),
+        str(write_tiny_sentiment_csv(root / "train.csv", n=120, seed=0)),
+        str(write_tiny_sentiment_csv(root / "test.csv", n=40, seed=1)),
+    )
+
+
+@pytest.mark.parametrize("mode", ["bias+lora", "lora"])
+def test_cli_trains_saves_a_merged_model_that_evaluates(tiny_run, tmp_path, capsys, mode):
+    import json
+
+    from dpfit.cli import main
+
+    model, data, test = tiny_run
+    out = tmp_path / "run"
+    args = ["train", "--model", model, "--data", data, "--eval-data", test, "--epochs", "1",
+            "--batch-size", "30", "--physical-batch-size", "16", "--threads", "1", "--quiet",
+            "--mode", mode, "--lora-r", "2", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    m = json.loads((out / "metrics.json").read_text())
+    record = json.loads((out / "model" / "dpfit.json").read_text())
+    names = record["trained_parameters"]
+    assert any("lora_A" in n for n in names) and any("lora_B" in n for n in names)
+    assert "head.weight" in names
+    biases = [n for n in names if is_bias(n) and not n.startswith("head.")]
+    assert bool(biases) == (mode == "bias+lora")
+    assert all(is_lora(n) or is_bias(n) or n.startswith("head.") for n in names)
+    assert m["epsilon"] <= 8.0 + 1e-6
+    # the adapters were folded into the weights: the folder is the plain model again
+    assert main(["evaluate", "--model", str(out / "model"), "--data", test, "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["accuracy"] == pytest.approx(m["accuracy"])
+
+
+def test_merge_lora_keeps_the_function():
+    from dpfit.params import merge_lora
+
+    model = lora_model("gpt2")
+    ids, _ = batch()
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        assert merge_lora(model) == 2  # c_attn in each of the two layers
+        after = model(input_ids=ids).logits
+    assert not any(is_lora(n) for n, _ in model.named_parameters())
+    torch.testing.assert_close(after, before, rtol=1e-9, atol=1e-12)
+
+
+def test_unknown_lora_targets_are_one_clear_error():
+    from dpfit.errors import LoraTargetError
+    from dpfit.params import add_lora
+
+    base, _ = bert()
+    with pytest.raises(LoraTargetError, match="no_such_proj"):
+        add_lora(base, 2, 4.0, ["no_such_proj"])

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from dpfit.errors import NoTrainableParametersError
+from dpfit.errors import LoraTargetError, NoTrainableParametersError
 
 log = logging.getLogger(__name__)
 
@@ -141,3 +141,50 @@ def make_lora_trainable(
     summary = summarize(model)
     log.info("%s training: %s", "bias+LoRA" if biases else "LoRA", summary)
     return summary
+
+
+def add_lora(
+    model: nn.Module, r: int, alpha: float, targets: Sequence[str] | None = None
+) -> nn.Module:
+    """Inject peft LoRA adapters in place (the model object and its head stay the caller's).
+
+    targets None: the attention projections peft knows for the model type (BERT query/value,
+    GPT-2 c_attn, LLaMA q_proj/v_proj): adapting queries and values is where Hu et al. (2021)
+    found a small rank enough. No LoRA dropout: it would only add noise to DP's noise.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
+
+    if targets is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in TARGETS:
+            raise LoraTargetError(
+                f"no default LoRA target modules for model type {model_type!r}; name them, "
+                "e.g. --lora-targets q_proj v_proj (module-name suffixes)"
+            )
+        targets = TARGETS[model_type]
+    fan_in_fan_out = any(type(m).__name__ == "Conv1D" for m in model.modules())  # GPT-2
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets),
+        fan_in_fan_out=fan_in_fan_out,
+    )  # fmt: skip
+    try:
+        return inject_adapter_in_model(cfg, model)
+    except ValueError as e:  # peft: no module matched the targets
+        raise LoraTargetError(f"LoRA targets {list(targets)}: {e}") from e
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every LoRA adapter into its base layer and put the base layer back, so the saved
+    model is the plain architecture (loadable without peft); returns the layers merged."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    merged = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, BaseTunerLayer) or not name:
+            continue
+        module.merge()
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, module.get_base_layer())
+        merged += 1
+    return merged
