@@ -282,3 +282,16 @@ def test_unknown_lora_targets_are_one_clear_error():
     base, _ = bert()
     with pytest.raises(LoraTargetError, match="no_such_proj"):
         add_lora(base, 2, 4.0, ["no_such_proj"])
+
+
+def test_lora_on_embeddings_is_refused_by_name():
+    """peft's embedding adapters are bare parameters with no per-example sampler."""
+    from dpfit.errors import UnsupportedLayerError
+
+    base, _ = bert()
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=2, target_modules=["query", "word_embeddings"])
+    )
+    dpfit.make_lora_trainable(model)
+    with pytest.raises(UnsupportedLayerError, match="lora_embedding_A"):
+        make_engine(model, mode="bias+lora")

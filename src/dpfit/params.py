@@ -79,17 +79,25 @@ def make_bias_trainable(model: nn.Module, train_head: Iterable[str] = ()) -> Tra
 
 
 # peft's LoRA adapter containers (peft.tuners.lora.LoraLayer.adapter_layer_names): lora_A and
-# lora_B hold one nn.Linear / nn.Conv per adapter; the others are parameter dicts with no
-# per-example sampler (LoRA on embeddings, DoRA), which the engine reports as unsupported
+# lora_B hold one nn.Linear / nn.Conv per adapter, through the full-mode samplers; the others
+# are bare parameters with no per-example sampler (LoRA on embeddings, DoRA): they are made
+# trainable like the rest, so that the engine names them as unsupported rather than a LoRA
+# target silently not training
 LORA_CONTAINERS = ("lora_A", "lora_B")
+LORA_PARAMETERS = (
+    *LORA_CONTAINERS,
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+)
 # peft keeps a frozen copy of a module it trains in full (the head) under this name
 _PEFT_FROZEN_COPY = "original_module"
 _PEFT_TRAINED_COPY = "modules_to_save"
 
 
 def is_lora(name: str) -> bool:
-    """Whether a parameter or module name lies inside a peft LoRA adapter (lora_A / lora_B)."""
-    return any(part in LORA_CONTAINERS for part in name.split("."))
+    """Whether a parameter or module name lies inside a peft LoRA adapter."""
+    return any(part in LORA_PARAMETERS for part in name.split("."))
 
 
 def is_lora_module(name: str) -> bool:
