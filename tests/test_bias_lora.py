@@ -295,3 +295,13 @@ def test_lora_on_embeddings_is_refused_by_name():
     dpfit.make_lora_trainable(model)
     with pytest.raises(UnsupportedLayerError, match="lora_embedding_A"):
         make_engine(model, mode="bias+lora")
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_recipe_gives_the_lora_modes_bias_modes_rate(private):
+    from dpfit.recipe import resolve_recipe
+
+    def lr(mode):
+        return resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, mode, private=private).lr
+
+    assert lr("bias+lora") == lr("lora") == lr("bias") != lr("full")
