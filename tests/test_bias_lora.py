@@ -305,3 +305,33 @@ def test_recipe_gives_the_lora_modes_bias_modes_rate(private):
         return resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, mode, private=private).lr
 
     assert lr("bias+lora") == lr("lora") == lr("bias") != lr("full")
+
+
+def test_resume_reinjects_the_adapters_and_ends_where_the_run_ends(tiny_run, tmp_path, capsys):
+    """A checkpoint holds the unmerged adapters; --resume injects them again and, with the
+    noise seeded, finishes with the same merged model as the uninterrupted run."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dpfit.cli import main
+
+    model, data, _ = tiny_run
+
+    def run(out, ck, *extra):
+        args = ["train", "--model", model, "--data", data, "--batch-size", "16",
+                "--physical-batch-size", "16", "--seed", "3", "--epsilon", "4", "--threads",
+                "1", "--quiet", "--json", "--insecure-reproducible-noise", "--epochs", "1",
+                "--no-head-first", "--mode", "bias+lora", "--lora-r", "2",
+                "--output", str(out), "--checkpoint-dir", str(ck), *extra]  # fmt: skip
+        assert main(args) == 0, capsys.readouterr().err
+
+    run(tmp_path / "a", tmp_path / "cka")
+    first, last = sorted((tmp_path / "cka").iterdir())[-2:]  # one step before the end
+    (tmp_path / "ckb").mkdir()
+    shutil.copy(first, tmp_path / "ckb" / first.name)
+    run(tmp_path / "b", tmp_path / "ckb", "--resume")
+    a, b = (load_file(str(tmp_path / d / "model" / "model.safetensors")) for d in "ab")
+    assert set(a) == set(b) and not any(is_lora(k) for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
