@@ -198,6 +198,9 @@ def test_adapters_use_factored_samplers_and_head_explicit():
             assert plan.weight_fn is norm_sampler_for(module), name
         else:
             assert plan.weight_fn is None, name
+        if not is_lora(name) and not in_peft_head(name):
+            # biases come from the output gradient alone: no input kept for the backward
+            assert not plan.needs_input and set(plan.params) == {"bias"}, name
 
 
 def test_bias_lora_without_biases_is_an_error():
