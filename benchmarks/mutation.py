@@ -637,6 +637,25 @@ MUTATIONS += (
 )
 
 
+# issue 30, item 1: bias+LoRA under one global clip: the adapters' rows (kept factored, ghost
+# norms) must enter each example's norm together with the biases and the head
+MUTATIONS += (
+    Mutation(
+        "lora-rows-outside-global-norm",
+        "bias+lora: the LoRA adapters' factored rows are left out of the per-example global norm "
+        "(clipped by the biases' norm only, so an example's contribution can exceed R)",
+        (
+            (
+                CLIPPED_SUM,
+                "sq = sq + batch.factored_sq_norms(p).to(sq.device) * scale**2",
+                "sq = sq + 0 * batch.factored_sq_norms(p).to(sq.device)",
+            ),
+        ),
+        ("tests/test_bias_lora.py", "-k", "global_clip"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

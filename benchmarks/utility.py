@@ -16,6 +16,8 @@ rotten-tomatoes (2 classes), convention-party (2), text-source (6). Rows per tas
   ... no head-first         the same two rows with `--no-head-first` (the head-first phase,
                              a linear probe on frozen features before BiTFiT, is the default)
   DP full eps=8              `dpfit train --mode full`
+  DP LoRA-only eps=8         `dpfit train --mode lora`      (peft LoRA r=8 on query/value)
+  DP bias+LoRA eps=E         `dpfit train --mode bias+lora` for E in 1, 8
 
 dpfit rows pass NO recipe flags (batch, lr, epochs, clip norm, clipping, max length): the
 defaults are what is measured. Every finished run is appended to a JSONL log and skipped when
@@ -122,6 +124,10 @@ ROWS = (
         "dpfit",
         {"epsilon": 8.0, "mode": "full", "head_first": False},
     ),
+    # issue 30 item 1: the LoRA modes beside DP-BiTFiT and DP full (not run yet)
+    Row("dp-lora-8", "DP LoRA-only eps=8", "dpfit", {"epsilon": 8.0, "mode": "lora"}),
+    Row("dp-bias-lora-8", "DP bias+LoRA eps=8", "dpfit", {"epsilon": 8.0, "mode": "bias+lora"}),
+    Row("dp-bias-lora-1", "DP bias+LoRA eps=1", "dpfit", {"epsilon": 1.0, "mode": "bias+lora"}),
 )
 ROW_BY_KEY = {r.key: r for r in ROWS}
 QUICK_TRAIN, QUICK_TEST = 1000, 500

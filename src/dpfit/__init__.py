@@ -15,7 +15,7 @@ from dpfit.errors import (
     SamplingError,
     UnsupportedLayerError,
 )
-from dpfit.params import TrainableSummary, make_bias_trainable, summarize
+from dpfit.params import TrainableSummary, make_bias_trainable, make_lora_trainable, summarize
 from dpfit.schedule import Phase
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ __all__ = [
     "epsilon_for",
     "load_pretrained_with_biases",
     "make_bias_trainable",
+    "make_lora_trainable",
     "noise_multiplier_for",
     "restore_added_biases",
     "summarize",

@@ -143,7 +143,28 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="also seed the DP noise and Poisson sampling from --seed, to reproduce a run "
         "exactly; the run is then NOT private against anyone who knows the seed",
     )
-    g.add_argument("--mode", choices=("bias", "full"), default="bias")
+    g.add_argument(
+        "--mode",
+        choices=("bias", "full", "bias+lora", "lora"),
+        default="bias",
+        help="what trains: biases + head (bias), every weight (full), peft LoRA adapters + "
+        "biases + head under one clip (bias+lora), or LoRA adapters + head (lora)",
+    )
+    g.add_argument(
+        "--lora-r", type=_positive_int, default=8, help="LoRA rank (--mode bias+lora / lora)"
+    )
+    g.add_argument(
+        "--lora-alpha",
+        type=_positive_float,
+        default=16.0,
+        help="LoRA scale numerator: updates scaled by alpha / r (default 16: 2 at r = 8)",
+    )
+    g.add_argument(
+        "--lora-targets",
+        nargs="+",
+        help="module-name suffixes that get adapters (default: the attention query and value "
+        "projections peft knows for the model type)",
+    )
     g.add_argument(
         "--pooling",
         choices=("auto", "cls", "pooler", "mean", "last"),
@@ -255,6 +276,9 @@ def train_config_from_args(args: argparse.Namespace):
         public_labels=args.public_labels,
         non_private=args.non_private,
         mode=args.mode,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
         add_biases=args.add_biases,
         full_epochs=args.full_epochs,
         task=args.task,

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from dpfit.accounting import ACCOUNTANTS, DEFAULT_NEIGHBOURING, NEIGHBOURING
 from dpfit.clipping import clipping_names
 
-MODES = ("bias", "full")
+MODES = ("bias", "full", "bias+lora", "lora")
+# modes whose peft LoRA adapters (lora_A / lora_B weights) train through the full-mode samplers
+LORA_MODES = ("bias+lora", "lora")
+# the modes a two-phase schedule switches between (dpfit.schedule)
+PHASE_MODES = ("bias", "full")
 LOSS_REDUCTIONS = ("mean", "sum")
 SAMPLINGS = ("poisson", "user-poisson")
 

@@ -76,6 +76,11 @@ __all__ = ["PrivacyEngine", "gaussian_noise", "get_clipping"]
 class PrivacyEngine:
     """DP-SGD over the model's trainable parameters, bias-only by design (DP-BiTFiT).
 
+    mode: "bias" (biases + head), "full" (every weight through grad_sample.full),
+    "bias+lora" / "lora" (a peft LoRA model after dpfit.make_lora_trainable: the adapters
+    through grad_sample.full's ghost norm or materialised rows, biases and head as in bias
+    mode, all under one per-example global norm).
+
     Construction validates the model (no BatchNorm, a sampler for every trainable parameter),
     fixes the noise multiplier (given, or calibrated to a target epsilon for the planned steps)
     and registers hooks. `step(optimizer)` then clips, sums, noises and applies one logical step.

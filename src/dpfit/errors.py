@@ -17,6 +17,10 @@ class NoTrainableParametersError(DPFitError):
     """Nothing would train: the model has no bias (or the selection matched nothing)."""
 
 
+class LoraTargetError(DPFitError):
+    """The LoRA target modules are unknown for this model type or match no module."""
+
+
 class BudgetExhaustedError(DPFitError):
     """The next step would spend more privacy than the configured target allows."""
 

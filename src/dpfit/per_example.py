@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dpfit import grad_sample  # noqa: F401  (registers the samplers)
+from dpfit.config import LORA_MODES
 from dpfit.errors import (
     BatchNormError,
     GradientMismatchError,
@@ -28,6 +29,7 @@ from dpfit.errors import (
 )
 from dpfit.grad_sample.full import norm_sampler_for
 from dpfit.grad_sample.registry import HALF_DTYPES, SamplerEntry, lookup, registered_layers
+from dpfit.params import in_peft_head, is_bias, is_lora, is_lora_module
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ def plan_layers(
             "no parameter of the model requires grad; call dpfit.make_bias_trainable(model) "
             "(and dpfit.add_biases(model) first if the model has no biases)"
         )
+    if mode in LORA_MODES:
+        check_lora_selection(mode, list(trainable.values()))
     owned: dict[nn.Parameter, str] = {}
     plans: dict[nn.Module, LayerPlan] = {}
     claimed: set[nn.Module] = set()
@@ -117,7 +121,9 @@ def plan_layers(
                 elif local in entry.weight_params and entry.weight is not None:
                     plan.params[local] = p
                     plan.needs_input = True
-        if plan.needs_input and mode == "full":
+        if plan.needs_input and (mode == "full" or (mode in LORA_MODES and is_lora_module(mname))):
+            # full mode: every weight; LoRA modes: the adapters (ghost norm or materialised,
+            # by the rule in grad_sample.full), while a head keeps the explicit sampler
             plan.weight_fn = norm_sampler_for(module)
         if plan.params:
             plans[module] = plan
@@ -141,6 +147,24 @@ def plan_layers(
     if heavy:
         log.info("per-example weight gradients (input kept for backward) in: %s", heavy)
     return plans
+
+
+def check_lora_selection(mode: str, names: list[str]) -> None:
+    """The LoRA modes need trainable adapters, and bias+lora needs biases outside the head:
+    without them the run would silently be another mode."""
+    fix = (
+        "wrap the model with peft (peft.get_peft_model(model, peft.LoraConfig(...))), then "
+        f"call dpfit.make_lora_trainable(model, biases={mode == 'bias+lora'})"
+    )
+    if not any(is_lora(n) for n in names):
+        raise NoTrainableParametersError(f"mode={mode!r} found no trainable LoRA weight: {fix}")
+    if mode == "bias+lora" and not any(
+        is_bias(n) and not is_lora(n) and not in_peft_head(n) for n in names
+    ):
+        raise NoTrainableParametersError(
+            "mode='bias+lora' found no trainable bias outside the head (peft's default "
+            f"LoraConfig(bias='none') freezes them): {fix}, or use mode='lora'"
+        )
 
 
 def _first_tensor(x: Any) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dpfit.config import MODES
+from dpfit.config import PHASE_MODES
 from dpfit.errors import NoTrainableParametersError
 from dpfit.params import is_bias
 
@@ -42,8 +42,8 @@ class Phase:
     epochs: float
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"phase mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in PHASE_MODES:
+            raise ValueError(f"phase mode must be one of {PHASE_MODES}, got {self.mode!r}")
         if not self.epochs > 0:
             raise ValueError(f"phase epochs must be > 0, got {self.epochs}")
 

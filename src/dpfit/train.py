@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from dpfit import checkpoint as ckpt
 from dpfit import outputs, progress
 from dpfit.accounting import check_neighbouring
+from dpfit.config import LORA_MODES
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
@@ -52,7 +53,7 @@ from dpfit.tasks.pooling import POOLINGS
 logger = logging.getLogger(__name__)
 
 CLIPPING = ("flat", "automatic")
-MODES = ("bias", "full")
+MODES = ("bias", "full", "bias+lora", "lora")
 TASKS = ("classification", "causal-lm", "image-classification")
 OPTIMIZERS = {
     "adamw": lambda params, lr, wd: torch.optim.AdamW(params, lr=lr, weight_decay=wd),
@@ -107,6 +108,11 @@ class TrainConfig:
     mode: str = "bias"
     add_biases: bool = False  # BiTFiT-Add: zero biases where the model has none
     full_epochs: int = 0  # two-phase X+BiTFiT: X epochs of full fine-tuning first
+    # --mode bias+lora / lora (dpfit.params.add_lora): rank, scale alpha/r, targets (None:
+    # peft's attention query/value projections for the model type)
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] | None = None
     task: str = "classification"
     task_options: Any = None  # the task's own settings (a frozen dataclass, e.g. ImageOptions)
     output: str | None = None  # (resume)
@@ -123,6 +129,10 @@ class TrainConfig:
             raise ValueError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.lora_r < 1 or not self.lora_alpha > 0:
+            raise ValueError(
+                f"--lora-r must be >= 1 and --lora-alpha > 0, got {self.lora_r}, {self.lora_alpha}"
+            )
         check_neighbouring(self.neighbouring)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
@@ -455,6 +465,8 @@ def _prepare_trainables(
         for p in model.parameters():
             p.requires_grad_(True)
         return summarize(model)
+    if config.mode in LORA_MODES:
+        return _prepare_lora(model, heads, config)
     if count_bias_parameters(model, exclude=heads) == 0:
         raise NoTrainableParametersError(
             f"{config.model or 'the model'} has no bias terms outside its head, so bias-only "
@@ -462,6 +474,32 @@ def _prepare_trainables(
             "(dpfit.add_biases), or use --mode full"
         )
     return dpfit.make_bias_trainable(model, train_head=heads)
+
+
+def _prepare_lora(model, heads: tuple[str, ...], config: TrainConfig):
+    """--mode bias+lora / lora: peft LoRA adapters injected into the backbone (the head stays
+    the task's), then the adapters (+ biases) + head made trainable."""
+    import dpfit
+    from dpfit.params import add_lora
+
+    backbone = getattr(model, "backbone", model)
+    add_lora(backbone, config.lora_r, config.lora_alpha, config.lora_targets)
+    with_biases = config.mode == "bias+lora"
+    if with_biases and count_bias_parameters(model, exclude=heads) == 0:
+        raise NoTrainableParametersError(
+            f"{config.model or 'the model'} has no bias terms outside its head; add "
+            "zero-initialised biases with --add-biases, or use --mode lora"
+        )
+    return dpfit.make_lora_trainable(model, train_head=heads, biases=with_biases)
+
+
+def _merge_lora(model, config: TrainConfig) -> None:
+    """Fold the LoRA adapters into the weights before the model is scored and saved: the
+    same function, saved as the plain architecture (post-processing of the private steps)."""
+    if config.mode in LORA_MODES:
+        from dpfit.params import merge_lora
+
+        merge_lora(getattr(model, "backbone", model))
 
 
 def _enter_bias_phase(engine, optimizer, note: Callable[[str], None]):
@@ -905,6 +943,7 @@ def train(
                 continuation, engine.ledger.records, engine.target_delta, engine.ledger.accountant
             )
         engine.detach()
+    _merge_lora(model, config)
     errors: list[str] = []
     try:
         scores = task.evaluate(prep, model, config, device)
@@ -982,6 +1021,7 @@ def _save_partial(
     }
     try:
         write_json(out / "metrics.json", record)
+        _merge_lora(model, config)
         task.save(prep, model, out / "model")
         write_json(out / "model" / "dpfit.json", {"private": True, "status": status, **privacy})
     except Exception:  # noqa: BLE001 - the error that stopped training is the one to raise
