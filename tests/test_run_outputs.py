@@ -167,6 +167,34 @@ def test_a_run_stopped_mid_training_keeps_what_it_spent(tiny, tmp_path, monkeypa
         train(dataclasses.replace(config, max_steps=1))
 
 
+def test_a_run_stopped_in_the_head_first_phase_keeps_what_it_spent(tiny, tmp_path, monkeypatch):
+    """The head-first phase spends privacy too: an error after some of its steps leaves
+    metrics.json with the epsilon spent and the model as it stands."""
+    import dpfit.train as train_mod
+
+    calls = {"n": 0}
+    real = train_mod.F.cross_entropy
+
+    def failing(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the head phase's third step
+            raise RuntimeError("boom in the head phase")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_mod.F, "cross_entropy", failing)
+    out = tmp_path / "run"
+    config = TrainConfig(
+        model=tiny[0], data=tiny[1], max_steps=3, batch_size=20, physical_batch_size=120,
+        head_first=True, head_epochs=5, output=str(out),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="boom in the head phase"):
+        train(config)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["status"] == "failed" and m["privacy"]["steps"] == 2
+    assert m["epsilon"] > 0 and m["epsilon"] == m["privacy"]["epsilon"]
+    assert (out / "model" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("state", ["missing", "empty", "other files"])
 def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tiny, tmp_path, state):
     ck = tmp_path / "ck"

@@ -578,9 +578,11 @@ def _collate_features(items: list[tuple[torch.Tensor, int]]) -> dict:
 def _head_phase(
     model, items, collate, config: TrainConfig, n: int, delta: float, sigma: float, steps: int,
     device, note: Callable[[str], None],
+    on_abort: Callable[[BaseException, object], None] | None = None,
 ) -> dict | None:  # fmt: skip
     """Train the head alone on frozen features for `steps` logical steps; returns the
-    engine state (ledger, generator) to carry into the main phase (None if non-private)."""
+    engine state (ledger, generator) to carry into the main phase (None if non-private).
+    `on_abort(error, engine)` keeps the record of head steps taken before an error."""
     import dpfit
 
     with autocast(config.precision, device):  # bf16 features, returned as float32
@@ -622,6 +624,10 @@ def _head_phase(
                 loss.backward()
                 if stepper.step(optimizer) and stepper.steps_taken >= steps:
                     break
+    except BaseException as e:  # the head steps taken spent privacy: keep their record
+        if engine is not None and engine.steps_taken and on_abort is not None:
+            on_abort(e, engine)
+        raise
     finally:
         if engine is not None:
             engine.detach()
@@ -776,10 +782,17 @@ def train(
     if head_steps and not config.non_private:
         sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
     if head_steps and resume_path is None:
+
+        def head_aborted(error: BaseException, head_engine) -> None:
+            if config.output and is_main_process():
+                steps_done = head_engine.steps_taken
+                _save_partial(error, config, task, prep, model, head_engine, steps_done, note)
+
         with _oom_guard(config):
             head_state = _head_phase(  # None when non-private: no ledger to carry
-                model, items, collate, config, n, delta, sigma or 0.0, head_steps, device, note
-            )
+                model, items, collate, config, n, delta, sigma or 0.0, head_steps, device, note,
+                on_abort=head_aborted,
+            )  # fmt: skip
         head_scores = _score_before(
             task, prep, model, config, device, note, "head-first: the linear probe alone"
         )
