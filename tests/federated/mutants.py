@@ -92,9 +92,9 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "exact client count released in metrics.json",
         f"{FED}/cli.py",
-        '"insecure_seed": server.insecure,\n    }',
-        '"insecure_seed": server.insecure,\n'
-        '        "clients": server.last_counts.sampled if server.last_counts else 0,\n    }',
+        '        "insecure_seed": server.insecure,\n',
+        '        "insecure_seed": server.insecure,\n'
+        '        "clients": server.last_counts.sampled if server.last_counts else 0,\n',
     ),
     (
         "vote reply carries the candidate losses",
