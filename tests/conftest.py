@@ -15,5 +15,15 @@ def _runs_dir(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a 2-core box: more threads only spin against each other. Restored
+    after each test, since the CLI's --threads changes the process-wide count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

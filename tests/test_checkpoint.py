@@ -61,13 +61,6 @@ def test_check_compatible():
         ckpt.check_compatible({"lr": 1.0}, {"lr": 2.0}, ("lr",))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)  # `--threads 1` below sets it process-wide
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")

@@ -4,18 +4,10 @@ import csv
 import json
 
 import pytest
-import torch
 
 from dpfit import accounting
 from dpfit.cli import build_parser, main
 from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

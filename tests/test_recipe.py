@@ -4,20 +4,11 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from dpfit import recipe as R
 from dpfit.models import save_tiny_random_model
 from dpfit.recipe import Recipe, default_delta, resolve_recipe
 from dpfit.train import TrainConfig, train
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_pure_and_equal_sizes_give_equal_recipes():

@@ -21,13 +21,6 @@ from dpfit.outputs import OutputError
 from dpfit.train import TrainConfig, train
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("outputs")

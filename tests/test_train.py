@@ -12,15 +12,6 @@ from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 from dpfit.train import PhysicalBatchMemoryError, TrainConfig, train
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core box: more threads only spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")

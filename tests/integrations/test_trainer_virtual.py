@@ -19,14 +19,6 @@ from dpfit.sampling import EmptyBatch, PhysicalBatches  # noqa: E402
 N = 96
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     return save_tiny_random_model(tmp_path_factory.mktemp("tiny") / "m")
