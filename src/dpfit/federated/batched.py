@@ -513,7 +513,6 @@ def drive(
 ) -> DPFedAvgServer:
     """Vote (if the rule asks), then rounds until done or out of budget: ``DPFedAvg.start``
     with in-process replies."""
-    from dpfit.federated.accounting import BudgetExhausted
 
     cfg = server.config
     if cfg.checkpoint_dir:
@@ -537,13 +536,7 @@ def drive(
             progress.report("clip vote", num_clients, num_clients)
         server.initialise(votes)
     rule = type(server.rule)
-    while server.round < cfg.rounds:
-        try:
-            server.check_budget()
-        except BudgetExhausted as exc:
-            server.stop_reason = str(exc)
-            logger.error("%s", exc)
-            break
+    while server.round < cfg.rounds and server.can_run_another_round():
         sampled = server.sample_clients([NODE_OFFSET + p for p in pids])
         replies = engine.round_replies(
             server.params,

@@ -395,6 +395,17 @@ class DPFedAvgServer:
         """Raise BudgetExhausted if the next round would pass the target epsilon."""
         self.accountant.check_round(self.round_multipliers)
 
+    def can_run_another_round(self) -> bool:
+        """False (and the reason kept in ``stop_reason``) once the next round would pass
+        the target epsilon: every engine stops the same way."""
+        try:
+            self.check_budget()
+        except BudgetExhausted as exc:
+            self.stop_reason = str(exc)
+            logger.error("%s", exc)
+            return False
+        return True
+
     def aggregate(self, sampled: Sequence[int], replies: Iterable[ClientReply]) -> RoundRecord:
         """Clip, sum, noise once, divide by expected m; account for the sampling performed."""
         t0 = time.perf_counter()
@@ -681,13 +692,7 @@ class DPFedAvg(Strategy):
             votes = self._vote(grid, nodes) if type(server.rule).needs_votes else None
             server.initialise(votes)
         total = num_rounds or server.config.rounds
-        while server.round < total:
-            try:
-                server.check_budget()
-            except BudgetExhausted as exc:
-                server.stop_reason = str(exc)
-                logger.error("%s", exc)
-                break
+        while server.round < total and server.can_run_another_round():
             arrays = ArrayRecord(server.params)
             msgs = self.configure_train(server.round + 1, arrays, {}, grid)
             replies = grid.send_and_receive(msgs, timeout=server.config.round_timeout)
