@@ -157,7 +157,7 @@ def test_config_errors_are_early(tiny_npz):
     with pytest.raises(DPFitError, match="--full-epochs must be between"):
         run(full_epochs=3, epochs=3)
     with pytest.raises(ValueError, match="mode"):
-        TrainConfig(task=TASK, mode="lora")
+        TrainConfig(task=TASK, mode="bogus")
     with pytest.raises(ValueError, match="split"):
         ImageOptions(split="both")
 
