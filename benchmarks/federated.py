@@ -87,7 +87,7 @@ from dpfit.federated.tuning import (
 METHODS = ("fixed", "adaptive-quantile", "automatic", "dynamic", "lac", "clac")
 # Each baseline's grid: what a practitioner would try. Every point spends the same per run
 # (the selection's bound takes one candidate's RDP), so the dynamic rule tunes its C_0 and
-# its clip decay rate rho_c (issue 29: the decay belongs in its grid; 1 = no decay) at the
+# its clip decay rate rho_c (the decay belongs in its grid; 1 = no decay) at the
 # default noise decay, which would change a candidate's privacy cost. LAC and CLAC add no
 # hyperparameter.
 GRIDS: dict[str, list[dict]] = {
@@ -152,7 +152,7 @@ def _install_partitions() -> None:
 
 
 def stratified_subsample(examples: list, k: int, seed: int) -> list:
-    """k examples with the split's class proportions (issue 29: 300 random validation
+    """k examples with the split's class proportions (300 random validation
     examples, 69% one class, made private tuning's picks close to random)."""
     if k <= 0 or k >= len(examples):
         return examples

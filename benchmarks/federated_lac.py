@@ -1,4 +1,4 @@
-"""DP-LAC against the federated clip-rule baselines on fine-tuned clients (issue 29's protocol).
+"""DP-LAC against the federated clip-rule baselines on fine-tuned clients.
 
 Clients: LoRA r=4 on the bundled MiniLM's top layer (query, value) + that layer's biases + the
 head (``--local-mode lora-top``), simulated by the batched engine (``dpfit.federated.batched``:
@@ -324,7 +324,7 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     methods = [m for m in METHODS if any(r["method"] == m for r in runs)]
     hours = sum(r["seconds"] for r in runs) / 3600
     lines = [
-        "# DP-LAC against the clip-rule baselines on fine-tuned clients (issue 29 protocol)",
+        "# DP-LAC against the clip-rule baselines on fine-tuned clients",
         "",
         f"Batched lora-top MiniLM clients (LoRA r=4 on the top layer's q, v + its biases + "
         f"the head), local {r0['local_optimizer']} lr {r0['lr']:g}, 2 local epochs, batch 16; "

@@ -36,7 +36,7 @@ RESULTS = Path(__file__).parent / "results"
 DOCS = Path(__file__).parent.parent / "docs" / "federated.md"
 MARKERS = ("<!-- federated_round_time:begin -->", "<!-- federated_round_time:end -->")
 
-# issue 29's setting: 100 of 1,000 clients of 10 examples a round, two local epochs, LoRA on
+# the DP-LAC protocol's setting: 100 of 1,000 clients of 10 examples a round, two local epochs, LoRA on
 # the top layer (+ its biases and the head); the batched engine against the per-client path
 PROTOCOL = (
     "--clients", "1000", "--clients-per-round", "100", "--examples-per-client", "10",

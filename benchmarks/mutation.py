@@ -341,7 +341,7 @@ MUTATIONS = (
         ),
         ("tests/test_accounting.py", "-k", "tightly and pld"),
     ),
-    # issue 28 (bf16 compute, dpfit.precision): under bf16 autocast the mechanism stays float32
+    # bf16 compute (dpfit.precision): under bf16 autocast the mechanism stays float32
     Mutation(
         "bf16-clip-norms",
         "bf16 autocast: the per-example norms that set the clip factors are taken in bf16, so a "
@@ -369,7 +369,7 @@ MUTATIONS = (
         ),
         ("tests/test_precision.py", "-k", "sums_over_positions"),
     ),
-    # issue 26 item 6: the public-label-name gate counts the rows that train, not the file
+    # the public-label-name gate counts the rows that train, not the file
     Mutation(
         "label-gate-counts-whole-file",
         "the 20-example label-name gate counts the whole file (before hold-out and subsample)",
@@ -383,7 +383,7 @@ MUTATIONS = (
         ),
         ("tests/test_train.py::test_label_gate_counts_the_rows_that_train",),
     ),
-    # issue 26 item 6, image task: the same gate counts the images that train
+    # image task: the same gate counts the images that train
     Mutation(
         "image-label-gate-counts-whole-set",
         "the image task's label-name gate counts every image read (before hold-out and subsets)",
@@ -397,7 +397,7 @@ MUTATIONS = (
         ),
         ("tests/vision/test_label_names.py::test_frequent_or_declared_names_pass",),
     ),
-    # issue 25 item 2: --resume without a checkpoint must not start over (budget spent twice)
+    # --resume without a checkpoint must not start over (budget spent twice)
     Mutation(
         "resume-without-checkpoint-starts-over",
         "--resume with a missing or empty checkpoint folder silently trains from scratch",
@@ -413,7 +413,7 @@ MUTATIONS = (
 )
 
 
-# issue 26, item 7: a SuperNode without a partition id falls back to node_id % N
+# a SuperNode without a partition id falls back to node_id % N
 MUTATIONS += (
     Mutation(
         "partition-from-node-id",
@@ -431,7 +431,7 @@ MUTATIONS += (
 )
 
 
-# issue 26, item 4: the batch-axis check back to comparing row counts only
+# the batch-axis check back to comparing row counts only
 MUTATIONS += (
     Mutation(
         "batch-axis-by-row-count-only",
@@ -455,7 +455,7 @@ MUTATIONS += (
 )
 
 
-# issue 26, item 3: a continuation restores the saved generator states (two continuations of
+# a continuation restores the saved generator states (two continuations of
 # one checkpoint draw the same noise), and a second continuation goes ahead unasked
 MUTATIONS += (
     Mutation(
@@ -492,7 +492,7 @@ MUTATIONS += (
 )
 
 
-# issue 26, item 2: an image folder's architecture read from its images
+# an image folder's architecture read from its images
 MUTATIONS += (
     Mutation(
         "folder-channels-from-images",
@@ -522,7 +522,7 @@ MUTATIONS += (
 )
 
 
-# issue 26, item 1: a private run's public steps.csv carries no per-step timing, and each
+# a private run's public steps.csv carries no per-step timing, and each
 # row's epsilon is the one after its own step (an empty batch's step must not look like the
 # step it was recorded with)
 MUTATIONS += (
@@ -558,7 +558,7 @@ MUTATIONS += (
 )
 
 
-# issue 26, item 5: the neighbouring relation: the replace-one epsilon is reported (and
+# the neighbouring relation: the replace-one epsilon is reported (and
 # calibrated to, when asked) with dp-accounting's REPLACE_ONE analysis, not add-remove's
 MUTATIONS += (
     Mutation(
@@ -594,7 +594,7 @@ MUTATIONS += (
 )
 
 
-# issue 30, item 4: DPTrainer virtual steps (PrivacyArguments.physical_batch_size): one noise
+# DPTrainer virtual steps (PrivacyArguments.physical_batch_size): one noise
 # draw per logical step, however many physical batches; no forward larger than the physical size
 MUTATIONS += (
     Mutation(
@@ -637,7 +637,7 @@ MUTATIONS += (
 )
 
 
-# issue 30, item 1: bias+LoRA under one global clip: the adapters' rows (kept factored, ghost
+# bias+LoRA under one global clip: the adapters' rows (kept factored, ghost
 # norms) must enter each example's norm together with the biases and the head
 MUTATIONS += (
     Mutation(

@@ -1,4 +1,4 @@
-"""Add-remove against replace-one neighbours for the default recipe (issue 26, item 5).
+"""Add-remove against replace-one neighbours for the default recipe.
 
 dpfit publishes the dataset size n (train_examples, q = B/n), so an observer knows that two
 neighbouring datasets have the same size: replace-one. This script takes the default recipe

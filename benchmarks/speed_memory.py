@@ -19,7 +19,7 @@ accepts the model), opacus-hooks, opacus-ghost (DP full fine-tuning) and opacus-
 only biases trainable). Opacus has no grad sampler for transformers' Conv1D, so for GPT-2 the
 Opacus rows run on a copy whose Conv1D layers are replaced by the equivalent nn.Linear.
 Methods are interleaved within each length, and repetitions rotate their order. The bf16 rows
-(issue 28) are the methods nonpriv-full, nonpriv-bias, dpfit-bitfit and dpfit-full with `-bf16`
+are the methods nonpriv-full, nonpriv-bias, dpfit-bitfit and dpfit-full with `-bf16`
 appended: the forward pass under bf16 autocast (dpfit.precision); ask for them with --methods.
 
     python benchmarks/speed_memory.py                 # defaults (see --help)
@@ -65,7 +65,7 @@ LABELS = {
     "opacus-ghost": "Opacus DP full (ghost)",
     "opacus-bias": "Opacus bias-only (hooks)",
 }
-# bf16 autocast rows (issue 28, dpfit.precision): the same method with its forward under
+# bf16 autocast rows (dpfit.precision): the same method with its forward under
 # torch.autocast(bfloat16); parameters, norms, clipping and noise stay float32
 BF16 = "-bf16"
 BF16_METHODS = [

@@ -1,4 +1,4 @@
-"""Peak memory of DPTrainer virtual steps (issue 30 item 4): a logical Poisson batch of 1,024
+"""Peak memory of DPTrainer virtual steps: a logical Poisson batch of 1,024
 processed in physical batches of 32, against a 32-example non-private step.
 
 Each arm runs in a fresh worker process (one thread) on the same randomly initialised BERT
@@ -155,7 +155,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "peak_rss_delta_bytes", "max_saved_bytes_per_forward", "wall_s")} for a, rs in by.items()}  # fmt: skip
     ref = med["nonpriv-32"]
     lines = [
-        "# DPTrainer virtual steps: peak memory (issue 30 item 4)",
+        "# DPTrainer virtual steps: peak memory",
         "",
         f"Output of `{meta['command']}`. Model: randomly initialised BERT (2 layers, hidden 128, "
         f"2 heads, intermediate 512), sequences of {meta['length']} tokens, {meta['n']} examples, "

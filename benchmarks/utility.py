@@ -124,7 +124,7 @@ ROWS = (
         "dpfit",
         {"epsilon": 8.0, "mode": "full", "head_first": False},
     ),
-    # issue 30 item 1: the LoRA modes beside DP-BiTFiT and DP full (not run yet)
+    # the LoRA modes beside DP-BiTFiT and DP full (not run yet)
     Row("dp-lora-8", "DP LoRA-only eps=8", "dpfit", {"epsilon": 8.0, "mode": "lora"}),
     Row("dp-bias-lora-8", "DP bias+LoRA eps=8", "dpfit", {"epsilon": 8.0, "mode": "bias+lora"}),
     Row("dp-bias-lora-1", "DP bias+LoRA eps=1", "dpfit", {"epsilon": 1.0, "mode": "bias+lora"}),

@@ -1,4 +1,4 @@
-"""The batch-axis check does not rely on shapes (issue 26, item 4): one example's row is
+"""The batch-axis check does not rely on shapes: one example's row is
 compared with its gradient computed alone, at run time, before anything is released."""
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path, extra, first
     assert len(steps_csv) == total + 1  # no step counted twice or lost
 
 
-# -- continuations and forks (issue 26, item 3) ----------------------------------------------
+# -- continuations and forks ----------------------------------------------
 
 
 def test_claim_marks_a_checkpoint_once_and_forks_only_when_asked(tmp_path):

@@ -149,7 +149,7 @@ def _bad_file(tmp_path, case):
     ],  # fmt: skip
 )
 def test_newcomer_errors_are_one_actionable_line(tiny, tmp_path, capsys, case, extra, needles):
-    """Issue 25: each case is one line naming the file/row/column or limit and the fix, exit
+    """Each case is one line naming the file/row/column or limit and the fix, exit
     code 2, before training (the --output folder holds no run record)."""
     data = ("--data", str(_bad_file(tmp_path, case))) if case else ()
     out = tmp_path / "run"

@@ -281,7 +281,7 @@ def test_resume_from_state_dict_matches_uninterrupted():
 
 def test_two_continuations_of_one_checkpoint_draw_fresh_noise_and_batches():
     """Default (OS-seeded) generators: a checkpoint carries no generator state, and each
-    continuation draws fresh noise and batches (issue 26, item 3). Restoring the state would
+    continuation draws fresh noise and batches. Restoring the state would
     make two continuations draw the same noise: the difference of their releases would be the
     noise-free difference of clipped gradients. With q = 1 and lr = 0 both continuations clip
     the same gradients, so the difference of their released updates is the difference of two

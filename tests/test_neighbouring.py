@@ -1,4 +1,4 @@
-"""The neighbouring relation (issue 26, item 5): both epsilons reported, either one calibrated.
+"""The neighbouring relation: both epsilons reported, either one calibrated.
 
 Every epsilon is checked against dp-accounting's accountants called directly here, with the
 relation spelled out, not through dpfit.accounting.

@@ -1,4 +1,4 @@
-"""Issue 25: a run that spends privacy never loses its result, and a resume never starts over.
+"""A run that spends privacy never loses its result, and a resume never starts over.
 
 Output folders are checked before any data is read; a write that fails after training lands
 in a fallback folder the error names; `dpfit train` without --output keeps its result in a

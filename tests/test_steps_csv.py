@@ -1,4 +1,4 @@
-"""What a private run's public per-step file may carry (issue 26, item 1).
+"""What a private run's public per-step file may carry.
 
 steps.csv is declared public, so it must be a function of public quantities only: which steps
 drew an empty Poisson batch, how large each batch was and how long each step took are not.

@@ -124,7 +124,7 @@ def test_rare_label_is_refused_unless_declared_public(tiny, tmp_path):
 
 
 def test_label_gate_counts_the_rows_that_train(tmp_path):
-    """Issue 26 item 6: a name carried by 20 rows of the file but fewer than 20 training rows
+    """A name carried by 20 rows of the file but fewer than 20 training rows
     (the rest held out, or left out by --max-train-examples) is refused."""
     from dpfit.data.text import load_texts
     from dpfit.train import MIN_PUBLIC_LABEL_COUNT, RareLabelError, prepare_data

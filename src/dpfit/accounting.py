@@ -412,7 +412,9 @@ class PrivacyLedger:
             sd["delta"],
             sd["accountant"],
             [StepRecord(**r) for r in sd["records"]],
-            sd.get("neighbouring", DEFAULT_NEIGHBOURING),  # checkpoints before issue 26
+            sd.get(
+                "neighbouring", DEFAULT_NEIGHBOURING
+            ),  # checkpoints written before the relation was recorded
         )
 
 

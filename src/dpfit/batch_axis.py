@@ -5,7 +5,7 @@ sequence-first model whose sequence length equals the batch size passes any row-
 and its "per-example" rows are then positions, each mixing every example (clipping would bound
 positions, not examples). So on the first step (and again after a phase switch) the engine
 takes one example of the physical batch, computes its gradient alone, and compares it with
-that example's row (issue 26, item 4). Shapes play no part in the verdict.
+that example's row. Shapes play no part in the verdict.
 
 How, without knowing the user's loss: the model's call (arguments) and the gradient reaching
 each of its outputs (the cotangent the loss sent back) are captured during the user's own

@@ -235,7 +235,7 @@ def check_compatible(saved: Mapping, current: Mapping, keys: tuple[str, ...]) ->
         )
 
 
-# -- continuations and forks (issue 26, item 3) ----------------------------------------------
+# -- continuations and forks ----------------------------------------------
 
 CONTINUED = ".continued-"
 

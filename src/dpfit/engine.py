@@ -162,7 +162,7 @@ class PrivacyEngine:
         self._pending_loader_state: dict | None = None
         self._warned_late_empty = False
         self._hooks.attach()  # last: a construction that fails leaves the model untouched
-        # issue 26, item 4: one example's row against its gradient alone, once per phase
+        # one example's row against its gradient alone, once per phase
         self._probe = BatchAxisProbe(model, self._names)
         if check_gradients:
             self._probe.attach()
@@ -626,7 +626,7 @@ class PrivacyEngine:
         # A continuation draws fresh noise and batches (its generators were seeded from the
         # OS at construction): restoring the saved state would let two continuations of one
         # checkpoint draw the same noise, so that the difference of their models is the
-        # noise-free difference of clipped gradients (issue 26, item 3). Only an explicitly
+        # noise-free difference of clipped gradients. Only an explicitly
         # insecure-seeded run continues its streams, to resume bit-for-bit.
         restore = self.config.insecure_seed is not None
         for gen, key in ((self._noise_rng, "noise_rng"), (self._sample_rng, "sample_rng")):

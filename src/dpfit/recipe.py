@@ -71,7 +71,7 @@ MIN_STEPS = 30
 MIN_EPOCHS = 3
 MAX_EPOCHS = 20
 PRIVATE_LR = {"bias": 5e-3, "full": 5e-4}
-# issue 30 item 1, LoRA modes: the biases' rate for adapters, biases and head. peft starts
+# LoRA modes: the biases' rate for adapters, biases and head. peft starts
 # lora_B at zero, so at the same rate bias+lora's first steps are bias mode's plus the
 # adapters: the two modes then differ only in what trains. Not tuned on the suite (items 2-3
 # own the rule); --lr overrides it.

@@ -201,7 +201,7 @@ def mechanism_rows(m: Mapping) -> list[tuple[str, object]]:
     can drop the insecure-noise warning."""
     if not m.get("private", True):
         return [("epsilon", "non-private")]
-    rel = m.get("neighbouring") or "add-remove"  # records before issue 26: add-remove
+    rel = m.get("neighbouring") or "add-remove"  # older records: add-remove
     rows: list[tuple[str, object]] = [(f"epsilon ({rel} neighbours)", m.get("epsilon"))]
     # the other relation's epsilon for the same run (docs/threat-model.md, "Neighbours")
     for other, key in (

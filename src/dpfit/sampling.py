@@ -97,7 +97,7 @@ class PoissonBatchSampler:
         # the generator was seeded from a public seed: its state is saved and restored, so a
         # resumed run draws what the uninterrupted one would. Otherwise a resumed pass keeps
         # its own OS-seeded generator: two continuations of one checkpoint draw different
-        # batches (issue 26, item 3), and no generator state is written to checkpoints.
+        # batches, and no generator state is written to checkpoints.
         self.reproducible = reproducible
         self.part = None if part is None or part.world_size == 1 else part
 

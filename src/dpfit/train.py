@@ -885,7 +885,7 @@ def train(
         # Private runs keep no per-step loss or batch size: both are exact functions of the
         # private batch (see dpfit.reporting.PRIVATE_STEP_FIELDS).
         # Nor its duration, and each row's epsilon is the one after its own step: a noise-only
-        # step is recorded with the next one, and must not look like it (issue 26, item 1).
+        # step is recorded with the next one, and must not look like it.
         nonlocal acc_loss, acc_n
         while len(rows) < stepper.steps_taken - first_step:
             current = len(rows) == stepper.steps_taken - first_step - 1

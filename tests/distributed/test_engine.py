@@ -23,7 +23,7 @@ UPDATES = ["update:bias:plain", "update:bias:ddp", "update:full:plain", "update:
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     # a one-process engine's state, with its loader's (rank 0's) sampler state in it; seeded:
-    # only an insecure-seeded run continues its streams on resume (issue 26, item 3)
+    # only an insecure-seeded run continues its streams on resume
     engine = dpfit.PrivacyEngine(
         dist_worker.make_model(), expected_batch_size=32, sample_size=64, noise_multiplier=1.0,
         insecure_seed=5,

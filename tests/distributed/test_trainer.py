@@ -46,7 +46,7 @@ def test_two_ranks_give_the_one_process_update(job, model_dir, tmp_path):
 
 
 def test_two_ranks_with_physical_batches_give_the_one_process_update(job, model_dir, tmp_path):
-    """As above, each rank's share of 12 split into physical batches of 5 (issue 30 item 4):
+    """As above, each rank's share of 12 split into physical batches of 5:
     the 3 steps still match one process in one pass to 1e-6, and DDP never reduces."""
     ref = trainer_worker.run(1, tmp_path, model_dir, "update")
     assert ref["physical_sizes"] == [(24,)] * 3

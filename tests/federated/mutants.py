@@ -115,13 +115,13 @@ MUTANTS: list[tuple[str, str, str, str]] = [
         'metrics["loss_before"] = loss',
     ),
     (
-        "a second continuation of a checkpoint goes ahead without --fork (issue 26 item 3)",
+        "a second continuation of a checkpoint goes ahead without --fork",
         f"{FED}/strategy.py",
         'd / state["params_file"], self.round, self.config.allow_fork',
         'd / state["params_file"], self.round, True',
     ),
     (
-        "a secure continuation reseeds its generators from public state (issue 26 item 3)",
+        "a secure continuation reseeds its generators from public state",
         f"{FED}/strategy.py",
         "            self.continuation = ckpt.claim_continuation(",
         "            self.sampling_rng, self.noise_rng = server_generators(self.round)\n"
@@ -129,7 +129,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
 ]
 
-# issue 29, item 2: reply validation and DP-CLAC's significant-decrease rule
+# reply validation and DP-CLAC's significant-decrease rule
 MUTANTS += [
     (
         "vote validation accepts any vector summing to 1 (e.g. [1, 1, -1])",

@@ -302,7 +302,7 @@ def test_dynamic_rule_decays_clip_and_noise_on_du_et_al_schedule():
 
 
 def test_clac_does_not_shrink_on_a_flat_noised_loss():
-    """Issue 29: the noised mean loss of a model that does not improve (std 0.083, the eps 2
+    """The noised mean loss of a model that does not improve (std 0.083, the eps 2
     setting) must not walk C down. Over the protocol's horizon (30 rounds, 40 seeds) C stays
     at C0 in most runs; shrinking on any decrease (the significance test removed) moves the
     median, and the paper's ratio step on the same draws collapses C over 1000 rounds."""

@@ -1,5 +1,5 @@
-"""A SuperNode's partition comes from its node config, never from its node id (issue 26,
-item 7): ``node_id % N`` puts one partition on several nodes, so that partition could send
+"""A SuperNode's partition comes from its node config, never from its node id:
+``node_id % N`` puts one partition on several nodes, so that partition could send
 several clipped updates in one round and be sampled more often than q."""
 
 from __future__ import annotations

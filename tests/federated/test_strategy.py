@@ -135,7 +135,7 @@ def test_checkpoint_resume_continues_identically(tmp_path):
 
 
 def test_secure_continuations_draw_fresh_noise_and_a_fork_must_be_asked(tmp_path):
-    """Issue 26 item 3 (federated): a secure checkpoint holds no generator state.
+    """Federated: a secure checkpoint holds no generator state.
 
     Two continuations of one checkpoint must not share noise: their released models would
     then differ by the noise-free difference of their updates. A second continuation is
@@ -425,7 +425,7 @@ def test_automatic_rule_through_the_server_normalises_every_update():
         np.testing.assert_allclose(got, e / 4, rtol=1e-5)
 
 
-# ------------------------------------------------------------------ malformed replies (issue 29)
+# ------------------------------------------------------------------ malformed replies
 
 
 @pytest.mark.parametrize("method", ["lac", "clac"])

@@ -201,7 +201,7 @@ def test_resume_without_engine_state_is_refused(make, tmp_path):
 
 
 def test_resume_without_a_checkpoint_is_refused_not_started_over(make, tmp_path):
-    """Issue 25: resuming with no checkpoint must not silently train from scratch (that
+    """Resuming with no checkpoint must not silently train from scratch (that
     spends the budget twice): an error naming the folder, and no step taken."""
     model, ds, collator = make()
     trainer = DPTrainer(model=model, args=targs(tmp_path, max_steps=2), train_dataset=ds,
@@ -362,7 +362,7 @@ def test_empty_poisson_batches_are_steps_that_trainer_counts(make, tmp_path):
 
 
 def test_resuming_one_checkpoint_twice_is_a_fork_refused_unless_asked(make, tmp_path):
-    """Issue 26, item 3: DPTrainer resumed twice from one checkpoint (say with another learning
+    """DPTrainer resumed twice from one checkpoint (say with another learning
     rate). Each continuation draws fresh noise (OS-seeded: the two differ), and the second is
     refused unless allow_fork, whose dpfit.json says what releasing both costs."""
     from dpfit.checkpoint import CheckpointForkError

@@ -1,4 +1,4 @@
-"""The published architecture comes from public inputs only (issue 26, item 2): one colour,
+"""The published architecture comes from public inputs only: one colour,
 odd-sized image added to a greyscale image folder changes no published value of the model
 (dpfit-vision.json, the metrics' image_size) and no weight shape."""
 

@@ -56,7 +56,7 @@ def test_image_folder(tmp_path):
     Image.fromarray(np.zeros((9, 9), np.uint8)).save(tmp_path / CLASSES[0] / "big.png")
     d = load_images(tmp_path, channels=1, image_size=6)
     assert d.images.shape == (13, 1, 6, 6)  # the odd-sized image is resized
-    # without flags: the fixed default geometry, not the images' own (issue 26, item 2)
+    # without flags: the fixed default geometry, not the images' own
     default = load_images(tmp_path)
     assert default.images.shape == (13, vd.FOLDER_CHANNELS, vd.FOLDER_IMAGE_SIZE,
                                     vd.FOLDER_IMAGE_SIZE)  # fmt: skip

@@ -63,7 +63,7 @@ def test_frequent_or_declared_names_pass(tmp_path):
     whole = TrainConfig(task=TASK, data=str(folder), eval_data=str(folder))  # no hold-out
     got = prepare_images(whole, ImageOptions())
     assert got.label_source == "training data (each name frequent)"
-    # issue 26 item 6: the gate counts the images that train, not the folder: with 10% held
+    # the gate counts the images that train, not the folder: with 10% held
     # out, or a --max-train-examples subset, fewer than n carry each name
     with pytest.raises(RareLabelError):
         prepare_images(TrainConfig(task=TASK, data=str(folder)), ImageOptions())

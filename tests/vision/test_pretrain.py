@@ -41,7 +41,7 @@ def test_dpfit_pretrain_uses_the_rule_cosine_and_shift_by_default(tiny_npz, tmp_
     assert m["train_examples"] == n and m["epochs"] == pt.pretrain_epochs(n, 64) == 4
     assert m["steps"] == 4 * -(-n // 64) and m["lr_schedule"] == "cosine"
     assert "pretraining length from the public n=130" in captured.err
-    # issue 25: the note gives the steps that run, and no flag is said to override anything
+    # the note gives the steps that run, and no flag is said to override anything
     assert f"4 epochs, {m['steps']} steps of 64" in captured.err
     assert "overridden by flags" not in captured.err
     saved = json.loads((out / "metrics.json").read_text())

@@ -451,7 +451,7 @@ def _partition_id(context: Any, task: TaskConfig) -> int:
 
     Never derived from the node id: ``node_id % N`` puts one partition on several nodes, so
     one partition could contribute k*C in a round and be sampled more often than q
-    (issue 26, item 7). Flower's simulation engine sets ``partition-id`` on every node.
+    Flower's simulation engine sets ``partition-id`` on every node.
     """
     from dpfit.federated.app import PartitionError
 

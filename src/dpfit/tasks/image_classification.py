@@ -67,7 +67,7 @@ class ImageOptions:
     public_fraction: float | None = None  # None: as recorded by the pretrained model, else 0
     split_seed: int | None = None  # seeds the public/private split and the held-out test
     # share; None: as recorded by the pretrained model, else 0
-    # the input geometry of a new model, from public inputs only (issue 26, item 2): square
+    # the input geometry of a new model, from public inputs only: square
     # size and channels; None: the starting model's, else the file's (.npz, idx) or, for an
     # image folder, FOLDER_IMAGE_SIZE / FOLDER_CHANNELS. Never read from individual images.
     image_size: int | None = None
@@ -254,7 +254,7 @@ def _label_names(data: ImageData, config, source: str, all_public: bool) -> tupl
     """(source, note) of the class names this run publishes; refuses rare names read from
     the data. `data` is what trains (after the hold-out, the public/private split and
     --max-train-examples): images left out do not make a name common among those the
-    model learns from (issue 26 item 6)."""
+    model learns from."""
     names = ", ".join(data.label_names)
     if config.labels is not None:
         return "--labels", f"label names (public, from --labels): {names}"

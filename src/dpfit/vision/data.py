@@ -46,7 +46,7 @@ SPLITS = ("train", "test")
 # The input geometry of a model for an image folder when neither a starting model nor
 # --channels / --image-size fixes it. Never read from the images: a folder's files may differ
 # in mode and size, and one colour or odd-sized image would otherwise decide the published
-# architecture (issue 26, item 2). Every image is converted and resized to it.
+# architecture. Every image is converted and resized to it.
 FOLDER_CHANNELS = 3
 FOLDER_IMAGE_SIZE = 32
 FOLDER_MODES = {1: "L", 3: "RGB"}
