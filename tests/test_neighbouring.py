@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import math
 
-import dp_accounting
 import pytest
 import torch
-from dp_accounting import pld
+from accounting_oracle import ADD_REMOVE, REPLACE, direct_epsilon
 from torch import nn
 
 import dpfit
@@ -26,21 +25,6 @@ from dpfit.accounting import (
 from dpfit.cli import build_parser, main, summary_rows, train_config_from_args
 from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 from dpfit.train import TrainConfig, train
-
-REPLACE = dp_accounting.NeighboringRelation.REPLACE_ONE
-ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-
-
-def direct_epsilon(sigma: float, q: float, steps: int, delta: float, relation, kind="pld"):
-    """dp-accounting alone: `steps` Poisson-sampled Gaussian steps (q = 1: unsampled)."""
-    if kind == "pld":
-        acc = pld.PLDAccountant(relation, value_discretization_interval=1e-4)
-    else:
-        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
-    gauss = dp_accounting.GaussianDpEvent(sigma)
-    step = gauss if q == 1 else dp_accounting.PoissonSampledDpEvent(q, gauss)
-    acc.compose(dp_accounting.SelfComposedDpEvent(step, steps))
-    return acc.get_epsilon(delta)
 
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])

@@ -6,23 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import dp_accounting
 import pytest
-from dp_accounting import pld
+from accounting_oracle import ADD_REMOVE, REPLACE, direct_epsilon
 
 ROOT = Path(__file__).resolve().parents[2]
-REPLACE = dp_accounting.NeighboringRelation.REPLACE_ONE
-ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-
-
-def direct_epsilon(sigma: float, q: float, steps: int, delta: float, relation, kind="pld"):
-    if kind == "pld":
-        acc = pld.PLDAccountant(relation, value_discretization_interval=1e-4)
-    else:
-        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
-    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
-    acc.compose(dp_accounting.SelfComposedDpEvent(event, steps))
-    return acc.get_epsilon(delta)
 
 
 def test_threat_model_quotes_the_committed_benchmark():

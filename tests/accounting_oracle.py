@@ -1,0 +1,22 @@
+"""dp-accounting called directly, with the neighbouring relation spelled out: the independent
+computation every epsilon dpfit reports is checked against (never through dpfit.accounting)."""
+
+from __future__ import annotations
+
+import dp_accounting
+from dp_accounting import pld
+
+REPLACE = dp_accounting.NeighboringRelation.REPLACE_ONE
+ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def direct_epsilon(sigma: float, q: float, steps: int, delta: float, relation, kind="pld"):
+    """dp-accounting alone: `steps` Poisson-sampled Gaussian steps (q = 1: unsampled)."""
+    if kind == "pld":
+        acc = pld.PLDAccountant(relation, value_discretization_interval=1e-4)
+    else:
+        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    gauss = dp_accounting.GaussianDpEvent(sigma)
+    step = gauss if q == 1 else dp_accounting.PoissonSampledDpEvent(q, gauss)
+    acc.compose(dp_accounting.SelfComposedDpEvent(step, steps))
+    return acc.get_epsilon(delta)
