@@ -184,6 +184,8 @@ def test_a_run_stopped_in_the_head_first_phase_keeps_what_it_spent(tiny, tmp_pat
         train(config)
     m = json.loads((out / "metrics.json").read_text())
     assert m["status"] == "failed" and m["privacy"]["steps"] == 2
+    assert m["error"] == "RuntimeError"  # a message may quote the private batch: not written
+    assert "boom" not in (out / "metrics.json").read_text()
     assert m["epsilon"] > 0 and m["epsilon"] == m["privacy"]["epsilon"]
     assert (out / "model" / "config.json").is_file()
 

@@ -1022,7 +1022,9 @@ def _save_partial(
     privacy["insecure_seed"] = bool(config.insecure_reproducible_noise)
     record = {
         "status": status,
-        "error": f"{type(error).__name__}: {error}"[:500],
+        # the type only: a message may quote shapes or values of the private batch (it is
+        # raised to the caller, who sees it; metrics.json is declared public)
+        "error": type(error).__name__,
         "task": config.task,
         "private": True,
         "epsilon": privacy["epsilon"],
