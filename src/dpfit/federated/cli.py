@@ -78,7 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="C (fixed), C0 (quantile, dynamic), C_init (lac), R (automatic)",
     )
-    p.add_argument("--clients", type=int, default=20, help="population N")
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=20,
+        help="population N (with --client-column: the column's number of clients)",
+    )
     p.add_argument(
         "--clients-per-round", type=float, default=5, help="expected m (Poisson, q = m/N)"
     )
@@ -109,9 +114,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="client optimizer (no weight decay)",
     )
     p.add_argument("--lora-r", type=int, default=4)
-    p.add_argument("--partition", choices=("iid", "dirichlet", "movie"), default="iid")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
-    p.add_argument("--examples-per-client", type=int, default=32, help="cap; 0 = all")
+    p.add_argument(
+        "--partition",
+        choices=("iid", "dirichlet", "movie"),
+        default=None,
+        help="synthetic clients (default iid); movie: the bundled data's natural clients",
+    )
+    p.add_argument(
+        "--alpha", "--dirichlet-alpha", dest="alpha", type=float, default=0.5,
+        help="Dirichlet concentration",
+    )  # fmt: skip
+    p.add_argument(
+        "--examples-per-client",
+        type=int,
+        default=32,
+        help="cap; 0 = all (with --client-column: all by default; with --data and a "
+        "synthetic partition, also sets N = rows // this unless --clients is given)",
+    )
+    add_data_arguments(p)
     p.add_argument("--eval-examples", type=int, default=200)
     p.add_argument(
         "--seed",
@@ -184,13 +204,132 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "config, and exit (docs/federated.md, Deployment)",
     )
     p.set_defaults(**DEFAULT_RUN)
+    # None = not given: with --data, N and the per-client cap follow from the data's own
+    # rule (data_options); without it, DEFAULT_RUN's values
+    p.set_defaults(clients=None, examples_per_client=None)
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """A user's own data, read as ``dpfit train --data`` reads it (docs/federated.md)."""
+    g = p.add_argument_group("your own data (default: bundled Rotten Tomatoes)")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="CSV/JSONL/TSV file or saved `datasets` folder of the clients' rows",
+    )
+    g.add_argument(
+        "--client-column",
+        default=None,
+        help="column saying whose each row is: each distinct value is one client "
+        "(without it: --partition iid|dirichlet cuts the rows into synthetic clients)",
+    )
+    g.add_argument(
+        "--eval-data",
+        default=None,
+        help="the server's PUBLIC validation and test set (halved with --seed); needed with --data",
+    )
+    g.add_argument("--text-column", default="text")
+    g.add_argument("--label-column", default="label")
+    g.add_argument(
+        "--labels",
+        default=None,
+        help="comma-separated public label names, e.g. neg,pos (their order fixes the class "
+        "ids); as in `dpfit train`",
+    )
+    g.add_argument(
+        "--public-labels",
+        action="store_true",
+        help="treat the label names read from --data as public even if some are rare "
+        "(without --labels, each must otherwise appear >= 20 times)",
+    )
+
+
+def data_options(args: argparse.Namespace) -> dict[str, Any]:
+    """TaskConfig's data settings from the command line: the bundled data, or the user's
+    file with natural clients (``--client-column``) or a synthetic partition."""
+    partition = getattr(args, "partition", None)
+    clients = getattr(args, "clients", None)
+    per_client = getattr(args, "examples_per_client", None)
+    data = getattr(args, "data", None)
+    if not data:
+        for flag in ("client_column", "eval_data", "labels", "public_labels"):
+            if getattr(args, flag, None):
+                option = "--" + flag.replace("_", "-")
+                raise ValueError(f"{option} needs --data FILE (the bundled data has its own)")
+        return {
+            "num_clients": DEFAULT_RUN["clients"] if clients is None else clients,
+            "partition": partition or "iid",
+            "examples_per_client": (
+                DEFAULT_RUN["examples_per_client"] if per_client is None else per_client
+            ),
+        }
+    from dpfit.federated import data as fed_data
+    from dpfit.federated.client import TaskConfig
+
+    common = {
+        "data": str(Path(data).resolve()),  # every process (Ray actor, SuperNode) reads it
+        "eval_data": str(Path(args.eval_data).resolve()) if args.eval_data else "",
+        "text_column": args.text_column,
+        "label_column": args.label_column,
+        "labels": ",".join(fed_data.parse_labels(args.labels or "") or ()),
+        "public_labels": bool(args.public_labels),
+    }
+    if not common["eval_data"]:
+        raise ValueError(
+            "--data needs --eval-data FILE: the server's public validation and test set "
+            "(the clients' rows are private, so the server cannot score on them)"
+        )
+    if args.client_column:
+        if partition is not None:
+            raise ValueError(
+                "give --client-column (each value one client) or --partition (synthetic "
+                "clients), not both"
+            )
+        found = fed_data.natural_client_count(
+            TaskConfig(**common, client_column=args.client_column, partition="column")
+        )
+        if clients is not None and clients != found:
+            raise ValueError(
+                f"--clients {clients}, but column {args.client_column!r} holds {found} "
+                "clients; leave --clients out with --client-column"
+            )
+        return {
+            **common,
+            "client_column": args.client_column,
+            "partition": "column",
+            "num_clients": found,
+            "examples_per_client": 0 if per_client is None else per_client,
+        }
+    partition = partition or "iid"
+    if per_client is None:
+        per_client = DEFAULT_RUN["examples_per_client"]
+    if clients is None:
+        if per_client <= 0:
+            raise ValueError(
+                "--examples-per-client 0 (all) cannot size a synthetic partition: give --clients N"
+            )
+        rows = fed_data.user_row_count(TaskConfig(**common, partition=partition))
+        clients = rows // per_client
+        if clients < 2:
+            raise ValueError(
+                f"{data}: {rows} rows make fewer than 2 clients of {per_client}; pass a "
+                "smaller --examples-per-client"
+            )
+    return {
+        **common,
+        "partition": partition,
+        "num_clients": clients,
+        "examples_per_client": per_client,
+    }
 
 
 def configs(args: argparse.Namespace):
     from dpfit.federated.client import TaskConfig
     from dpfit.federated.strategy import ServerConfig
 
+    data = data_options(args)
     task = TaskConfig(
+        **data,
         model=args.model,
         local_mode=args.local_mode,
         lora_r=args.lora_r,
@@ -198,18 +337,25 @@ def configs(args: argparse.Namespace):
         local_epochs=args.local_epochs,
         local_batch_size=args.local_batch_size,
         lr=args.lr if args.lr is not None else LOCAL_LR[args.local_mode],
-        num_clients=args.clients,
-        partition=args.partition,
         alpha=args.alpha,
-        examples_per_client=args.examples_per_client,
         eval_examples=args.eval_examples,
         seed=args.seed,
         local_optimizer=args.local_optimizer,
     )
+    if task.data:
+        from dpfit.federated.data import federation
+
+        federation(task)  # every data error now, before the server's settings
+        if args.clients_per_round > task.num_clients:
+            raise ValueError(
+                f"--clients-per-round {args.clients_per_round:g} is more than the "
+                f"{task.num_clients} clients of {args.data}; pass --clients-per-round "
+                f"{task.num_clients} or less"
+            )
     no_target = args.noise_multiplier is not None
     server = ServerConfig(
         method=args.method,
-        num_clients=args.clients,
+        num_clients=task.num_clients,
         clients_per_round=args.clients_per_round,
         rounds=args.rounds,
         target_epsilon=None if no_target else args.epsilon,
@@ -249,7 +395,20 @@ def majority_accuracy(task: Any, which: str = "test") -> float:
     return max(labels.count(y) for y in set(labels)) / len(labels)
 
 
+def clients_source(task: Any) -> str:
+    """Where N comes from, and that it is public (q = m/N uses it)."""
+    if task.partition == "column":
+        return (
+            f"the number of distinct values of column {task.client_column!r}, public by declaration"
+        )
+    if task.data:
+        return f"a synthetic {task.partition} partition of --data (setup, public)"
+    return "--clients (public)"
+
+
 def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> dict[str, Any]:
+    from dpfit.federated.data import label_names
+
     h = server.history
     return {
         "method": server.config.method,
@@ -271,6 +430,11 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "num_clients": server.config.num_clients,
         "clients_per_round": server.config.clients_per_round,
         "partition": task.partition,
+        "num_clients_from": clients_source(task),
+        "data": task.data or "bundled Rotten Tomatoes",
+        "client_column": task.client_column or None,
+        "eval_data": task.eval_data or None,
+        "label_names": list(label_names(task)),
         "local_mode": task.local_mode,
         "stopped": server.stop_reason,
         "insecure_seed": server.insecure,
@@ -372,14 +536,46 @@ def _header(server_cfg: Any, task: Any, engine: str) -> str:
         if server_cfg.noise_multiplier is None
         else f"z={server_cfg.noise_multiplier:g}"
     )
+    clients = (
+        f"one per value of {task.client_column!r}" if task.partition == "column" else task.partition
+    )
     return (
         f"dpfit federated: {server_cfg.method}, {target} delta={server_cfg.delta:g}, "
-        f"{server_cfg.num_clients} clients ({task.partition}, <= "
+        f"{server_cfg.num_clients} clients ({clients}, <= "
         f"{task.examples_per_client or 'all'} examples each), {server_cfg.clients_per_round:g} "
         f"expected per round, {server_cfg.rounds} rounds, local {task.local_mode} "
         f"({engine} engine)"
         + ("; first, every client votes for C_0" if server_cfg.method in ("lac", "clac") else "")
     )
+
+
+def _data_notes(task: Any, quiet: bool) -> None:
+    """The user's data: what is public on stdout; client sizes, read from the private rows,
+    on stderr for the operator only (docs/federated.md, "What each output is")."""
+    from dpfit.federated.data import client_cap_seed, federation, subsample
+
+    fed = federation(task)
+    part = fed.clients
+    if not quiet:
+        print(
+            f"data: {task.data}; N = {task.num_clients} clients from "
+            f"{clients_source(task)} (q = m/N); server's public set: {task.eval_data}",
+            flush=True,
+        )
+        print(part.label_note, flush=True)
+    k = task.local_batch_size
+    sizes = [
+        len(subsample(list(idx), task.examples_per_client, client_cap_seed(task.seed, i)))
+        for i, idx in enumerate(part.clients)
+    ]
+    small = sum(n < k for n in sizes)
+    if small:
+        print(
+            f"operator note (not released): {small} of {len(sizes)} clients hold fewer than "
+            f"one local batch ({k} examples); every client is kept and trains on what it holds",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _table(metrics: dict[str, Any]) -> list[str]:
@@ -421,6 +617,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if not quiet:
         print(_header(server_cfg, task, args.engine), flush=True)
+    if task.data:
+        _data_notes(task, quiet)
     # no per-round times on stdout: a round's duration depends on how many clients were
     # sampled and answered, which only the operator's log may show (docs/federated.md)
 
