@@ -21,7 +21,9 @@ declared public.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import random
 import re
 from collections import Counter
@@ -104,7 +106,9 @@ def partition_rows(
         if found < num_clients:
             raise PartitionError(f"only {found} natural clients for {num_clients} requested")
     try:
-        out = [part.load_partition(i) for i in range(num_clients)]
+        # NaturalIdPartitioner draws a tqdm bar on stderr, which is the operator's log
+        with contextlib.redirect_stderr(io.StringIO()):
+            out = [part.load_partition(i) for i in range(num_clients)]
     except ValueError as exc:
         if partition != "dirichlet":
             raise
@@ -297,21 +301,27 @@ def _label_note(
 def server_splits(task: TaskConfig) -> tuple[tuple[TextExample, ...], tuple[TextExample, ...]]:
     """The server's public set (``eval_data``), halved with the seed into validation (scored
     every round, read by the clip rules) and test (scored once, at the end)."""
+    ids = parse_labels(task.labels) is not None  # number k: the k-th --labels name
     return _server_splits(
-        task.eval_data, task.text_column, task.label_column, label_names(task), task.seed
+        task.eval_data, task.text_column, task.label_column, label_names(task), ids, task.seed
     )
 
 
 @functools.lru_cache(maxsize=4)
 def _server_splits(
-    eval_data: str, text_column: str, label_column: str, names: tuple[str, ...], seed: int
+    eval_data: str,
+    text_column: str,
+    label_column: str,
+    names: tuple[str, ...],
+    label_ids: bool,
+    seed: int,
 ) -> tuple[tuple[TextExample, ...], tuple[TextExample, ...]]:
     if not eval_data:
         raise DataError(
             "a user's federated data needs --eval-data FILE, the server's public validation "
             "and test set (the clients' rows are private: the server cannot score on them)"
         )
-    held = load_texts(eval_data, text_column, label_column, label_names=names)
+    held = load_texts(eval_data, text_column, label_column, label_names=names, label_ids=label_ids)
     if len(held) < MIN_EVAL_EXAMPLES:
         raise DataError(
             f"{eval_data} has {len(held)} usable row(s); the server halves it into validation "
