@@ -691,7 +691,7 @@ MUTATIONS += (
         "output (stdout) instead of the operator's stderr",
         (
             (
-                "dpfit/federated/cli.py",
+                "dpfit/federated/data_cli.py",
                 'every client is kept and trains on what it holds",\n            file=sys.stderr,',
                 'every client is kept and trains on what it holds",',
             ),

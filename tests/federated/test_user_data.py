@@ -18,6 +18,7 @@ try:
 except ImportError:  # Python 3.10: flwr's dependency
     import tomli as tomllib
 
+from dpfit.federated import data as fed_data
 from dpfit.federated.app import (
     _from_run_config,
     client_examples,
@@ -28,7 +29,6 @@ from dpfit.federated.app import (
 from dpfit.federated.batched import run_batched
 from dpfit.federated.cli import add_arguments, configs, run
 from dpfit.federated.client import TaskConfig
-from dpfit.federated import data as fed_data
 from dpfit.federated.data import client_partition
 from dpfit.federated.strategy import ServerConfig
 from dpfit.models import save_tiny_random_model
@@ -48,7 +48,7 @@ def _rows(sizes: dict, seed: int = 0, labels=("neg", "pos")) -> list[dict]:
     rng = np.random.default_rng(seed)
     out = []
     for c, n in sizes.items():
-        for i in range(n):
+        for _ in range(n):
             y = len(out) % 2
             words = rng.choice(GOOD if y else BAD, size=3)
             out.append({"user": c, "text": f"{' '.join(words)} {len(out)}", "label": labels[y]})

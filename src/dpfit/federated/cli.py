@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from dpfit.federated.clipping import clip_rule_names
+from dpfit.federated.data_cli import (
+    add_data_arguments,
+    check_user_data,
+    clients_source,
+    data_notes,
+    data_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="C (fixed), C0 (quantile, dynamic), C_init (lac), R (automatic)",
     )
     p.add_argument(
-        "--clients",
-        type=int,
-        default=20,
-        help="population N (with --client-column: the column's number of clients)",
+        "--clients", type=int, default=20, help="population N (not with a client column)"
     )
     p.add_argument(
         "--clients-per-round", type=float, default=5, help="expected m (Poisson, q = m/N)"
@@ -209,125 +213,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(clients=None, examples_per_client=None)
 
 
-def add_data_arguments(p: argparse.ArgumentParser) -> None:
-    """A user's own data, read as ``dpfit train --data`` reads it (docs/federated.md)."""
-    g = p.add_argument_group("your own data (default: bundled Rotten Tomatoes)")
-    g.add_argument(
-        "--data",
-        default=None,
-        help="CSV/JSONL/TSV file or saved `datasets` folder of the clients' rows",
-    )
-    g.add_argument(
-        "--client-column",
-        default=None,
-        help="column saying whose each row is: each distinct value is one client "
-        "(without it: --partition iid|dirichlet cuts the rows into synthetic clients)",
-    )
-    g.add_argument(
-        "--eval-data",
-        default=None,
-        help="the server's PUBLIC validation and test set (halved with --seed); needed with --data",
-    )
-    g.add_argument("--text-column", default="text")
-    g.add_argument("--label-column", default="label")
-    g.add_argument(
-        "--labels",
-        default=None,
-        help="comma-separated public label names, e.g. neg,pos (their order fixes the class "
-        "ids); as in `dpfit train`",
-    )
-    g.add_argument(
-        "--public-labels",
-        action="store_true",
-        help="treat the label names read from --data as public even if some are rare "
-        "(without --labels, each must otherwise appear >= 20 times)",
-    )
-
-
-def data_options(args: argparse.Namespace) -> dict[str, Any]:
-    """TaskConfig's data settings from the command line: the bundled data, or the user's
-    file with natural clients (``--client-column``) or a synthetic partition."""
-    partition = getattr(args, "partition", None)
-    clients = getattr(args, "clients", None)
-    per_client = getattr(args, "examples_per_client", None)
-    data = getattr(args, "data", None)
-    if not data:
-        for flag in ("client_column", "eval_data", "labels", "public_labels"):
-            if getattr(args, flag, None):
-                option = "--" + flag.replace("_", "-")
-                raise ValueError(f"{option} needs --data FILE (the bundled data has its own)")
-        return {
-            "num_clients": DEFAULT_RUN["clients"] if clients is None else clients,
-            "partition": partition or "iid",
-            "examples_per_client": (
-                DEFAULT_RUN["examples_per_client"] if per_client is None else per_client
-            ),
-        }
-    from dpfit.federated import data as fed_data
-    from dpfit.federated.client import TaskConfig
-
-    common = {
-        "data": str(Path(data).resolve()),  # every process (Ray actor, SuperNode) reads it
-        "eval_data": str(Path(args.eval_data).resolve()) if args.eval_data else "",
-        "text_column": args.text_column,
-        "label_column": args.label_column,
-        "labels": ",".join(fed_data.parse_labels(args.labels or "") or ()),
-        "public_labels": bool(args.public_labels),
-    }
-    if not common["eval_data"]:
-        raise ValueError(
-            "--data needs --eval-data FILE: the server's public validation and test set "
-            "(the clients' rows are private, so the server cannot score on them)"
-        )
-    if args.client_column:
-        if partition is not None:
-            raise ValueError(
-                "give --client-column (each value one client) or --partition (synthetic "
-                "clients), not both"
-            )
-        found = fed_data.natural_client_count(
-            TaskConfig(**common, client_column=args.client_column, partition="column")
-        )
-        if clients is not None and clients != found:
-            raise ValueError(
-                f"--clients {clients}, but column {args.client_column!r} holds {found} "
-                "clients; leave --clients out with --client-column"
-            )
-        return {
-            **common,
-            "client_column": args.client_column,
-            "partition": "column",
-            "num_clients": found,
-            "examples_per_client": 0 if per_client is None else per_client,
-        }
-    partition = partition or "iid"
-    if per_client is None:
-        per_client = DEFAULT_RUN["examples_per_client"]
-    if clients is None:
-        if per_client <= 0:
-            raise ValueError(
-                "--examples-per-client 0 (all) cannot size a synthetic partition: give --clients N"
-            )
-        rows = fed_data.user_row_count(TaskConfig(**common, partition=partition))
-        clients = rows // per_client
-        if clients < 2:
-            raise ValueError(
-                f"{data}: {rows} rows make fewer than 2 clients of {per_client}; pass a "
-                "smaller --examples-per-client"
-            )
-    return {
-        **common,
-        "partition": partition,
-        "num_clients": clients,
-        "examples_per_client": per_client,
-    }
-
-
 def configs(args: argparse.Namespace):
     from dpfit.federated.client import TaskConfig
     from dpfit.federated.strategy import ServerConfig
 
-    data = data_options(args)
+    data = data_options(args, DEFAULT_RUN)
     task = TaskConfig(
         **data,
         model=args.model,
@@ -343,15 +233,7 @@ def configs(args: argparse.Namespace):
         local_optimizer=args.local_optimizer,
     )
     if task.data:
-        from dpfit.federated.data import federation
-
-        federation(task)  # every data error now, before the server's settings
-        if args.clients_per_round > task.num_clients:
-            raise ValueError(
-                f"--clients-per-round {args.clients_per_round:g} is more than the "
-                f"{task.num_clients} clients of {args.data}; pass --clients-per-round "
-                f"{task.num_clients} or less"
-            )
+        check_user_data(task, args.clients_per_round)  # every data error before the server's
     no_target = args.noise_multiplier is not None
     server = ServerConfig(
         method=args.method,
@@ -393,17 +275,6 @@ def majority_accuracy(task: Any, which: str = "test") -> float:
     if not labels:
         return math.nan
     return max(labels.count(y) for y in set(labels)) / len(labels)
-
-
-def clients_source(task: Any) -> str:
-    """Where N comes from, and that it is public (q = m/N uses it)."""
-    if task.partition == "column":
-        return (
-            f"the number of distinct values of column {task.client_column!r}, public by declaration"
-        )
-    if task.data:
-        return f"a synthetic {task.partition} partition of --data (setup, public)"
-    return "--clients (public)"
 
 
 def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> dict[str, Any]:
@@ -549,35 +420,6 @@ def _header(server_cfg: Any, task: Any, engine: str) -> str:
     )
 
 
-def _data_notes(task: Any, quiet: bool) -> None:
-    """The user's data: what is public on stdout; client sizes, read from the private rows,
-    on stderr for the operator only (docs/federated.md, "What each output is")."""
-    from dpfit.federated.data import client_cap_seed, federation, subsample
-
-    fed = federation(task)
-    part = fed.clients
-    if not quiet:
-        print(
-            f"data: {task.data}; N = {task.num_clients} clients from "
-            f"{clients_source(task)} (q = m/N); server's public set: {task.eval_data}",
-            flush=True,
-        )
-        print(part.label_note, flush=True)
-    k = task.local_batch_size
-    sizes = [
-        len(subsample(list(idx), task.examples_per_client, client_cap_seed(task.seed, i)))
-        for i, idx in enumerate(part.clients)
-    ]
-    small = sum(n < k for n in sizes)
-    if small:
-        print(
-            f"operator note (not released): {small} of {len(sizes)} clients hold fewer than "
-            f"one local batch ({k} examples); every client is kept and trains on what it holds",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
 def _table(metrics: dict[str, Any]) -> list[str]:
     return [
         "| method | epsilon | delta | z | rounds | C_0 | C_T | test acc | majority class |",
@@ -618,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
     if not quiet:
         print(_header(server_cfg, task, args.engine), flush=True)
     if task.data:
-        _data_notes(task, quiet)
+        data_notes(task, quiet)
     # no per-round times on stdout: a round's duration depends on how many clients were
     # sampled and answered, which only the operator's log may show (docs/federated.md)
 
