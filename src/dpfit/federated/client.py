@@ -247,7 +247,6 @@ def task_model(task: TaskConfig, dtype: str = "float32") -> LocalModel:
     )
 
 
-@functools.lru_cache(maxsize=2)
 def load_local_model(
     model: str,
     local_mode: str,
@@ -261,8 +260,21 @@ def load_local_model(
     ``model``: a folder, hub id or bundled name (``minilm``, ``smollm2``); empty = MiniLM.
     The seed fixes LoRA's random A matrices identically everywhere (the head starts at zero).
     ``dtype`` float64 is for exactness tests (batched engine against the per-client path).
-    ``label_names``: the classes of the head (default: the bundled task's).
+    ``label_names``: the classes of the head (default: the bundled task's). Every call with
+    the same settings, however they are passed, gets the same cached model.
     """
+    return _load_local_model(model, local_mode, lora_r, seed, dtype, tuple(label_names))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_local_model(
+    model: str,
+    local_mode: str,
+    lora_r: int,
+    seed: int,
+    dtype: str,
+    label_names: tuple[str, ...],
+) -> LocalModel:
     from dpfit.models import load_classifier
 
     loaded = load_classifier(model or None, label_names, seed=seed)
