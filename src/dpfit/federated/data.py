@@ -293,9 +293,7 @@ def _label_note(
     for pid, idx in enumerate(clients):
         for i in subsample(list(idx), examples_per_client, client_cap_seed(seed, pid)):
             counts[names[train[i].label]] += 1
-    return check_data_label_names(
-        names, counts, data, public_labels, "metrics.json and the written Flower app"
-    )
+    return check_data_label_names(names, counts, data, public_labels, "metrics.json (label_names)")
 
 
 def server_splits(task: TaskConfig) -> tuple[tuple[TextExample, ...], tuple[TextExample, ...]]:
