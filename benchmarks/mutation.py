@@ -656,6 +656,51 @@ MUTATIONS += (
 )
 
 
+# a user's own federated data: the protected unit is a client (every row of one client
+# value), label names read from the data pass train's gate, client sizes stay operator-only
+MUTATIONS += (
+    Mutation(
+        "user-client-rows-split",
+        "--client-column: the rows are dealt into N IID shards instead of one client per value "
+        "(one person's rows spread over several clients, each protected separately)",
+        (
+            (
+                "dpfit/federated/data.py",
+                'clients = partition_rows(ys, found, "natural", alpha, seed, natural_ids=client_ids(train))',
+                'clients = partition_rows(ys, found, "iid", alpha, seed)',
+            ),
+        ),
+        ("tests/federated/test_user_data.py", "-k", "client_column or datasets_folder"),
+    ),
+    Mutation(
+        "user-label-gate-skipped",
+        "label names read from a user's federated data are published without train's gate "
+        "(a name carried by one row is released)",
+        (
+            (
+                "dpfit/federated/data.py",
+                "    if parse_labels(labels) is not None:",
+                "    if True:",
+            ),
+        ),
+        ("tests/federated/test_user_data.py", "-k", "rare_label"),
+    ),
+    Mutation(
+        "client-sizes-on-stdout",
+        "the count of small clients, read from the private rows, is printed with the released "
+        "output (stdout) instead of the operator's stderr",
+        (
+            (
+                "dpfit/federated/data_cli.py",
+                'every client is kept and trains on what it holds",\n            file=sys.stderr,',
+                'every client is kept and trains on what it holds",',
+            ),
+        ),
+        ("tests/federated/test_user_data.py", "-k", "client_column_round_trips"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

@@ -279,13 +279,43 @@ def load_texts(
         DataFileNotFoundError, EmptyDataError, ColumnError, SingleClassError (training only),
         UnseenLabelError (evaluation only).
     """
+    return _load(path, text_column, label_column, label_names, split, label_ids)[0]
+
+
+def load_grouped_texts(
+    path: str | Path,
+    group_column: str,
+    text_column: str = "text",
+    label_column: str = "label",
+    label_names: Sequence[str] | None = None,
+    split: str | None = None,
+    label_ids: bool = False,
+) -> tuple[LabeledTexts, tuple[str, ...]]:
+    """:func:`load_texts` plus each kept row's value of `group_column` (as a string), for
+    data whose rows belong to units such as federated clients. A row with an empty group is
+    skipped like one with an empty text; a column empty in every row is a ColumnError."""
+    return _load(path, text_column, label_column, label_names, split, label_ids, group_column)
+
+
+def _load(
+    path: str | Path,
+    text_column: str,
+    label_column: str,
+    label_names: Sequence[str] | None,
+    split: str | None,
+    label_ids: bool,
+    group_column: str | None = None,
+) -> tuple[LabeledTexts, tuple[str, ...]]:
     path = Path(path)
     if not path.exists():
         raise DataFileNotFoundError(f"data file {str(path)!r} does not exist")
     rows, columns, where = _read_rows(path, split)
     if not rows:
         raise EmptyDataError(f"{path} holds no rows")
-    for col, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
+    wanted = [(text_column, "--text-column"), (label_column, "--label-column")]
+    if group_column is not None:
+        wanted.append((group_column, "--client-column"))
+    for col, flag in wanted:
         if col not in columns:
             raise ColumnError(
                 f"{path} has no column {col!r} (columns: {', '.join(columns) or 'none'}); "
@@ -295,9 +325,19 @@ def load_texts(
     texts: list[str] = []
     raw_labels: list[str] = []
     kept_at: list[str] = []
+    groups: list[str] = []
     skipped = 0
+    if group_column is not None and all(_blank(r.get(group_column)) for r in rows):
+        raise ColumnError(
+            f"{path}: column {group_column!r} is empty in every row (columns: "
+            f"{', '.join(columns)}); name the column that says whose each row is with "
+            "--client-column"
+        )
     for row, at in zip(rows, where, strict=True):
         text, label = row.get(text_column), row.get(label_column)
+        if group_column is not None and _blank(row.get(group_column)):
+            skipped += 1
+            continue
         if text is None or label is None or (isinstance(text, str) and not text.strip()):
             skipped += 1
             continue
@@ -307,8 +347,11 @@ def load_texts(
         texts.append(text)
         raw_labels.append(_label_key(label))
         kept_at.append(at)
+        if group_column is not None:
+            groups.append(_label_key(row[group_column]))
     if skipped:
-        logger.warning("%s: skipped %d rows with an empty text or label", path, skipped)
+        what = "text, label or " + repr(group_column) if group_column else "text or label"
+        logger.warning("%s: skipped %d rows with an empty %s", path, skipped, what)
     if not texts:
         raise EmptyDataError(
             f"{path}: no row has both a non-empty {text_column!r} and {label_column!r}"
@@ -336,7 +379,11 @@ def load_texts(
     else:
         names = tuple(label_names)
     labels = _map_labels(raw_labels, names, path, ids=label_ids)
-    return LabeledTexts(tuple(texts), tuple(labels), names, str(path))
+    return LabeledTexts(tuple(texts), tuple(labels), names, str(path)), tuple(groups)
+
+
+def _blank(value: object) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
 
 
 MAX_INFERRED_CLASSES = 100  # more distinct labels read from a file: refused, see below

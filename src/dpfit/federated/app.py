@@ -7,8 +7,9 @@
   (the shipped ``flwr_app/pyproject.toml`` names them, see ``deploy``); the run config
   carries the settings.
 
-Partitions use flwr-datasets partitioners on a local ``datasets.Dataset`` built from the
-bundled Rotten Tomatoes data: IID, Dirichlet label skew, or natural clients by movie.
+Clients' data: the bundled Rotten Tomatoes data (IID, Dirichlet label skew, or natural
+clients by movie) or a user's own file (``TaskConfig.data``; ``dpfit.federated.data``), cut
+into clients by the same flwr-datasets partitioners (``data.partition_rows``).
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ from uuid import uuid4
 import numpy as np
 
 from dpfit.data.bundled import TextExample, rotten_tomatoes, split_by_group
-from dpfit.federated.client import TaskConfig, build_client_app, evaluate, load_local_model
+from dpfit.federated.client import TaskConfig, build_client_app, evaluate, task_model
+from dpfit.federated.data import (  # noqa: F401 - PartitionError re-exported
+    PartitionError,
+    client_cap_seed,
+    client_partition,
+    federation,
+    partition_rows,
+    server_splits,
+    subsample,
+)
 from dpfit.federated.strategy import DPFedAvg, DPFedAvgServer, RoundRecord, ServerConfig
 
 logger = logging.getLogger(__name__)
 
-PARTITIONS = ("iid", "dirichlet", "movie")
-
-
-class PartitionError(ValueError):
-    """The requested partition cannot be built from the data."""
+PARTITIONS = ("iid", "dirichlet", "movie")  # of the bundled data
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,78 +56,55 @@ def splits(seed: int) -> tuple[list[TextExample], list[TextExample], list[TextEx
     return train, val, test
 
 
-def _subsample(examples: list[TextExample], k: int, seed: int) -> list[TextExample]:
-    if k <= 0 or len(examples) <= k:
-        return examples
-    idx = np.random.default_rng(seed).choice(len(examples), size=k, replace=False)
-    return [examples[i] for i in sorted(idx)]
+_subsample = subsample  # the name the benchmarks use
 
 
 @functools.lru_cache(maxsize=4)
 def partitions(
     num_clients: int, partition: str, alpha: float, seed: int
 ) -> tuple[tuple[int, ...], ...]:
-    """Indices into the training split for each client, via flwr-datasets partitioners."""
-    import datasets
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
-
-    train = splits(seed)[0]
-    data = {
-        "idx": list(range(len(train))),
-        "label": [e.label for e in train],
-        # natural clients: each movie belongs to one client (movies hashed onto N clients)
-        "client": [
-            int(hashlib.sha256(f"{seed}:{e.group}".encode()).hexdigest(), 16) % num_clients
-            for e in train
-        ],
-    }
-    ds = datasets.Dataset.from_dict(data)
-    if partition == "iid":
-        part = IidPartitioner(num_partitions=num_clients)
-    elif partition == "dirichlet":
-        part = DirichletPartitioner(
-            num_partitions=num_clients,
-            partition_by="label",
-            alpha=alpha,
-            min_partition_size=2,
-            self_balancing=False,
-            seed=seed,
-        )
-    elif partition == "movie":
-        part = NaturalIdPartitioner(partition_by="client")
-    else:
+    """Indices into the bundled training split for each client (``data.partition_rows``)."""
+    if partition not in PARTITIONS:
         raise PartitionError(f"partition must be one of {PARTITIONS}, got {partition!r}")
-    part.dataset = ds
-    if partition == "movie":
-        ids = sorted(set(data["client"]))
-        if len(ids) < num_clients:
-            raise PartitionError(f"only {len(ids)} movie clients for {num_clients} requested")
+    train = splits(seed)[0]
+    # natural clients: each movie belongs to one client (movies hashed onto N clients)
+    movie_client = [
+        int(hashlib.sha256(f"{seed}:{e.group}".encode()).hexdigest(), 16) % num_clients
+        for e in train
+    ]
     try:
-        out = [part.load_partition(i) for i in range(num_clients)]
-    except ValueError as exc:
-        if partition != "dirichlet":
-            raise
-        raise PartitionError(
-            f"Dirichlet(alpha={alpha}) over {num_clients} clients keeps leaving some client "
-            f"with fewer than 2 of the {len(train)} training examples ({exc}). Use fewer "
-            "--clients, a larger --alpha, or --partition iid / movie."
-        ) from exc
-    return tuple(tuple(int(x) for x in p["idx"]) for p in out)
+        return partition_rows(
+            [e.label for e in train],
+            num_clients,
+            "natural" if partition == "movie" else partition,
+            alpha,
+            seed,
+            natural_ids=movie_client if partition == "movie" else None,
+        )
+    except PartitionError as exc:
+        raise PartitionError(str(exc).replace("natural clients", "movie clients")) from None
 
 
 def client_examples(task: TaskConfig, partition_id: int) -> list[TextExample]:
-    """The (capped) local data of one client."""
+    """The (capped) local data of one client, from the bundled data or the user's file."""
     if not 0 <= partition_id < task.num_clients:
         raise PartitionError(f"partition id {partition_id} outside [0, {task.num_clients})")
-    train = splits(task.seed)[0]
-    idx = partitions(task.num_clients, task.partition, task.alpha, task.seed)[partition_id]
+    if task.data:
+        part = client_partition(task)
+        train, idx = part.train, part.clients[partition_id]
+    else:
+        train = splits(task.seed)[0]
+        idx = partitions(task.num_clients, task.partition, task.alpha, task.seed)[partition_id]
     examples = [train[i] for i in idx]
-    return _subsample(examples, task.examples_per_client, task.seed * 7919 + partition_id)
+    return _subsample(examples, task.examples_per_client, client_cap_seed(task.seed, partition_id))
 
 
 def eval_split(task: TaskConfig, which: str = "validation") -> tuple[list[str], list[int]]:
     """(texts, labels) the server scores on: its public validation or test split, capped."""
-    _, val, test = splits(task.seed)
+    if task.data:
+        val, test = (list(x) for x in server_splits(task))
+    else:
+        _, val, test = splits(task.seed)
     data = _subsample(val if which == "validation" else test, task.eval_examples, task.seed + 1)
     return [e.text for e in data], [e.label for e in data]
 
@@ -133,7 +116,7 @@ def make_evaluate_fn(
     texts, labels = eval_split(task, which)
 
     def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
-        lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+        lm = task_model(task)
         lm.set_arrays(params)
         return evaluate(lm, texts, labels, task.max_length)
 
@@ -142,7 +125,7 @@ def make_evaluate_fn(
 
 def initial_arrays(task: TaskConfig) -> list[np.ndarray]:
     """The trainables as loaded (the cached model's live values change during a run)."""
-    lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+    lm = task_model(task)
     return [a.copy() for a in lm.initial]
 
 
@@ -218,6 +201,8 @@ def build_strategy(
     task: TaskConfig,
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> DPFedAvg:
+    if task.data:
+        federation(task)  # the user's data: every data error (and the label gate) up front
     server = DPFedAvgServer(server_cfg, initial_arrays(task), make_evaluate_fn(task))
     return DPFedAvg(server, task.to_record(), on_round=on_round)
 

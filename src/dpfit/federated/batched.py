@@ -38,7 +38,7 @@ from dpfit.federated.client import (
     _batches,
     _length_chunks,
     clamp_loss,
-    load_local_model,
+    task_model,
     top_layer_prefix,
 )
 from dpfit.federated.clipping import clip_update
@@ -495,8 +495,11 @@ def run_batched(
     all clients' data anyway); otherwise a client's are cached when it is first sampled.
     """
     from dpfit.federated.app import client_examples, eval_split, initial_arrays
+    from dpfit.federated.data import federation
 
-    lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+    if task.data and client_data is None:
+        federation(task)  # the user's data: every data error (and the label gate) up front
+    lm = task_model(task)
     engine = BatchedClients(lm, task, client_data or (lambda p: client_examples(task, p)))
     texts, labels = eval_data if eval_data is not None else eval_split(task, "validation")
     server = DPFedAvgServer(server_cfg, initial_arrays(task), engine.evaluate_fn(texts, labels))

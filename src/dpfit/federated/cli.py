@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from dpfit.federated.clipping import clip_rule_names
+from dpfit.federated.data_cli import (
+    add_data_arguments,
+    check_user_data,
+    clients_source,
+    data_notes,
+    data_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="C (fixed), C0 (quantile, dynamic), C_init (lac), R (automatic)",
     )
-    p.add_argument("--clients", type=int, default=20, help="population N")
+    p.add_argument(
+        "--clients", type=int, default=20, help="population N (not with a client column)"
+    )
     p.add_argument(
         "--clients-per-round", type=float, default=5, help="expected m (Poisson, q = m/N)"
     )
@@ -109,9 +118,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="client optimizer (no weight decay)",
     )
     p.add_argument("--lora-r", type=int, default=4)
-    p.add_argument("--partition", choices=("iid", "dirichlet", "movie"), default="iid")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
-    p.add_argument("--examples-per-client", type=int, default=32, help="cap; 0 = all")
+    p.add_argument(
+        "--partition",
+        choices=("iid", "dirichlet", "movie"),
+        default=None,
+        help="synthetic clients (default iid); movie: the bundled data's natural clients",
+    )
+    p.add_argument(
+        "--alpha", "--dirichlet-alpha", dest="alpha", type=float, default=0.5,
+        help="Dirichlet concentration",
+    )  # fmt: skip
+    p.add_argument(
+        "--examples-per-client",
+        type=int,
+        default=32,
+        help="cap; 0 = all (with --client-column: all by default; with --data and a "
+        "synthetic partition, also sets N = rows // this unless --clients is given)",
+    )
+    add_data_arguments(p)
     p.add_argument("--eval-examples", type=int, default=200)
     p.add_argument(
         "--seed",
@@ -184,13 +208,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "config, and exit (docs/federated.md, Deployment)",
     )
     p.set_defaults(**DEFAULT_RUN)
+    # None = not given: with --data, N and the per-client cap follow from the data's own
+    # rule (data_options); without it, DEFAULT_RUN's values
+    p.set_defaults(clients=None, examples_per_client=None)
 
 
 def configs(args: argparse.Namespace):
     from dpfit.federated.client import TaskConfig
     from dpfit.federated.strategy import ServerConfig
 
+    data = data_options(args, DEFAULT_RUN)
     task = TaskConfig(
+        **data,
         model=args.model,
         local_mode=args.local_mode,
         lora_r=args.lora_r,
@@ -198,18 +227,17 @@ def configs(args: argparse.Namespace):
         local_epochs=args.local_epochs,
         local_batch_size=args.local_batch_size,
         lr=args.lr if args.lr is not None else LOCAL_LR[args.local_mode],
-        num_clients=args.clients,
-        partition=args.partition,
         alpha=args.alpha,
-        examples_per_client=args.examples_per_client,
         eval_examples=args.eval_examples,
         seed=args.seed,
         local_optimizer=args.local_optimizer,
     )
+    if task.data:
+        check_user_data(task, args.clients_per_round)  # every data error before the server's
     no_target = args.noise_multiplier is not None
     server = ServerConfig(
         method=args.method,
-        num_clients=args.clients,
+        num_clients=task.num_clients,
         clients_per_round=args.clients_per_round,
         rounds=args.rounds,
         target_epsilon=None if no_target else args.epsilon,
@@ -250,6 +278,8 @@ def majority_accuracy(task: Any, which: str = "test") -> float:
 
 
 def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> dict[str, Any]:
+    from dpfit.federated.data import label_names
+
     h = server.history
     return {
         "method": server.config.method,
@@ -271,6 +301,11 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "num_clients": server.config.num_clients,
         "clients_per_round": server.config.clients_per_round,
         "partition": task.partition,
+        "num_clients_from": clients_source(task),
+        "data": task.data or "bundled Rotten Tomatoes",
+        "client_column": task.client_column or None,
+        "eval_data": task.eval_data or None,
+        "label_names": list(label_names(task)),
         "local_mode": task.local_mode,
         "stopped": server.stop_reason,
         "insecure_seed": server.insecure,
@@ -372,9 +407,12 @@ def _header(server_cfg: Any, task: Any, engine: str) -> str:
         if server_cfg.noise_multiplier is None
         else f"z={server_cfg.noise_multiplier:g}"
     )
+    clients = (
+        f"one per value of {task.client_column!r}" if task.partition == "column" else task.partition
+    )
     return (
         f"dpfit federated: {server_cfg.method}, {target} delta={server_cfg.delta:g}, "
-        f"{server_cfg.num_clients} clients ({task.partition}, <= "
+        f"{server_cfg.num_clients} clients ({clients}, <= "
         f"{task.examples_per_client or 'all'} examples each), {server_cfg.clients_per_round:g} "
         f"expected per round, {server_cfg.rounds} rounds, local {task.local_mode} "
         f"({engine} engine)"
@@ -421,6 +459,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if not quiet:
         print(_header(server_cfg, task, args.engine), flush=True)
+    if task.data:
+        data_notes(task, quiet)
     # no per-round times on stdout: a round's duration depends on how many clients were
     # sampled and answered, which only the operator's log may show (docs/federated.md)
 

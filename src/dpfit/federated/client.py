@@ -68,6 +68,15 @@ class TaskConfig:
     seed: int = 0
     threads: int = 1
     local_optimizer: str = "adamw"
+    # A user's own data (dpfit.federated.data); "" = the bundled Rotten Tomatoes. Every
+    # SuperNode reads `data` at this path and keeps its own partition's rows.
+    data: str = ""
+    eval_data: str = ""  # the server's public validation / test set (needed with `data`)
+    client_column: str = ""  # each distinct value one client (partition "column")
+    text_column: str = "text"
+    label_column: str = "label"
+    labels: str = ""  # public label names, comma-separated, in id order ("" = from the data)
+    public_labels: bool = False  # names read from the data are public even if rare
 
     def __post_init__(self) -> None:
         if self.local_mode not in LOCAL_MODES:
@@ -77,6 +86,19 @@ class TaskConfig:
         if self.local_optimizer not in LOCAL_OPTIMIZERS:
             raise ClientTaskError(
                 f"local_optimizer must be one of {LOCAL_OPTIMIZERS}, got {self.local_optimizer!r}"
+            )
+        if bool(self.client_column) != (self.partition == "column"):
+            raise ClientTaskError(
+                "a client column goes with partition 'column' (natural clients), and only "
+                f"with it; got client_column={self.client_column!r}, "
+                f"partition={self.partition!r}"
+            )
+        if not self.data and (self.client_column or self.eval_data):
+            raise ClientTaskError("--client-column and --eval-data need --data FILE")
+        if self.data and self.partition == "movie":
+            raise ClientTaskError(
+                "--partition movie is the bundled data's natural clients; for your file "
+                "name its client column with --client-column, or use --partition iid|dirichlet"
             )
 
     def to_record(self) -> dict[str, Any]:
@@ -97,7 +119,7 @@ class TaskConfig:
 # Model
 # --------------------------------------------------------------------------------------------
 
-LABEL_NAMES = ("rotten", "fresh")  # the federated task: bundled Rotten Tomatoes, label 0 / 1
+LABEL_NAMES = ("rotten", "fresh")  # the bundled federated task (Rotten Tomatoes), label 0 / 1
 EVAL_BATCH = 64
 PAD_SLACK = 1.25  # training chunks: padded tokens <= 1.25 x real tokens
 
@@ -216,19 +238,46 @@ def _add_lora(net: torch.nn.Module, rank: int, top_only: bool = False) -> torch.
     return inject_adapter_in_model(cfg, net)
 
 
-@functools.lru_cache(maxsize=2)
+def task_model(task: TaskConfig, dtype: str = "float32") -> LocalModel:
+    """The task's model, with a head for the task's classes (bundled or the user's)."""
+    from dpfit.federated.data import label_names
+
+    return load_local_model(
+        task.model, task.local_mode, task.lora_r, task.seed, dtype, label_names(task)
+    )
+
+
 def load_local_model(
-    model: str, local_mode: str, lora_r: int, seed: int, dtype: str = "float32"
+    model: str,
+    local_mode: str,
+    lora_r: int,
+    seed: int,
+    dtype: str = "float32",
+    label_names: tuple[str, ...] = LABEL_NAMES,
 ) -> LocalModel:
     """Load once per process; the frozen weights never change, the trainables are overwritten.
 
     ``model``: a folder, hub id or bundled name (``minilm``, ``smollm2``); empty = MiniLM.
     The seed fixes LoRA's random A matrices identically everywhere (the head starts at zero).
     ``dtype`` float64 is for exactness tests (batched engine against the per-client path).
+    ``label_names``: the classes of the head (default: the bundled task's). Every call with
+    the same settings, however they are passed, gets the same cached model.
     """
+    return _load_local_model(model, local_mode, lora_r, seed, dtype, tuple(label_names))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_local_model(
+    model: str,
+    local_mode: str,
+    lora_r: int,
+    seed: int,
+    dtype: str,
+    label_names: tuple[str, ...],
+) -> LocalModel:
     from dpfit.models import load_classifier
 
-    loaded = load_classifier(model or None, LABEL_NAMES, seed=seed)
+    loaded = load_classifier(model or None, label_names, seed=seed)
     net = loaded.model
     if local_mode in ("lora", "lora-top"):
         torch.manual_seed(seed)
@@ -479,7 +528,7 @@ def _client_setup(message: Any, context: Any):
     torch.set_num_threads(max(1, task.threads))
     pid = _partition_id(context, task)
     examples = client_examples(task, pid)
-    lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+    lm = task_model(task)
     start = message.content["arrays"].to_numpy_ndarrays()
     rng = np.random.default_rng([task.seed, pid, int(cfg.get("server_round", 0))])
     texts = [e.text for e in examples]
