@@ -124,7 +124,7 @@ ROWS = (
         "dpfit",
         {"epsilon": 8.0, "mode": "full", "head_first": False},
     ),
-    # the LoRA modes beside DP-BiTFiT and DP full (not run yet)
+    # the LoRA modes beside DP-BiTFiT and DP full
     Row("dp-lora-8", "DP LoRA-only eps=8", "dpfit", {"epsilon": 8.0, "mode": "lora"}),
     Row("dp-bias-lora-8", "DP bias+LoRA eps=8", "dpfit", {"epsilon": 8.0, "mode": "bias+lora"}),
     Row("dp-bias-lora-1", "DP bias+LoRA eps=1", "dpfit", {"epsilon": 1.0, "mode": "bias+lora"}),
@@ -361,6 +361,90 @@ def variant_lines(summary: dict, pairs=VARIANTS) -> list[str]:
     return lines
 
 
+# (mode row key, DP-BiTFiT at the same epsilon): the LoRA modes against bias-only, paired by
+# seed with a 95% t interval on the mean difference
+AGAINST_BITFIT = (
+    ("dp-bias-lora-8", "dp-8"),
+    ("dp-lora-8", "dp-8"),
+    ("dp-bias-lora-1", "dp-1"),
+)
+# the private modes at eps 8 with their defaults: the best of them is held to non-private full
+DP8_MODES = ("dp-8", "dp-full-8", "dp-lora-8", "dp-bias-lora-8")
+
+
+def paired(v: dict, b: dict) -> tuple[list[int], list[float]]:
+    """Seeds both rows ran, and the first row minus the second on each."""
+    seeds = sorted(set(v["by_seed"]) & set(b["by_seed"]))
+    return seeds, [v["by_seed"][k] - b["by_seed"][k] for k in seeds]
+
+
+def t_interval(diffs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Two-sided t interval on the mean of paired differences (None below two pairs)."""
+    from scipy import stats
+
+    if len(diffs) < 2:
+        return None
+    m, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+    half = float(stats.t.ppf(0.5 + level / 2, len(diffs) - 1)) * se
+    return m - half, m + half
+
+
+def interval_lines(summary: dict, pairs=AGAINST_BITFIT) -> list[str]:
+    """Each first row minus the second, paired by seed: mean, 95% t interval, each seed."""
+    lines = []
+    for vkey, bkey in pairs:
+        vname, bname = ROW_BY_KEY[vkey].name, ROW_BY_KEY[bkey].name
+        for task, rows in summary.items():
+            v, b = rows.get(vname), rows.get(bname)
+            if not v or not b:
+                continue
+            seeds, diffs = paired(v, b)
+            if not seeds:
+                continue
+            ci = t_interval(diffs)
+            ci_text = f", 95% t interval [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ", no interval"
+            each = ", ".join(f"{d:+.1f} (seed {k})" for k, d in zip(seeds, diffs, strict=True))
+            lines.append(
+                f"- {task}: {vname} minus {bname}: {statistics.fmean(diffs):+.1f} over "
+                f"{len(seeds)} pair(s){ci_text}: {each}"
+            )
+    return lines
+
+
+def _short(seeds: int, asked: int = 3) -> str:
+    return "" if seeds >= asked else f" (on {seeds} of the {asked} seeds the target asks)"
+
+
+def mode_targets(summary: dict) -> list[str]:
+    """bias+LoRA >= BiTFiT at eps 8 (mean of the seed pairs), and the best private mode at
+    eps 8 within 3 points of non-private full fine-tuning."""
+    lines = []
+    for task, rows in summary.items():
+        v, b = rows.get(ROW_BY_KEY["dp-bias-lora-8"].name), rows.get(ROW_BY_KEY["dp-8"].name)
+        if v and b:
+            seeds, diffs = paired(v, b)
+            if seeds:
+                mean = statistics.fmean(diffs)
+                lines.append(
+                    f"- {task}: DP bias+LoRA eps=8 minus DP-BiTFiT eps=8, paired by seed: "
+                    f"{mean:+.1f} over {len(seeds)} pair(s): {'met' if mean >= 0 else 'MISSED'}"
+                    + _short(len(seeds))
+                )
+        np_full = rows.get(ROW_BY_KEY["np-full"].name)
+        modes = {ROW_BY_KEY[k].name: rows.get(ROW_BY_KEY[k].name) for k in DP8_MODES}
+        modes = {n: s for n, s in modes.items() if s}
+        if np_full and modes:
+            best_name, best = max(modes.items(), key=lambda kv: kv[1]["mean"])
+            gap = best["mean"] - np_full["mean"]
+            lines.append(
+                f"- {task}: best private mode at eps 8 ({best_name}, {len(best['seeds'])} "
+                f"seed(s)) {best['mean']:.1f} vs non-private full {np_full['mean']:.1f} "
+                f"({gap:+.1f} points; within 3): {'met' if gap >= -3 else 'MISSED'}"
+                + _short(min(len(best["seeds"]), len(np_full["seeds"])))
+            )
+    return lines
+
+
 def markdown(summary: dict, header: str, failures: list[dict]) -> str:
     tasks = list(summary)
     names = row_order(summary)
@@ -401,6 +485,17 @@ def markdown(summary: dict, header: str, failures: list[dict]) -> str:
                 f"{probe_cell} | {s['lr']} | {eps} |"
             )
     lines += ["", "Targets on what has finished:", "", *(targets(summary) or ["- (none yet)"])]
+    lines += mode_targets(summary)
+    modes = interval_lines(summary)
+    if modes:
+        lines += [
+            "",
+            "The LoRA modes against DP-BiTFiT at the same epsilon, paired by seed (points of "
+            "test accuracy; mean difference and its 95% t interval where two or more seeds "
+            "pair):",
+            "",
+            *modes,
+        ]
     variants = variant_lines(summary)
     if variants:
         lines += [

@@ -79,3 +79,15 @@ def test_each_private_run_spent_what_it_claims(mechanism):
         assert direct * (1 - 2e-2) <= run["epsilon"] <= direct * (1 + 1e-6), run["key"]
         assert run["epsilon"] <= target * (1 + 1e-3), run["key"]
         assert delta <= min(1e-5, run["n_train"] ** -1.1) * (1 + 1e-9), run["key"]
+
+
+def test_paired_interval_is_the_one_sample_t_interval_of_the_differences():
+    """The LoRA-vs-BiTFiT interval: scipy's one-sample t test on the same differences."""
+    from scipy import stats
+
+    u = _utility()
+    diffs = [-0.5, 0.5, 1.5, 2.75]
+    lo, hi = u.t_interval(diffs)
+    ref = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    assert (lo, hi) == pytest.approx((ref.low, ref.high), rel=1e-12)
+    assert u.t_interval([1.0]) is None
