@@ -1,0 +1,59 @@
+"""benchmarks/long_context.py on a tiny LLaMA: the result's structure, and an arm that runs out
+of its memory cap recorded as "does not fit" (then skipped at larger T) instead of a crash."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import long_context  # noqa: E402
+
+pytest.importorskip("transformers")
+GIB = 1024**3
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> dict:
+    out = tmp_path / name
+    argv = ["--model", "tiny", "--batches", "1", "--threads", "1", "--schedule", "16:0+1"]
+    argv += ["--out", str(out), "--docs", str(tmp_path / f"{name}_doc.md"), *extra]
+    assert long_context.main(argv) == 0
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+def test_smallest_run_and_forced_out_of_memory(tmp_path):
+    res = _run(tmp_path, "small", "--lengths", "16", "32", "--arms", "nonpriv-bias", "dp-bitfit")
+    rows = {(r["arm"], r["length"]): r for r in res["rows"]}
+    assert set(rows) == {(a, t) for a in ("nonpriv-bias", "dp-bitfit") for t in (16, 32)}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["ran"] and len(r["wall_s"]) == r["timed"] == 1 and r["warmup"] == 0
+        assert 0 < r["base_rss_bytes"] <= r["peak_rss_bytes"] < res["memory_cap_gib"] * GIB
+        assert r["s_per_example"] > 0
+    # the same added biases in both arms, nothing else trains
+    assert rows["nonpriv-bias", 16]["trainable_params"] == rows["dp-bitfit", 16]["trainable_params"]
+    t = res["targets"]["bitfit_memory_vs_nonpriv_bias"]
+    assert t["worst"]["ratio"] == pytest.approx(
+        max(rows["dp-bitfit", n]["peak_rss_bytes"] / rows["nonpriv-bias", n]["peak_rss_bytes"]
+            for n in (16, 32))
+    )  # fmt: skip
+    md = (tmp_path / "small.md").read_text()
+    assert res["command"] in md and "| 32 | 0+1 |" in md
+    assert (tmp_path / "small.png").stat().st_size > 0
+    assert "do not edit by hand" in (tmp_path / "small_doc.md").read_text()
+
+    # a cap just above what the set-up takes: T=16 fits, T=2048's logits (2048 x 32000 floats,
+    # several copies in the loss) do not; T=4096 is then not run
+    cap = rows["dp-bitfit", 32]["base_vm_bytes"] / GIB + 0.4
+    res = _run(tmp_path, "capped", "--lengths", "16", "2048", "4096", "--arms", "dp-bitfit",
+               "--memory-cap-gib", f"{cap:.3f}")  # fmt: skip
+    status = {r["length"]: r for r in res["rows"]}
+    assert status[16]["status"] == "ok"
+    assert status[2048]["status"] == "does-not-fit" and status[2048]["ran"]
+    assert "allocate" in status[2048]["reason"].lower() or "memory" in status[2048]["reason"]
+    assert status[4096]["status"] == "does-not-fit" and not status[4096]["ran"]
+    assert f"does not fit in {float(f'{cap:.3f}'):g} GiB" in (tmp_path / "capped.md").read_text()
+    assert res["targets"]["bitfit_fits_where_no_dp_full_does"]["met"] is False
