@@ -36,12 +36,17 @@ and records ("does not fit"), instead of waking the OOM killer; an arm that does
 is not run at larger T for that batch. The cap bounds address space, which is larger than the
 resident memory (libraries, allocator reserves): the base address space is in the JSON.
 Memory: the child's peak RSS (ru_maxrss from os.wait4 on that child, so a crash still reports
-it) and its RSS after the model and the arm are set up (baseline). Time: median wall and CPU
+it) and its RSS once the model is loaded (baseline). Time: median wall and CPU
 seconds of the timed steps (forward, backward, clipping and noise where private, optimizer
-step) after the warm-up steps; the counts per T are in the table (a step with no warm-up before
-it includes one-time work: allocator growth, optimizer state). An arm is skipped (and said so)
+step) after the warm-up steps; the counts per T are in the table. The optimizer's state is
+created before the first step (one AdamW step on zero gradients), so that a lone step's peak
+includes it as every later step's does; a step with no warm-up before it still includes other
+one-time work in its time (allocator growth, the engine's first-step set-up). An arm is skipped (and said so)
 when the CPU seconds of its last two lengths predict a step over --max-step-s (batches > 1)
-or warm-up + timed steps over --arm-budget-s.
+or warm-up + timed steps over --arm-budget-s, or when its peak RSS, extrapolated linearly in T
+from its last two lengths, plus its address space beyond its resident set, exceeds the cap
+(recorded as "predicted not to fit", with the predicted peak; never counted as a measured
+"does not fit"; --run-predicted-oom runs such arms anyway).
 
 Writes <out>.json, <out>.md, <out>.png (memory vs T, log-log) and the docs page.
 """
@@ -138,6 +143,18 @@ def per_example_loss(model, ids):
     return total / count
 
 
+def prime(opt) -> None:
+    """Create the optimizer's state now (one step on zero gradients), so that a single measured
+    step already holds it through its forward and backward, as every later step does."""
+    import torch
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def setup_arm(arm: str, model, batch: int):
     """A function that runs one training step of `arm` on a [batch, T] tensor of ids."""
     import torch
@@ -153,6 +170,7 @@ def setup_arm(arm: str, model, batch: int):
 
     if arm.startswith("nonpriv"):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        prime(opt)
 
         def step(ids):
             per_example_loss(model, ids).mean().backward()
@@ -173,6 +191,7 @@ def setup_arm(arm: str, model, batch: int):
             check_gradients=False,  # see the module docstring
         )
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
+        prime(opt)
 
         def step(ids):
             per_example_loss(model, ids).mean().backward()
@@ -188,6 +207,7 @@ def setup_arm(arm: str, model, batch: int):
     warnings.filterwarnings("ignore")
     ghost = arm.startswith("opacus-ghost")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    prime(opt)
     ds = torch.utils.data.TensorDataset(torch.zeros(10_000, 1, dtype=torch.long))
     kw = dict(
         module=model,
@@ -230,7 +250,7 @@ def child(spec: dict) -> dict:
 
         torch.set_num_threads(spec["threads"])
         model = build_model(spec["model"], spec["arm"])
-        res["trainable_params"] = None
+        res["base_rss_bytes"] = _status_bytes("VmRSS")  # the model loaded, nothing else
         step = setup_arm(spec["arm"], model, spec["batch"])
         res["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         vocab = model.config.vocab_size
@@ -239,7 +259,7 @@ def child(spec: dict) -> dict:
         import gc
 
         gc.collect()
-        res["base_rss_bytes"] = _status_bytes("VmRSS")
+        res["setup_rss_bytes"] = _status_bytes("VmRSS")  # and the arm set up
         res["base_vm_bytes"] = _status_bytes("VmSize")
         walls, cpus = [], []
         for i in range(spec["warmup"] + spec["timed"]):
@@ -336,11 +356,22 @@ def predict_step_s(done: list[tuple[int, float]], length: int) -> float | None:
     return a * length + b * length**2
 
 
+def predict_peak(done: list[tuple[int, float]], length: int) -> float | None:
+    """Peak bytes at `length`, linear in T through the last two measured (T, peak): with SDPA's
+    fused attention nothing of size T^2 is kept, so memory grows linearly in T."""
+    if len(done) < 2:
+        return None
+    (t1, m1), (t2, m2) = done[-2:]
+    return m2 + max(0.0, (m2 - m1) / (t2 - t1)) * (length - t2)
+
+
 def measure(args) -> dict:
     rows: list[dict] = []
     schedule = parse_schedule(args.schedule)
     failed: dict[tuple[int, str], dict] = {}  # (batch, arm) -> the row that stopped it
     timings: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    peaks: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    overhead: dict[tuple[int, str], float] = {}  # address space beyond the resident set
     total_cpu = 0.0
     prior = {}  # rows measured by a stopped run of the same configuration (--resume)
     if args.resume:
@@ -356,8 +387,18 @@ def measure(args) -> dict:
                 row = {"arm": arm, "length": length, "batch": batch}
                 stop = failed.get((batch, arm))
                 pred = predict_step_s(timings.get((batch, arm), []), length)
+                peak = predict_peak(peaks.get((batch, arm), []), length)
+                cap = args.memory_cap_gib * GIB
                 if stop is not None:
                     row.update(status=stop["status"], reason=f"as at T={stop['length']}", ran=False)
+                elif (
+                    peak is not None
+                    and not args.run_predicted_oom
+                    and peak + overhead[(batch, arm)] > cap
+                ):
+                    row.update(status="predicted-not-to-fit", ran=False, predicted_peak_bytes=peak,
+                               reason=f"peak RSS predicted {peak / GIB:.1f} GiB (linear in T "
+                               f"from the last two lengths) + address-space overhead > cap")  # fmt: skip
                 elif pred is not None and batch > 1 and pred > args.max_step_s:
                     row.update(status="skipped", ran=False,
                                reason=f"predicted step {pred:.0f} CPU-s > {args.max_step_s:.0f}")  # fmt: skip
@@ -384,6 +425,10 @@ def measure(args) -> dict:
                     row["median_cpu_s"] = statistics.median(row["cpu_s"])
                     row["s_per_example"] = row["median_wall_s"] / batch
                     timings.setdefault((batch, arm), []).append((length, row["median_cpu_s"]))
+                    peaks.setdefault((batch, arm), []).append((length, row["peak_rss_bytes"]))
+                    overhead[(batch, arm)] = max(
+                        0, row["base_vm_bytes"] - row.get("setup_rss_bytes", row["base_rss_bytes"])
+                    )
                 else:
                     failed[(batch, arm)] = row
                 rows.append(row)
@@ -458,6 +503,8 @@ def _cell_mem(r: dict | None, cap: float) -> str:
         return "-"
     if r["status"] == "ok":
         return f"{r['peak_rss_bytes'] / GIB:.2f} ({r['base_rss_bytes'] / GIB:.2f})"
+    if r["status"] == "predicted-not-to-fit":
+        return f"~{r['predicted_peak_bytes'] / GIB:.1f} predicted, not run"
     if r["status"] == "does-not-fit":
         reached = f" (reached {r['peak_rss_bytes'] / GIB:.2f})" if r.get("ran") else ""
         return f"does not fit in {cap:g} GiB{reached}"
@@ -604,7 +651,7 @@ def render(res: dict) -> str:
             "",
             f"## Physical batch {batch}",
             "",
-            "Peak RSS of the arm's process, GiB (in brackets: its RSS after model and arm set-up)",
+            "Peak RSS of the arm's process, GiB (in brackets: its RSS with the model loaded)",
             "",
             "| T | steps (warm-up+timed) | " + " | ".join(ARMS[a] for a in arms) + " |",
             "|---" * (len(arms) + 2) + "|",
@@ -658,12 +705,17 @@ def render(res: dict) -> str:
     skipped = [
         f"T={r['length']}, batch {r['batch']}, {ARMS[r['arm']]}: {r['reason']}"
         for r in res["rows"]
-        if r["status"] == "skipped"
+        if r["status"] in ("skipped", "predicted-not-to-fit")
     ]
     if notes:
         out += ["", "## Why arms did not run", "", *[f"- {n}" for n in notes]]
     if skipped:
-        out += ["", "## Skipped to fit the CPU budget", "", *[f"- {s}" for s in skipped]]
+        out += [
+            "",
+            "## Not run, to fit the CPU budget (predictions, not measurements)",
+            "",
+            *[f"- {s}" for s in skipped],
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -726,6 +778,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", default=str(DOCS), help="'' to write no docs page")
     ap.add_argument("--from-json", help="only render the .md, .png and docs from this JSON")
     ap.add_argument("--resume", help="a stopped run's partial JSON: reuse the rows it measured")
+    ap.add_argument(
+        "--run-predicted-oom",
+        action="store_true",
+        help="run arms whose extrapolated peak exceeds the cap (default: record the prediction)",
+    )
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -57,3 +57,21 @@ def test_smallest_run_and_forced_out_of_memory(tmp_path):
     assert status[4096]["status"] == "does-not-fit" and not status[4096]["ran"]
     assert f"does not fit in {float(f'{cap:.3f}'):g} GiB" in (tmp_path / "capped.md").read_text()
     assert res["targets"]["bitfit_fits_where_no_dp_full_does"]["met"] is False
+
+
+def test_predictions_extrapolate_from_the_last_two_lengths():
+    # memory: linear in T through the last two points, never decreasing
+    assert long_context.predict_peak([(256, 1.0), (512, 2.0)], 1024) == pytest.approx(4.0)
+    assert long_context.predict_peak([(256, 2.0), (512, 1.0)], 1024) == pytest.approx(1.0)
+    assert long_context.predict_peak([(256, 1.0)], 1024) is None
+    # time: a T + b T^2 through both points (here t = T + T^2 / 1000)
+    pts = [(t, t + t * t / 1000) for t in (100, 200)]
+    assert long_context.predict_step_s(pts, 400) == pytest.approx(400 + 160)
+    assert long_context.predict_step_s([(100, 1.0)], 400) == pytest.approx(4.0)
+
+
+def test_schedule_takes_the_nearest_listed_length_below():
+    sched = long_context.parse_schedule("256:1+2,1024:0+1")
+    assert long_context.steps_for(sched, 512) == (1, 2)
+    assert long_context.steps_for(sched, 8192) == (0, 1)
+    assert long_context.steps_for(sched, 128) == (1, 2)
