@@ -409,6 +409,7 @@ def measure(args) -> dict:
                 if "status" in row:
                     rows.append(row)
                     print(f"T={length:5d} b={batch} {arm:20s} {row['status']}: {row['reason']}")
+                    Path(args.partial).write_text(json.dumps(summary(args, rows, total_cpu)))
                     continue
                 spec = {
                     "arm": arm, "length": length, "batch": batch, "warmup": warmup,
