@@ -764,7 +764,7 @@ def render_docs(res: dict, md: str, png_name: str) -> str:
         "(`benchmarks/results/long_context.{md,json,png}`); do not edit by hand.\n\n"
         "What grows with the length T: every arm keeps the activations of its forward pass for "
         "the backward pass (with SDPA's fused attention, linear in T), and the LM head's logits "
-        "(T x 49,152 per example). On top of that, DP-BiTFiT keeps nothing per example but the "
+        "(T x the vocabulary per example). On top of that, DP-BiTFiT keeps nothing per example but the "
         "bias gradients; DP full keeps every weight's gradient and AdamW state, and per-example "
         "gradients (Opacus hooks: materialised; dpfit: per layer, T x T ghost-norm products or "
         "materialised rows, whichever is smaller).\n\n"
