@@ -1,0 +1,872 @@
+"""Long-context memory and time: where DP full fine-tuning stops fitting and DP-BiTFiT trains.
+
+Question: on SmolLM2-135M (the bundled model's LLaMA configuration, 30 layers, no biases,
+causal LM), how do peak memory and seconds per example of DP-BiTFiT grow with the sequence
+length T, against non-private bias-only training and DP full fine-tuning (dpfit's, Opacus's)?
+
+    PYTHONPATH=src nice -n 5 python benchmarks/long_context.py            # the committed run
+    PYTHONPATH=src python benchmarks/long_context.py --lengths 256 512     # per-token costs first
+
+Arms (every one trains with AdamW, lr 1e-5, SDPA attention, float32, random weights and token
+ids, no padding, loss = mean over examples of each example's mean next-token NLL):
+
+* nonpriv-bias: the biases dpfit adds (DP-BiTFiT-Add: zero biases on every linear layer and
+  RMSNorm) trained with plain autograd;
+* dp-bitfit: the same biases through dpfit.PrivacyEngine (mode "bias", sigma 1, noise and
+  sampling from os.urandom);
+* nonpriv-full, dpfit-full (PrivacyEngine mode "full"), opacus-hooks (Opacus GradSampleModule,
+  per-example weight gradients; LlamaRMSNorm has no Opacus grad sampler and runs through its
+  functorch fallback), opacus-ghost (Opacus ghost clipping): every weight of the original model
+  (no added biases). SmolLM2 ties its input embedding to its LM head and Opacus ghost clipping
+  rejects tied parameters, so opacus-ghost is recorded as unsupported; `--arms ...
+  opacus-ghost-untied` runs it on a copy whose LM head has its own copy of the embedding
+  (28M more parameters; not in the default run, for the CPU budget).
+
+dpfit's engines run with check_gradients=False: `dpfit train` leaves it on, and then the first
+step also runs the batch-axis probe (one more forward and backward of the batch and of one
+example) and every step compares the per-example rows' sum with autograd's gradient. At 8k
+tokens the probe alone would cost more CPU than this benchmark can spend; it is a one-time
+self-test, not part of the mechanism whose memory and time are measured here.
+
+Each (T, batch, arm) runs in its own subprocess (one thread by default: on a loaded 2-core
+machine two OpenMP threads spent 5-8x the CPU time of one on the same step), batch 1 at every
+length first, the arms in a rotating order within each T. The child caps its address space with RLIMIT_AS at
+--memory-cap-gib, so an arm that does not fit raises an allocation error that the child catches
+and records ("does not fit"), instead of waking the OOM killer; an arm that does not fit at T
+is not run at larger T for that batch. The cap bounds address space, which is larger than the
+resident memory (libraries, allocator reserves): the base address space is in the JSON.
+Memory: the child's peak RSS (ru_maxrss from os.wait4 on that child, so a crash still reports
+it) and its RSS once the model is loaded (baseline). Time: median wall and CPU
+seconds of the timed steps (forward, backward, clipping and noise where private, optimizer
+step) after the warm-up steps; the counts per T are in the table. The optimizer's state is
+created before the first step (one AdamW step on zero gradients), so that a lone step's peak
+includes it as every later step's does; a step with no warm-up before it still includes other
+one-time work in its time (allocator growth, the engine's first-step set-up). An arm is skipped (and said so)
+when the CPU seconds of its last two lengths predict a step over --max-step-s (batches > 1)
+or warm-up + timed steps over --arm-budget-s, or when its peak RSS, extrapolated linearly in T
+from its last two lengths, plus its address space beyond its resident set, exceeds the cap
+(recorded as "predicted not to fit", with the predicted peak; never counted as a measured
+"does not fit"; --run-predicted-oom runs such arms anyway).
+
+Writes <out>.json, <out>.md, <out>.png (memory vs T, log-log) and the docs page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs" / "long_context.md"
+GIB = 1024**3
+
+ARMS = {
+    "nonpriv-bias": "non-private bias-only",
+    "dp-bitfit": "DP-BiTFiT",
+    "nonpriv-full": "non-private full",
+    "dpfit-full": "dpfit DP full",
+    "opacus-hooks": "Opacus DP full (hooks)",
+    "opacus-ghost": "Opacus DP full (ghost)",
+    "opacus-ghost-untied": "Opacus DP full (ghost, untied head)",
+}
+BIAS_ARMS = ("nonpriv-bias", "dp-bitfit")
+DP_FULL_ARMS = ("dpfit-full", "opacus-hooks", "opacus-ghost", "opacus-ghost-untied")
+# warm-up + timed steps from each length on: a shared 2-core machine affords one step at long T
+DEFAULT_SCHEDULE = "256:1+2,1024:0+1"
+DEFAULT_ARMS = [a for a in ARMS if a != "opacus-ghost-untied"]
+OOM_MARKERS = ("can't allocate", "cannot allocate", "out of memory", "bad_alloc", "allocate")
+
+
+# ----------------------------------------------------------------------------- the child
+def _status_bytes(field: str) -> int:
+    """A /proc/self/status field (VmRSS, VmSize, VmPeak) in bytes; 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def build_model(name: str, arm: str):
+    """SmolLM2-135M (random weights: memory and time do not depend on their values, and
+    every weight then sits in the process's own memory, not in a lazily paged file) or a tiny
+    LLaMA (tests: narrow, but with a real-size
+    vocabulary so that long inputs have big logits), in train mode with SDPA."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "tiny":
+        cfg = T.LlamaConfig(
+            vocab_size=32_000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        )  # fmt: skip
+        cfg._attn_implementation = "sdpa"
+        model = T.LlamaForCausalLM(cfg)
+    elif name == "smollm2":  # the bundled model's configuration, random weights
+        from dpfit.data.smollm import smollm2_folder
+
+        cfg = T.AutoConfig.from_pretrained(smollm2_folder())
+        cfg._attn_implementation = "sdpa"
+        model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    else:
+        raise ValueError(f"--model {name!r}: choose smollm2 or tiny")
+    if arm == "opacus-ghost-untied":
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+    return model.train()
+
+
+def per_example_loss(model, ids):
+    """Each example's mean next-token NLL, [B] (dpfit.causal_lm's loss, no padding)."""
+    from dpfit.causal_lm import per_example_token_nll
+
+    logits = model(input_ids=ids, use_cache=False).logits
+    total, count = per_example_token_nll(logits, ids)
+    return total / count
+
+
+def prime(opt) -> None:
+    """Create the optimizer's state now (one step on zero gradients), so that a single measured
+    step already holds it through its forward and backward, as every later step does."""
+    import torch
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def setup_arm(arm: str, model, batch: int):
+    """A function that runs one training step of `arm` on a [batch, T] tensor of ids."""
+    import torch
+
+    import dpfit
+
+    if arm in BIAS_ARMS:
+        dpfit.add_biases(model)
+        dpfit.make_bias_trainable(model)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+
+    if arm.startswith("nonpriv"):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        prime(opt)
+
+        def step(ids):
+            per_example_loss(model, ids).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    if arm in ("dp-bitfit", "dpfit-full"):
+        engine = dpfit.PrivacyEngine(
+            model,
+            expected_batch_size=batch,
+            sample_size=10_000,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            sampling="user-poisson",
+            mode="bias" if arm == "dp-bitfit" else "full",
+            check_gradients=False,  # see the module docstring
+        )
+        opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
+        prime(opt)
+
+        def step(ids):
+            per_example_loss(model, ids).mean().backward()
+            engine.step(opt, batch_size=ids.shape[0])
+
+        return step
+
+    import warnings
+
+    from opacus import PrivacyEngine as OpacusEngine
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+    warnings.filterwarnings("ignore")
+    ghost = arm.startswith("opacus-ghost")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    prime(opt)
+    ds = torch.utils.data.TensorDataset(torch.zeros(10_000, 1, dtype=torch.long))
+    kw = dict(
+        module=model,
+        optimizer=opt,
+        data_loader=torch.utils.data.DataLoader(ds, batch_size=batch),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode="ghost" if ghost else "hooks",
+    )
+    pe = OpacusEngine(accountant="rdp")
+    if ghost:
+        gmodel, gopt, _, _ = pe.make_private(criterion=torch.nn.CrossEntropyLoss(), **kw)
+    else:
+        gmodel, gopt, _ = pe.make_private(**kw)
+
+    def step(ids):
+        losses = per_example_loss(gmodel, ids)
+        if ghost:  # Opacus's two backward passes (norms, then the clipped sum)
+            DPTensorFastGradientClipping(gmodel, gopt, losses, "mean").backward()
+        else:
+            losses.mean().backward()
+        gopt.step()
+        gopt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or any(m in str(e).lower() for m in OOM_MARKERS)
+
+
+def child(spec: dict) -> dict:
+    """One arm at one (T, batch): set up, warm up, time; every failure becomes a record."""
+    cap = int(spec["cap_gib"] * GIB)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    res: dict = {"status": "ok"}
+    try:
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+        model = build_model(spec["model"], spec["arm"])
+        res["base_rss_bytes"] = _status_bytes("VmRSS")  # the model loaded, nothing else
+        step = setup_arm(spec["arm"], model, spec["batch"])
+        res["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        vocab = model.config.vocab_size
+        g = torch.Generator().manual_seed(spec["length"])
+        ids = torch.randint(3, vocab, (spec["batch"], spec["length"]), generator=g)
+        import gc
+
+        gc.collect()
+        res["setup_rss_bytes"] = _status_bytes("VmRSS")  # and the arm set up
+        res["base_vm_bytes"] = _status_bytes("VmSize")
+        walls, cpus = [], []
+        for i in range(spec["warmup"] + spec["timed"]):
+            w0, c0 = time.perf_counter(), time.process_time()
+            step(ids)
+            w1, c1 = time.perf_counter(), time.process_time()
+            if i >= spec["warmup"]:
+                walls.append(w1 - w0)
+                cpus.append(c1 - c0)
+            else:
+                res.setdefault("warmup_wall_s", []).append(w1 - w0)
+        res.update(wall_s=walls, cpu_s=cpus)
+    except Exception as e:  # noqa: BLE001 - every failure is a result here
+        if _is_oom(e):
+            res.update(status="does-not-fit", reason=f"{type(e).__name__}: {str(e)[:200]}")
+        elif isinstance(e, NotImplementedError):
+            res.update(status="unsupported", reason=f"{type(e).__name__}: {str(e)[:300]}")
+        else:
+            res.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+    res["self_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    res["vm_peak_bytes"] = _status_bytes("VmPeak")
+    return res
+
+
+# ----------------------------------------------------------------------------- the driver
+def run_child(spec: dict, timeout_s: float) -> dict:
+    """Run one arm in a fresh interpreter; its peak RSS from os.wait4 (also after a crash)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "res.json"
+        err = Path(tmp) / "stderr"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps(spec)]
+        cmd += ["--_out", str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+        t0 = time.perf_counter()
+        with open(err, "w") as ferr:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=ferr, env=env)
+            timed_out = False
+            while True:
+                pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if time.perf_counter() - t0 > timeout_s:
+                    timed_out = True
+                    os.kill(proc.pid, signal.SIGKILL)
+                    pid, status, ru = os.wait4(proc.pid, 0)
+                    break
+                time.sleep(0.2)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        res = json.loads(out.read_text()) if out.exists() else {}
+        if not res:
+            tail = [ln for ln in err.read_text().splitlines() if ln.strip()][-1:]
+            reason = tail[0][:300] if tail else f"exit code {proc.returncode}"
+            if timed_out:
+                res = {"status": "timeout", "reason": f"over {timeout_s:.0f} s"}
+            elif proc.returncode == -signal.SIGKILL or _is_oom(RuntimeError(reason)):
+                res = {"status": "does-not-fit", "reason": f"died: {reason}"}
+            else:
+                res = {"status": "error", "reason": f"died ({proc.returncode}): {reason}"}
+    res["peak_rss_bytes"] = ru.ru_maxrss * 1024
+    res["child_cpu_s"] = ru.ru_utime + ru.ru_stime
+    res["child_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def parse_schedule(text: str) -> dict[int, tuple[int, int]]:
+    """'256:1+3,8192:1+1' -> {256: (1, 3), 8192: (1, 1)}: warm-up + timed steps per length;
+    a length not listed takes the entry of the nearest listed length below it."""
+    out = {}
+    for part in text.split(","):
+        length, counts = part.split(":")
+        w, t = counts.split("+")
+        out[int(length)] = (int(w), int(t))
+    return out
+
+
+def steps_for(schedule: dict[int, tuple[int, int]], length: int) -> tuple[int, int]:
+    below = [k for k in schedule if k <= length]
+    return schedule[max(below)] if below else schedule[min(schedule)]
+
+
+def predict_step_s(done: list[tuple[int, float]], length: int) -> float | None:
+    """Wall seconds of one step at `length` from the last two measured (T, seconds):
+    t = a T + b T^2 through both (b >= 0), else linear in T."""
+    if not done:
+        return None
+    if len(done) == 1:
+        (t1, s1) = done[-1]
+        return s1 * length / t1
+    (t1, s1), (t2, s2) = done[-2:]
+    b = (s2 / t2 - s1 / t1) / (t2 - t1)
+    if b < 0:
+        return s2 * length / t2
+    a = s1 / t1 - b * t1
+    return a * length + b * length**2
+
+
+def predict_peak(done: list[tuple[int, float]], length: int) -> float | None:
+    """Peak bytes at `length`, linear in T through the last two measured (T, peak): with SDPA's
+    fused attention nothing of size T^2 is kept, so memory grows linearly in T."""
+    if len(done) < 2:
+        return None
+    (t1, m1), (t2, m2) = done[-2:]
+    return m2 + max(0.0, (m2 - m1) / (t2 - t1)) * (length - t2)
+
+
+def measure(args) -> dict:
+    rows: list[dict] = []
+    schedule = parse_schedule(args.schedule)
+    failed: dict[tuple[int, str], dict] = {}  # (batch, arm) -> the row that stopped it
+    timings: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    peaks: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    overhead: dict[tuple[int, str], float] = {}  # address space beyond the resident set
+    total_cpu = 0.0
+    prior = {}  # rows measured by a stopped run of the same configuration (--resume)
+    if args.resume:
+        for r in json.loads(Path(args.resume).read_text())["rows"]:
+            if r.get("ran"):
+                prior[(r["arm"], r["length"], r["batch"])] = {**r, "resumed": True}
+    # batch-major: all lengths at batch 1 first (what a stopped run should have measured)
+    for bi, batch in enumerate(args.batches):
+        for li, length in enumerate(args.lengths):
+            warmup, timed = steps_for(schedule, length)
+            k = (li + bi) % len(args.arms)
+            for arm in args.arms[k:] + args.arms[:k]:
+                row = {"arm": arm, "length": length, "batch": batch}
+                stop = failed.get((batch, arm))
+                pred = predict_step_s(timings.get((batch, arm), []), length)
+                peak = predict_peak(peaks.get((batch, arm), []), length)
+                cap = args.memory_cap_gib * GIB
+                if stop is not None:
+                    row.update(status=stop["status"], reason=f"as at T={stop['length']}", ran=False)
+                elif (
+                    peak is not None
+                    and not args.run_predicted_oom
+                    and peak + overhead[(batch, arm)] > cap
+                ):
+                    row.update(status="predicted-not-to-fit", ran=False, predicted_peak_bytes=peak,
+                               reason=f"peak RSS predicted {peak / GIB:.1f} GiB (linear in T "
+                               f"from the last two lengths) + address-space overhead > cap")  # fmt: skip
+                elif pred is not None and batch > 1 and pred > args.max_step_s:
+                    row.update(status="skipped", ran=False,
+                               reason=f"predicted step {pred:.0f} CPU-s > {args.max_step_s:.0f}")  # fmt: skip
+                elif pred is not None and (warmup + timed) * pred > args.arm_budget_s:
+                    n = (warmup + timed) * pred
+                    row.update(status="skipped", ran=False,
+                               reason=f"predicted {n:.0f} CPU-s > {args.arm_budget_s:.0f}")  # fmt: skip
+                if "status" in row:
+                    rows.append(row)
+                    print(f"T={length:5d} b={batch} {arm:20s} {row['status']}: {row['reason']}")
+                    Path(args.partial).write_text(json.dumps(summary(args, rows, total_cpu)))
+                    continue
+                spec = {
+                    "arm": arm, "length": length, "batch": batch, "warmup": warmup,
+                    "timed": timed, "threads": args.threads, "cap_gib": args.memory_cap_gib,
+                    "model": args.model,
+                }  # fmt: skip
+                res = prior.get((arm, length, batch))
+                if res is None or (res["warmup"], res["timed"]) != (warmup, timed):
+                    res = run_child(spec, args.timeout_s)
+                total_cpu += res["child_cpu_s"]
+                row.update(res, warmup=warmup, timed=timed, ran=True)
+                if row["status"] == "ok":
+                    row["median_wall_s"] = statistics.median(row["wall_s"])
+                    row["median_cpu_s"] = statistics.median(row["cpu_s"])
+                    row["s_per_example"] = row["median_wall_s"] / batch
+                    timings.setdefault((batch, arm), []).append((length, row["median_cpu_s"]))
+                    peaks.setdefault((batch, arm), []).append((length, row["peak_rss_bytes"]))
+                    overhead[(batch, arm)] = max(
+                        0, row["base_vm_bytes"] - row.get("setup_rss_bytes", row["base_rss_bytes"])
+                    )
+                else:
+                    failed[(batch, arm)] = row
+                rows.append(row)
+                print(_progress(row), flush=True)
+                # what is done so far, for --from-json if the run has to be stopped
+                Path(args.partial).write_text(json.dumps(summary(args, rows, total_cpu)))
+    return summary(args, rows, total_cpu)
+
+
+def summary(args, rows: list[dict], total_cpu: float) -> dict:
+    return {
+        "question": "peak memory and seconds per example vs sequence length, per arm",
+        "command": args.command,
+        "model": args.model,
+        "attention": "sdpa",
+        "dtype": "float32",
+        "threads": args.threads,
+        "memory_cap_gib": args.memory_cap_gib,
+        "cap_note": (
+            f"each arm's process is capped at {args.memory_cap_gib:g} GiB of address space "
+            "(RLIMIT_AS): the machine has 24 GiB shared with 5 other jobs running at the same "
+            "time, so that is what one process can safely take"
+        ),
+        "lengths": args.lengths,
+        "batches": args.batches,
+        "arms": args.arms,
+        "schedule": args.schedule,
+        "max_step_s": args.max_step_s,
+        "arm_budget_s": args.arm_budget_s,
+        "children_cpu_minutes": total_cpu / 60,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "rows": rows,
+    }
+
+
+def _progress(row: dict) -> str:
+    head = f"T={row['length']:5d} b={row['batch']} {row['arm']:20s}"
+    peak = row["peak_rss_bytes"] / GIB
+    if row["status"] != "ok":
+        return f"{head} {row['status']} (peak {peak:.2f} GiB): {row.get('reason', '')}"
+    return (
+        f"{head} peak {peak:.2f} GiB (base {row['base_rss_bytes'] / GIB:.2f}), "
+        f"{row['median_wall_s']:.2f} s/step wall, {row['median_cpu_s']:.2f} s CPU"
+    )
+
+
+# ----------------------------------------------------------------------------- reporting
+def _find(res: dict, arm: str, length: int, batch: int) -> dict | None:
+    for r in res["rows"]:
+        if (r["arm"], r["length"], r["batch"]) == (arm, length, batch):
+            return r
+    return None
+
+
+def _ok(r: dict | None) -> bool:
+    return r is not None and r["status"] == "ok"
+
+
+def _ratio(res, num: str, den: str, length: int, batch: int, key: str) -> float | None:
+    a, b = _find(res, num, length, batch), _find(res, den, length, batch)
+    if not (_ok(a) and _ok(b)):
+        return None
+    return a[key] / b[key]
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _cell_mem(r: dict | None, cap: float) -> str:
+    if r is None:
+        return "-"
+    if r["status"] == "ok":
+        return f"{r['peak_rss_bytes'] / GIB:.2f} ({r['base_rss_bytes'] / GIB:.2f})"
+    if r["status"] == "predicted-not-to-fit":
+        return f"~{r['predicted_peak_bytes'] / GIB:.1f} predicted, not run"
+    if r["status"] == "does-not-fit":
+        reached = f" (reached {r['peak_rss_bytes'] / GIB:.2f})" if r.get("ran") else ""
+        return f"does not fit in {cap:g} GiB{reached}"
+    return r["status"]
+
+
+def _cell_time(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if r["status"] == "ok":
+        return f"{r['s_per_example']:.2f}"
+    return "does not fit" if r["status"] == "does-not-fit" else r["status"]
+
+
+def targets(res: dict) -> dict:
+    """The issue's targets, each computed from the rows (None where nothing measured)."""
+    out: dict = {}
+    mem, tim = [], []
+    for batch in res["batches"]:
+        for length in res["lengths"]:
+            m = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "peak_rss_bytes")
+            t = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "median_cpu_s")
+            w = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "median_wall_s")
+            if m is not None:
+                mem.append({"batch": batch, "length": length, "ratio": m})
+            if t is not None and _find(res, "dp-bitfit", length, batch)["warmup"] > 0:
+                tim.append({"batch": batch, "length": length, "ratio": t, "wall_ratio": w})
+    worst_m = max(mem, key=lambda x: x["ratio"], default=None)
+    worst_t = max(tim, key=lambda x: x["ratio"], default=None)
+    out["bitfit_memory_vs_nonpriv_bias"] = {
+        "target": "<= 1.05 at every T",
+        "worst": worst_m,
+        "met": None if worst_m is None else worst_m["ratio"] <= 1.05,
+    }
+    out["bitfit_time_vs_nonpriv_bias"] = {
+        "target": "<= 1.05 at every T (CPU seconds, one thread, where the timed steps follow "
+        "a warm-up)",
+        "worst": worst_t,
+        "met": None if worst_t is None else worst_t["ratio"] <= 1.05,
+    }
+    longest = []
+    for batch in res["batches"]:
+        for arm in [a for a in res["arms"] if a in DP_FULL_ARMS]:
+            both = [
+                L
+                for L in res["lengths"]
+                if _ok(_find(res, arm, L, batch)) and _ok(_find(res, "dp-bitfit", L, batch))
+            ]
+            if both:
+                L = max(both)
+                r = _ratio(res, arm, "dp-bitfit", L, batch, "peak_rss_bytes")
+                longest.append({"batch": batch, "arm": arm, "length": L, "ratio": r})
+    out["dp_full_vs_bitfit_memory_at_longest_common_T"] = {
+        "target": ">= 3",
+        "per_arm": longest,
+        "met": None if not longest else all(x["ratio"] >= 3 for x in longest),
+    }
+    where = []
+    for batch in res["batches"]:
+        dp_full = [a for a in res["arms"] if a in DP_FULL_ARMS]
+        for length in res["lengths"]:
+            fits = _ok(_find(res, "dp-bitfit", length, batch))
+            rows = [_find(res, a, length, batch) for a in dp_full]
+            # every DP full arm failed (out of memory) or cannot run this model at all
+            none = dp_full and all(
+                r is not None and r["status"] in ("does-not-fit", "unsupported") for r in rows
+            )
+            if fits and none:
+                where.append({"batch": batch, "length": length})
+                break
+    out["bitfit_fits_where_no_dp_full_does"] = {
+        "target": f"a T where DP-BiTFiT fits in {res['memory_cap_gib']:g} GiB and no DP full arm",
+        "first": where,
+        "met": bool(where),
+    }
+    return out
+
+
+def _target_lines(res: dict) -> list[str]:
+    t = res["targets"]
+    lines = []
+    m = t["bitfit_memory_vs_nonpriv_bias"]
+    if m["worst"]:
+        w = m["worst"]
+        lines.append(
+            f"- DP-BiTFiT / non-private bias-only peak memory: at most {w['ratio']:.3f}x "
+            f"(T={w['length']}, batch {w['batch']}); target <= 1.05x: "
+            f"{'met' if m['met'] else 'NOT met'}."
+        )
+    m = t["bitfit_time_vs_nonpriv_bias"]
+    if m["worst"]:
+        w = m["worst"]
+        lines.append(
+            f"- DP-BiTFiT / non-private bias-only time per example (CPU seconds of the one "
+            f"thread; where the timed steps follow a warm-up step): at most {w['ratio']:.3f}x "
+            f"(T={w['length']}, batch {w['batch']}; wall time {w['wall_ratio']:.3f}x); "
+            f"target <= 1.05x: "
+            f"{'met' if m['met'] else 'NOT met'}."
+        )
+    m = t["dp_full_vs_bitfit_memory_at_longest_common_T"]
+    for x in m["per_arm"]:
+        lines.append(
+            f"- {ARMS[x['arm']]} / DP-BiTFiT peak memory at the longest T both fit "
+            f"(T={x['length']}, batch {x['batch']}): {x['ratio']:.2f}x; target >= 3x: "
+            f"{'met' if x['ratio'] >= 3 else 'NOT met'}."
+        )
+    m = t["bitfit_fits_where_no_dp_full_does"]
+    if m["first"]:
+        for x in m["first"]:
+            lines.append(
+                f"- Batch {x['batch']}: from T={x['length']} DP-BiTFiT fits in "
+                f"{res['memory_cap_gib']:g} GiB and no DP full arm does."
+            )
+    else:
+        lines.append(
+            f"- No measured T where DP-BiTFiT fits in {res['memory_cap_gib']:g} GiB and every "
+            "DP full arm does not (target NOT met)."
+        )
+    for batch in res["batches"]:
+        longest = max(res["lengths"])
+        seen = []
+        for arm in res["arms"]:
+            r = _find(res, arm, longest, batch)
+            if r is None:
+                continue
+            if r["status"] == "ok":
+                seen.append(f"{ARMS[arm]} {r['peak_rss_bytes'] / GIB:.1f} (measured)")
+            elif r["status"] == "predicted-not-to-fit":
+                seen.append(f"{ARMS[arm]} ~{r['predicted_peak_bytes'] / GIB:.1f} (predicted)")
+        if seen:
+            lines.append(
+                f"- Against the machine's 24 GiB, peak RSS at T={longest}, batch {batch}, GiB: "
+                + "; ".join(seen)
+                + "."
+            )
+    return lines
+
+
+def render(res: dict) -> str:
+    cap = res["memory_cap_gib"]
+    arms = res["arms"]
+    out = [
+        "# Long-context memory and time: DP-BiTFiT vs DP full fine-tuning",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"Model: {res['model']} (causal LM, float32, {res['attention']} attention), random "
+        f"token ids, no padding; {res['threads']} torch thread(s) per arm; AdamW in every arm. "
+        f"{res['cap_note'][0].upper()}{res['cap_note'][1:]}. "
+        f"All arms' processes together used {res['children_cpu_minutes']:.1f} CPU-minutes"
+        + (
+            f" ({n} rows measured by an earlier, stopped run of the same configuration and "
+            "reused through --resume)."
+            if (n := sum(bool(r.get("resumed")) for r in res["rows"]))
+            else "."
+        ),
+        "",
+        "## Targets",
+        "",
+        *_target_lines(res),
+    ]
+    for batch in res["batches"]:
+        out += [
+            "",
+            f"## Physical batch {batch}",
+            "",
+            "Peak RSS of the arm's process, GiB (in brackets: its RSS with the model loaded)",
+            "",
+            "| T | steps (warm-up+timed) | " + " | ".join(ARMS[a] for a in arms) + " |",
+            "|---" * (len(arms) + 2) + "|",
+        ]
+        for length in res["lengths"]:
+            rows = [_find(res, a, length, batch) for a in arms]
+            ran = [r for r in rows if r is not None and r.get("ran")]
+            steps = f"{ran[0]['warmup']}+{ran[0]['timed']}" if ran else "-"
+            cells = [_cell_mem(r, cap) for r in rows]
+            out.append(f"| {length} | {steps} | " + " | ".join(cells) + " |")
+        out += [
+            "",
+            "Seconds per example (median wall time of the timed steps / batch; with 0 warm-up "
+            "steps the one step includes one-time work)",
+            "",
+            "| T | steps | " + " | ".join(ARMS[a] for a in arms) + " |",
+            "|---" * (len(arms) + 2) + "|",
+        ]
+        for length in res["lengths"]:
+            rows = [_find(res, a, length, batch) for a in arms]
+            ran = [r for r in rows if r is not None and r.get("ran")]
+            steps = f"{ran[0]['warmup']}+{ran[0]['timed']}" if ran else "-"
+            cells = [_cell_time(r) for r in rows]
+            out.append(f"| {length} | {steps} | " + " | ".join(cells) + " |")
+        full = [a for a in arms if a in DP_FULL_ARMS]
+        out += [
+            "",
+            "Ratios (peak memory; time per step: CPU seconds of the arm's one thread, which other "
+            "jobs on the machine disturb less, and wall seconds)",
+            "",
+            "| T | DP-BiTFiT / non-private bias-only, memory | same, CPU time | same, wall time | "
+            + " | ".join(f"{ARMS[a]} / DP-BiTFiT, memory" for a in full)
+            + " |",
+            "|---" * (len(full) + 4) + "|",
+        ]
+        for length in res["lengths"]:
+            m = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "peak_rss_bytes")
+            t = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "median_cpu_s")
+            w = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "median_wall_s")
+            f = [_ratio(res, a, "dp-bitfit", length, batch, "peak_rss_bytes") for a in full]
+            out.append(
+                f"| {length} | {_fmt(m, '.3f')} | {_fmt(t, '.3f')} | {_fmt(w, '.3f')} | "
+                + " | ".join(_fmt(x, ".2f") for x in f)
+                + " |"
+            )
+    notes = sorted(
+        {
+            f"{ARMS[r['arm']]}: {r['status']}: {r['reason']}"
+            for r in res["rows"]
+            if r["status"] not in ("ok",) and r.get("ran") and r.get("reason")
+        }
+    )
+    skipped = [
+        f"T={r['length']}, batch {r['batch']}, {ARMS[r['arm']]}: {r['reason']}"
+        for r in res["rows"]
+        if r["status"] in ("skipped", "predicted-not-to-fit")
+    ]
+    missing = {}
+    for batch in res["batches"]:
+        for length in res["lengths"]:
+            if any(_find(res, a, length, batch) is None for a in arms):
+                missing.setdefault(batch, []).append(str(length))
+    if missing:
+        out += [
+            "",
+            "## Not reached",
+            "",
+            "The run was stopped (CPU and time budget) before these; rendered with --from-json "
+            "from its partial result:",
+            "",
+            *[f"- batch {b}: T = {', '.join(ts)}" for b, ts in missing.items()],
+        ]
+    if notes:
+        out += ["", "## Why arms did not run", "", *[f"- {n}" for n in notes]]
+    if skipped:
+        out += [
+            "",
+            "## Not run, to fit the CPU budget (predictions, not measurements)",
+            "",
+            *[f"- {s}" for s in skipped],
+        ]
+    return "\n".join(out) + "\n"
+
+
+def render_docs(res: dict, md: str, png_name: str) -> str:
+    return (
+        "# Long documents: memory and time against sequence length\n\n"
+        "Generated by `benchmarks/long_context.py` from its committed result "
+        "(`benchmarks/results/long_context.{md,json,png}`); do not edit by hand.\n\n"
+        "What grows with the length T: every arm keeps the activations of its forward pass for "
+        "the backward pass (with SDPA's fused attention, linear in T), and the LM head's logits "
+        "(T x the vocabulary per example). On top of that, DP-BiTFiT keeps nothing per example but the "
+        "bias gradients; DP full keeps every weight's gradient and AdamW state, and per-example "
+        "gradients (Opacus hooks: materialised; dpfit: per layer, T x T ghost-norm products or "
+        "materialised rows, whichever is smaller).\n\n"
+        f"![peak memory vs T](../benchmarks/results/{png_name})\n\n"
+        + md.split("\n", 1)[1].lstrip("\n").replace("## ", "### ")
+    )
+
+
+def plot(res: dict, path: Path) -> None:
+    """Peak RSS vs T, log-log, one panel per batch with measurements; predicted peaks (arms
+    not run) as open markers on a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [b for b in res["batches"] if any(
+        r["batch"] == b and r["status"] == "ok" for r in res["rows"])]  # fmt: skip
+    batches = batches or res["batches"][:1]
+    colors = {a: f"C{i}" for i, a in enumerate(res["arms"])}
+    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for arm in res["arms"]:
+            rows = [r for r in res["rows"] if r["arm"] == arm and r["batch"] == batch]
+            pts = [(r["length"], r["peak_rss_bytes"] / GIB) for r in rows if r["status"] == "ok"]
+            pred = [(r["length"], r["predicted_peak_bytes"] / GIB)
+                    for r in rows if r["status"] == "predicted-not-to-fit"]  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color=colors[arm], label=ARMS[arm])
+            if pts and pred:
+                ax.plot(*zip(*([pts[-1]] + pred), strict=True), ls="--", marker="o",
+                        mfc="none", color=colors[arm])  # fmt: skip
+        ax.axhline(res["memory_cap_gib"], color="grey", ls="--", lw=1,
+                   label=f"cap per arm, {res['memory_cap_gib']:g} GiB")  # fmt: skip
+        ax.axhline(24, color="black", ls=":", lw=1, label="machine, 24 GiB")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(res["lengths"], [str(t) for t in res["lengths"]])
+        ax.set_xlabel("sequence length T (tokens)")
+        ax.set_ylabel("peak RSS of the arm's process (GiB)")
+        ax.set_title(f"{res['model']}, physical batch {batch} (open: predicted, not run)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(res["command"], fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny"))
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    ap.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="T:warmup+timed,...")
+    ap.add_argument("--memory-cap-gib", type=float, default=12.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-step-s", type=float, default=60.0, help="CPU-s; batches > 1 only")
+    ap.add_argument("--arm-budget-s", type=float, default=600.0, help="CPU-s per arm and T")
+    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--out", default=str(RESULTS / "long_context"))
+    ap.add_argument("--docs", default=str(DOCS), help="'' to write no docs page")
+    ap.add_argument("--from-json", help="only render the .md, .png and docs from this JSON")
+    ap.add_argument("--resume", help="a stopped run's partial JSON: reuse the rows it measured")
+    ap.add_argument(
+        "--run-predicted-oom",
+        action="store_true",
+        help="run arms whose extrapolated peak exceeds the cap (default: record the prediction)",
+    )
+    ap.add_argument("--_child", help=argparse.SUPPRESS)
+    ap.add_argument("--_out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._child:
+        res = child(json.loads(args._child))
+        Path(args._out).write_text(json.dumps(res))
+        return 0
+    if args.memory_cap_gib <= 0:
+        ap.error("--memory-cap-gib must be positive (GiB of address space per arm's process)")
+    args.command = shlex.join(
+        ["PYTHONPATH=src", "python", "benchmarks/long_context.py"]
+        + (sys.argv[1:] if argv is None else argv)
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+    else:
+        args.partial = str(out.with_suffix(".partial.json"))
+        res = measure(args)
+        Path(args.partial).unlink(missing_ok=True)
+    res["targets"] = targets(res)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    md = render(res)
+    out.with_suffix(".md").write_text(md)
+    plot(res, out.with_suffix(".png"))
+    if args.docs:
+        Path(args.docs).write_text(render_docs(res, md, out.with_suffix(".png").name))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

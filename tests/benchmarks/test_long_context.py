@@ -1,0 +1,76 @@
+"""benchmarks/long_context.py on a tiny LLaMA: the result's structure, and an arm that runs out
+of its memory cap recorded as "does not fit" (then skipped at larger T) instead of a crash."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import long_context  # noqa: E402
+
+pytest.importorskip("transformers")
+GIB = 1024**3
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> dict:
+    out = tmp_path / name
+    argv = ["--model", "tiny", "--batches", "1", "--threads", "1", "--schedule", "16:0+1"]
+    argv += ["--out", str(out), "--docs", str(tmp_path / f"{name}_doc.md"), *extra]
+    assert long_context.main(argv) == 0
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+def test_smallest_run_and_forced_out_of_memory(tmp_path):
+    res = _run(tmp_path, "small", "--lengths", "16", "--arms", "nonpriv-bias", "dp-bitfit")
+    rows = {(r["arm"], r["length"]): r for r in res["rows"]}
+    assert set(rows) == {("nonpriv-bias", 16), ("dp-bitfit", 16)}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["ran"] and len(r["wall_s"]) == r["timed"] == 1 and r["warmup"] == 0
+        assert 0 < r["base_rss_bytes"] <= r["peak_rss_bytes"] < res["memory_cap_gib"] * GIB
+        assert r["s_per_example"] > 0
+    # the same added biases in both arms, nothing else trains
+    assert rows["nonpriv-bias", 16]["trainable_params"] == rows["dp-bitfit", 16]["trainable_params"]
+    t = res["targets"]["bitfit_memory_vs_nonpriv_bias"]
+    assert t["worst"]["ratio"] == pytest.approx(
+        rows["dp-bitfit", 16]["peak_rss_bytes"] / rows["nonpriv-bias", 16]["peak_rss_bytes"]
+    )
+    md = (tmp_path / "small.md").read_text()
+    assert res["command"] in md and "| 16 | 0+1 |" in md
+    assert (tmp_path / "small.png").stat().st_size > 0
+    assert "do not edit by hand" in (tmp_path / "small_doc.md").read_text()
+
+    # a cap just above what the set-up takes: T=16 fits, T=2048's logits (2048 x 32000 floats,
+    # several copies in the loss) do not; T=4096 is then not run
+    cap = rows["dp-bitfit", 16]["base_vm_bytes"] / GIB + 0.4
+    res = _run(tmp_path, "capped", "--lengths", "16", "2048", "4096", "--arms", "dp-bitfit",
+               "--memory-cap-gib", f"{cap:.3f}")  # fmt: skip
+    status = {r["length"]: r for r in res["rows"]}
+    assert status[16]["status"] == "ok"
+    assert status[2048]["status"] == "does-not-fit" and status[2048]["ran"]
+    assert "allocate" in status[2048]["reason"].lower() or "memory" in status[2048]["reason"]
+    assert status[4096]["status"] == "does-not-fit" and not status[4096]["ran"]
+    assert f"does not fit in {float(f'{cap:.3f}'):g} GiB" in (tmp_path / "capped.md").read_text()
+    assert res["targets"]["bitfit_fits_where_no_dp_full_does"]["met"] is False
+
+
+def test_predictions_extrapolate_from_the_last_two_lengths():
+    # memory: linear in T through the last two points, never decreasing
+    assert long_context.predict_peak([(256, 1.0), (512, 2.0)], 1024) == pytest.approx(4.0)
+    assert long_context.predict_peak([(256, 2.0), (512, 1.0)], 1024) == pytest.approx(1.0)
+    assert long_context.predict_peak([(256, 1.0)], 1024) is None
+    # time: a T + b T^2 through both points (here t = T + T^2 / 1000)
+    pts = [(t, t + t * t / 1000) for t in (100, 200)]
+    assert long_context.predict_step_s(pts, 400) == pytest.approx(400 + 160)
+    assert long_context.predict_step_s([(100, 1.0)], 400) == pytest.approx(4.0)
+
+
+def test_schedule_takes_the_nearest_listed_length_below():
+    sched = long_context.parse_schedule("256:1+2,1024:0+1")
+    assert long_context.steps_for(sched, 512) == (1, 2)
+    assert long_context.steps_for(sched, 8192) == (0, 1)
+    assert long_context.steps_for(sched, 128) == (1, 2)
