@@ -61,6 +61,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label-column", default="label")
     g.add_argument("--max-length", type=_positive_int, help="tokens per example (recipe: 128)")
     g.add_argument(
+        "--stride",
+        type=_positive_int,
+        help="causal LM on documents: a window of --max-length tokens starts every STRIDE "
+        "tokens (default: --max-length, no overlap); overlapping tokens are context for the "
+        "later window, never a target twice",
+    )
+    g.add_argument(
+        "--privacy-unit",
+        choices=("window", "document"),
+        default="window",
+        help="causal LM on documents: what epsilon protects. window: each window is an "
+        "example; document: documents are sampled and all windows of one are clipped as one "
+        "contribution (docs/long_documents.md)",
+    )
+    g.add_argument(
         "--full-data",
         action="store_true",
         help="use all bundled training data (the default now; kept for old scripts)",
@@ -192,6 +207,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="--mode bias: recompute layer activations in the backward pass instead of "
+        "keeping them (less memory at long lengths, about a third more compute)",
+    )
+    g.add_argument(
         "--precision",
         choices=("fp32", "bf16", "auto"),
         default="fp32",
@@ -266,6 +287,9 @@ def train_config_from_args(args: argparse.Namespace):
         lr=args.lr,
         optimizer=args.optimizer,
         max_length=args.max_length,
+        stride=args.stride,
+        privacy_unit=args.privacy_unit,
+        activation_checkpointing=args.activation_checkpointing,
         pooling=args.pooling,
         head_first=args.head_first,
         head_epochs=args.head_epochs,
