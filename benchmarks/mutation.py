@@ -656,6 +656,53 @@ MUTATIONS += (
 )
 
 
+# long documents: privacy_unit="document" sums a document's windows (across physical batches)
+# before one clip; activation checkpointing must read each per-example row once
+MUTATIONS += (
+    Mutation(
+        "document-windows-clipped-separately",
+        "privacy_unit='document' clips each window alone (a document of k windows moves the "
+        "sum by up to k R)",
+        (
+            (
+                ENGINE,
+                "        if document_unit:  # summed per document, clipped at the end",
+                "        if False:  # summed per document, clipped at the end",
+            ),
+        ),
+        ("tests/test_document_unit.py", "-k", "clipped_as_one"),
+    ),
+    Mutation(
+        "document-clipped-per-physical-batch",
+        "privacy_unit='document' clips a document's sum at the end of each physical batch, so "
+        "a document whose windows span physical batches is clipped once per batch",
+        (
+            (
+                ENGINE,
+                "            self._documents.add(batch, ids, count, scale)\n",
+                "            self._documents.add(batch, ids, count, scale)\n"
+                "            self._documents.clip_into(self._clipped, self._clip_fn, "
+                "self.max_grad_norm)\n",
+            ),
+        ),
+        ("tests/test_document_unit.py", "-k", "clipped_as_one"),
+    ),
+    Mutation(
+        "per-example-rows-read-twice",
+        "each layer's per-example gradient is read twice in one backward (what hooks firing "
+        "on both the forward and a recomputed forward would do under activation checkpointing)",
+        (
+            (
+                PER_EXAMPLE,
+                "            out.register_hook(on_grad)\n",
+                "            out.register_hook(on_grad)\n            out.register_hook(on_grad)\n",
+            ),
+        ),
+        ("tests/test_activation_checkpointing.py", "-k", "oracle and checkpointing"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

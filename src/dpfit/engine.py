@@ -70,6 +70,11 @@ from dpfit.schedule import (
 
 log = logging.getLogger(__name__)
 
+_DOCUMENT_IDS_NEEDED = (
+    "privacy_unit='document' with sampling='user-poisson': call engine.step(optimizer, "
+    "batch_size=rows, documents=[the document id of each row])"
+)
+
 __all__ = ["PrivacyEngine", "gaussian_noise", "get_clipping"]
 
 
@@ -438,10 +443,7 @@ class PrivacyEngine:
             ids, count = drawn
             return torch.tensor(ids, dtype=torch.long), count
         if documents is None or len(documents) != rows:
-            raise SamplingError(
-                "privacy_unit='document' with sampling='user-poisson': call "
-                "engine.step(optimizer, batch_size=rows, documents=[document id of each row])"
-            )
+            raise SamplingError(_DOCUMENT_IDS_NEEDED)
         _, ids = torch.unique(torch.as_tensor(list(documents)), return_inverse=True)
         return ids.long(), int(ids.max()) + 1 if rows else 0
 
@@ -479,6 +481,9 @@ class PrivacyEngine:
                 "each physical batch under model.no_sync()), or wrap forward and backward in "
                 "`with model.no_sync():`; the engine reduces the clipped sums itself"
             )
+        document_unit = self.config.privacy_unit == "document"
+        if document_unit and self.config.sampling == "user-poisson" and documents is None:
+            raise SamplingError(_DOCUMENT_IDS_NEEDED)  # before this batch's rows are taken
         self._optimizer = optimizer
         per_ex = self._collect()
         if not per_ex:
@@ -496,7 +501,7 @@ class PrivacyEngine:
             self._probe.check(per_ex, n, self._hooks)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
-        if self.config.privacy_unit == "document":  # summed per document, clipped at the end
+        if document_unit:  # summed per document, clipped at the end of the logical batch
             ids, count = self._document_ids(documents, n)
             self._documents.add(batch, ids, count, scale)
         else:
