@@ -781,7 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     survived = [r for r in results if r["status"] != "killed"]
-    command = "python benchmarks/mutation.py" + (f" --only {' '.join(args.only)}" if args.only else "")
+    command = "python benchmarks/mutation.py" + (
+        f" --only {' '.join(args.only)}" if args.only else ""
+    )
     lines = [
         "# Mutation testing of the privacy mechanism",
         "",

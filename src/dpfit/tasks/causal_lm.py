@@ -23,7 +23,6 @@ import torch
 
 from dpfit.causal_lm import (
     TokenizedLines,
-    Window,
     causal_lm_loss,
     document_ids,
     make_collate,
@@ -202,7 +201,9 @@ class CausalLMTask:
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
         docs = [document_ids(d.text, tokenizer) for d in train_docs]
-        held = [w for d in held_docs for w in windows(document_ids(d.text, tokenizer), length, stride)]
+        held = [
+            w for d in held_docs for w in windows(document_ids(d.text, tokenizer), length, stride)
+        ]
         n_windows = sum(len(windows(d, length, stride)) for d in docs)
         unit = config.privacy_unit
         add_biases(model)  # DP-BiTFiT-Add: zero biases, the same function at step 0
