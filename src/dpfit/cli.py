@@ -361,6 +361,7 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
             ("held-out perplexity", f"{m['perplexity_before']:.1f} -> {m['perplexity_after']:.1f}"),
             *mechanism_rows(m),
             ("logical steps", m["steps"]),
+            *_window_rows(m),
             (
                 "trainable fraction",
                 f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})",
@@ -389,6 +390,14 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
         ("wall time", f"{m['wall_time_s']:.1f} s"),
         ("peak memory", f"{m['peak_memory_mb']:.0f} MB"),
     ]
+
+
+def _window_rows(m: dict) -> list[tuple[str, object]]:
+    """Long documents: how they were cut (causal LM on documents only)."""
+    if not m.get("window_length"):
+        return []
+    what = f"{m['window_length']} tokens every {m['stride']}, {m['train_documents']} documents"
+    return [("windows", what)]
 
 
 def _set_threads(spec: str) -> None:
