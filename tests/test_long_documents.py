@@ -119,3 +119,27 @@ def test_document_flags_on_line_data_are_refused():
     cfg = TrainConfig(task="causal-lm", privacy_unit="document", max_length=32)
     with pytest.raises(DPFitError, match="--data convention-speeches"):
         _TinyTask().prepare(cfg)
+
+
+def test_rotary_models_are_limited_by_their_position_count():
+    """No learned position table (LLaMA): max_position_embeddings is the limit, enforced."""
+    from dpfit.train import _fit_max_length, position_limit
+
+    model = tiny_llama()  # 64 positions
+    assert position_limit(model) == 64
+    with pytest.raises(DPFitError, match="64 positions"):
+        _fit_max_length(model, TrainConfig(task="causal-lm", max_length=65), True, print)
+    assert _fit_max_length(model, TrainConfig(task="causal-lm", max_length=64), True, print)
+
+
+def test_physical_batch_follows_the_length_unless_given():
+    from dpfit.recipe import physical_batch_for, resolve_recipe
+    from dpfit.train import _fit_physical_batch
+
+    recipe = resolve_recipe(10_000, 0, 8.0, 1e-5, 135_000_000)
+    cfg = TrainConfig(task="causal-lm", max_length=2048).with_recipe(recipe)
+    assert recipe.physical_batch_size > 1
+    fitted = _fit_physical_batch(cfg, recipe, 135_000_000, False, lambda s: None)
+    assert fitted.physical_batch_size == physical_batch_for(135_000_000, 2048) == 1
+    assert fitted.batch_size == cfg.batch_size  # the logical batch is not touched
+    assert _fit_physical_batch(cfg, recipe, 135_000_000, True, lambda s: None) == cfg
