@@ -1032,6 +1032,8 @@ def train(
         head_steps, delta,
     )  # fmt: skip
     metrics["wall_time_s"] += wall_before  # the whole run's, as train_time_s is
+    if privacy is not None:  # what one sampled and clipped contribution is
+        metrics["privacy_unit"] = prep.privacy_unit
     if privacy is not None:
         metrics["epsilon_by_phase"] = _epsilon_by_phase(config, rows, head_steps, head_epsilon)
     if "accuracy" in head_scores:
@@ -1129,8 +1131,6 @@ def _metrics(
         "epsilon_replace_one": privacy["epsilon_replace_one"] if privacy else math.inf,
         "noise_multiplier": privacy["noise_multiplier"] if privacy else None,
         "sample_rate": privacy["sample_rate"] if privacy else None,
-        # what one sampled and clipped contribution is: what epsilon protects
-        "privacy_unit": _privacy_unit(config) if privacy else None,
         "max_grad_norm": config.max_grad_norm if private else None,
         "clipping": config.clipping if private else None,
         "steps": len(rows),
@@ -1161,13 +1161,6 @@ def _metrics(
     if private and privacy is None:  # pragma: no cover - defensive
         m["delta"] = delta
     return m
-
-
-def _privacy_unit(config: TrainConfig) -> str:
-    """The unit epsilon protects, in words a table can show."""
-    if config.task != "causal-lm":
-        return "example"
-    return config.privacy_unit  # window, or document
 
 
 def save_outputs(

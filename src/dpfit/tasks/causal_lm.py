@@ -232,6 +232,7 @@ class CausalLMTask:
                 "prompts": tuple(prompts or self.sample_prompts),
             },
             biases_added=True,
+            privacy_unit=unit,
         )
 
     @staticmethod
