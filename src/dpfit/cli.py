@@ -52,7 +52,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--data",
         help="CSV/JSONL/TSV file or saved `datasets` folder "
-        "(default: bundled Rotten Tomatoes, split by movie)",
+        "(default: bundled Rotten Tomatoes, split by movie); --task causal-lm: a text file of "
+        "lines (default: Hamlet), or long documents: convention-speeches (bundled) or a "
+        ".jsonl file, one document per line",
     )
     g.add_argument(
         "--eval-data", help="file scored at the end (default: test split / 10%% held out)"
