@@ -1,11 +1,13 @@
 """Does `dpfit train` train the bundled SmolLM2-135M end to end on whole long documents?
 
-One question, one run: the documented command (COMMAND below: 2,048-token windows of the
-bundled 2012 convention speeches, each speech one privacy unit, activation checkpointing, a
-few Poisson steps) run as a user would run it, in a subprocess. Its metrics.json is kept
-whole in <out>.json and summarised in <out>.md (held-out perplexity before and after, epsilon,
-unit, steps, peak RSS), with the command, so the figures in docs/long_documents.md come from
-here. CPU budget: about 20 CPU-minutes, one thread, under `nice -n 10`.
+The documented command (FLAGS below: 2,048-token windows of the bundled 2012 convention
+speeches, each speech one privacy unit, activation checkpointing, a few Poisson steps) run as
+a user would run it, in a subprocess; then the same command with the noise off
+(`--noise-multiplier 0`, not private), the control that tells noise from a broken path when
+the perplexity moves. Each run's metrics.json is kept whole in <out>.json and summarised in
+<out>.md (held-out perplexity before and after, epsilon, unit, steps, peak RSS), with the
+commands, so the figures in docs/long_documents.md come from here. CPU budget: about 20
+CPU-minutes in all, one thread, under `nice -n 10`.
 
     nice -n 10 python benchmarks/long_document_train.py [--out benchmarks/results/long_document_train]
 """
@@ -27,64 +29,85 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = (
     "--task causal-lm --data convention-speeches --max-length 2048 --privacy-unit document "
     "--activation-checkpointing --batch-size 4 --physical-batch-size 1 --max-steps 4 "
-    "--epsilon 8 --threads 1 --quiet"
+    "--epsilon 8"
 )
+RUNS = {  # name -> flags added to FLAGS (the control replaces the target epsilon)
+    "private": "",
+    "noise-free control (not private)": " --noise-multiplier 0",
+}
+QUIET = " --threads 1 --quiet"  # compute only: not part of the command the docs show
+
+
+def _run(flags: str, folder: Path) -> tuple[dict, float]:
+    """`dpfit train FLAGS --output FOLDER` in a subprocess; (its metrics.json, seconds)."""
+    argv = ["train", *shlex.split(flags + QUIET), "--output", str(folder)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "dpfit", *argv], env=env, cwd=ROOT, text=True, capture_output=True
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout + done.stderr)
+        raise SystemExit(done.returncode)
+    return json.loads((folder / "metrics.json").read_text()), time.perf_counter() - t0
+
+
+def _rows(m: dict) -> list[tuple[str, str]]:
+    eps = "inf (not private)" if m["epsilon"] == float("inf") else f"{m['epsilon']:.3f}"
+    return [
+        ("held-out perplexity before", f"{m['perplexity_before']:.2f}"),
+        ("held-out perplexity after", f"{m['perplexity_after']:.2f}"),
+        ("privacy unit", str(m["privacy_unit"])),
+        ("epsilon (add-remove), delta", f"{eps}, {m['delta']:.3g}"),
+        ("noise multiplier", f"{m['noise_multiplier']:.4f}"),
+        ("sample rate (documents)", f"{m['sample_rate']:.4f}"),
+        ("logical steps", str(m["steps"])),
+        ("training documents", str(m["train_documents"])),
+        ("window length, stride", f"{m['window_length']}, {m['stride']}"),
+        ("held-out windows", str(m["eval_n"])),
+        ("trainable biases", f"{m['trainable_params']:,}"),
+        ("peak RSS", f"{m['peak_memory_mb']:.0f} MB"),
+        ("wall time", f"{m['wall_time_s']:.0f} s"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_document_train"))
     args = ap.parse_args(argv)
+    runs = {}
     with tempfile.TemporaryDirectory(prefix="dpfit-long-") as tmp:
-        run_dir = Path(tmp) / "run"
-        cmd = ["dpfit", "train", *shlex.split(FLAGS), "--output", str(run_dir)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-        t0 = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "dpfit", *cmd[1:]], env=env, cwd=ROOT, text=True,
-            capture_output=True,
-        )  # fmt: skip
-        seconds = time.perf_counter() - t0
-        if done.returncode != 0:
-            sys.stderr.write(done.stdout + done.stderr)
-            return done.returncode
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-    shown = f"dpfit train {FLAGS} --output DIR"
+        for i, (name, extra) in enumerate(RUNS.items()):
+            metrics, seconds = _run(FLAGS + extra, Path(tmp) / f"run{i}")
+            runs[name] = {
+                "command": f"dpfit train {FLAGS}{extra}",
+                "subprocess_seconds": seconds,
+                "metrics": metrics,
+            }
     record = {
         "question": __doc__.splitlines()[0],
-        "command": f"nice -n 10 {shown}",
         "produced_by": "nice -n 10 python benchmarks/long_document_train.py",
-        "subprocess_seconds": seconds,
-        "metrics": metrics,
+        "compute_flags": QUIET.strip(),
+        "runs": runs,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    m = metrics
-    rows = [
-        ("held-out perplexity before", f"{m['perplexity_before']:.2f}"),
-        ("held-out perplexity after", f"{m['perplexity_after']:.2f}"),
-        ("privacy unit", m["privacy_unit"]),
-        ("epsilon (add-remove), delta", f"{m['epsilon']:.3f}, {m['delta']:.3g}"),
-        ("noise multiplier", f"{m['noise_multiplier']:.4f}"),
-        ("sample rate (documents)", f"{m['sample_rate']:.4f}"),
-        ("logical steps", m["steps"]),
-        ("training documents", m["train_documents"]),
-        ("window length, stride", f"{m['window_length']}, {m['stride']}"),
-        ("held-out windows", m["eval_n"]),
-        ("peak RSS", f"{m['peak_memory_mb']:.0f} MB"),
-        ("wall time", f"{m['wall_time_s']:.0f} s"),
-    ]
+    names = list(runs)
+    table = {name: dict(_rows(r["metrics"])) for name, r in runs.items()}
     lines = [
         "# `dpfit train` on long documents: SmolLM2-135M, 2,048-token windows",
         "",
-        f"Produced by `{record['produced_by']}`, which runs:",
+        f"Produced by `{record['produced_by']}` (each run with `{record['compute_flags']}`):",
         "",
-        f"    {record['command']}",
+        *[f"* {name}: `{r['command']}`" for name, r in runs.items()],
         "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in rows],
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+        *[
+            f"| {key} | " + " | ".join(table[n][key] for n in names) + " |"
+            for key in table[names[0]]
+        ],
         "",
     ]
     out.with_suffix(".md").write_text("\n".join(lines))
