@@ -143,3 +143,27 @@ def test_physical_batch_follows_the_length_unless_given():
     assert fitted.physical_batch_size == physical_batch_for(135_000_000, 2048) == 1
     assert fitted.batch_size == cfg.batch_size  # the logical batch is not touched
     assert _fit_physical_batch(cfg, recipe, 135_000_000, True, lambda s: None) == cfg
+
+
+def test_jsonl_documents_are_read_one_per_line(tmp_path):
+    import json
+
+    from dpfit.tasks.causal_lm import read_documents
+
+    path = tmp_path / "notes.jsonl"
+    path.write_text("\n".join(json.dumps({"body": t}) for t in TEXTS[:5]) + "\n\n")
+    texts, groups, _ = read_documents(
+        TrainConfig(task="causal-lm", data=str(path), text_column="body")
+    )
+    assert texts == TEXTS[:5] and len(set(groups)) == 5
+    with pytest.raises(DPFitError, match="--text-column"):
+        read_documents(TrainConfig(task="causal-lm", data=str(path)))
+
+
+def test_bundled_speeches_are_documents_by_name():
+    from dpfit.data.bundled import convention_speeches
+    from dpfit.tasks.causal_lm import read_documents
+
+    texts, groups, what = read_documents(TrainConfig(task="causal-lm", data="convention-speeches"))
+    assert len(texts) == len(convention_speeches()) == 189 and "convention-speeches" in what
+    assert len(set(groups)) < len(texts)  # some speakers gave two speeches: one group each
