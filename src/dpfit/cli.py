@@ -52,7 +52,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--data",
         help="CSV/JSONL/TSV file or saved `datasets` folder "
-        "(default: bundled Rotten Tomatoes, split by movie)",
+        "(default: bundled Rotten Tomatoes, split by movie); --task causal-lm: a text file of "
+        "lines (default: Hamlet), or long documents: convention-speeches (bundled) or a "
+        ".jsonl file, one document per line",
     )
     g.add_argument(
         "--eval-data", help="file scored at the end (default: test split / 10%% held out)"
@@ -60,6 +62,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
     g.add_argument("--max-length", type=_positive_int, help="tokens per example (recipe: 128)")
+    g.add_argument(
+        "--stride",
+        type=_positive_int,
+        help="causal LM on documents: a window of --max-length tokens starts every STRIDE "
+        "tokens (default: --max-length, no overlap); overlapping tokens are context for the "
+        "later window, never a target twice",
+    )
+    g.add_argument(
+        "--privacy-unit",
+        choices=("window", "document"),
+        default="window",
+        help="causal LM on documents: what epsilon protects. window: each window is an "
+        "example; document: documents are sampled and all windows of one are clipped as one "
+        "contribution (docs/long_documents.md)",
+    )
     g.add_argument(
         "--full-data",
         action="store_true",
@@ -192,6 +209,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="--mode bias: recompute layer activations in the backward pass instead of "
+        "keeping them (less memory at long lengths, about a third more compute)",
+    )
+    g.add_argument(
         "--precision",
         choices=("fp32", "bf16", "auto"),
         default="fp32",
@@ -266,6 +289,9 @@ def train_config_from_args(args: argparse.Namespace):
         lr=args.lr,
         optimizer=args.optimizer,
         max_length=args.max_length,
+        stride=args.stride,
+        privacy_unit=args.privacy_unit,
+        activation_checkpointing=args.activation_checkpointing,
         pooling=args.pooling,
         head_first=args.head_first,
         head_epochs=args.head_epochs,
@@ -337,6 +363,7 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
             ("held-out perplexity", f"{m['perplexity_before']:.1f} -> {m['perplexity_after']:.1f}"),
             *mechanism_rows(m),
             ("logical steps", m["steps"]),
+            *_window_rows(m),
             (
                 "trainable fraction",
                 f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})",
@@ -365,6 +392,14 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
         ("wall time", f"{m['wall_time_s']:.1f} s"),
         ("peak memory", f"{m['peak_memory_mb']:.0f} MB"),
     ]
+
+
+def _window_rows(m: dict) -> list[tuple[str, object]]:
+    """Long documents: how they were cut (causal LM on documents only)."""
+    if not m.get("window_length"):
+        return []
+    what = f"{m['window_length']} tokens every {m['stride']}, {m['train_documents']} documents"
+    return [("windows", what)]
 
 
 def _set_threads(spec: str) -> None:

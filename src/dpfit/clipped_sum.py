@@ -136,3 +136,74 @@ class ClippedSum:
 
     def clear(self) -> None:
         self._sum = None
+
+
+class DocumentSums:
+    """privacy_unit="document": the unclipped gradient of each document of the logical batch.
+
+    A long document is several rows (its windows), possibly in several physical batches, and
+    it is one contribution: its rows are summed first, then the sum is clipped once, at the
+    end of the logical batch (`clip_into`). Clipping each row alone would bound a window, not
+    the document: a document of k windows could then move the sum by k R.
+
+    Dense rows only (bias mode): one (documents, elements) float32 buffer, small for biases.
+    """
+
+    def __init__(self, layout: FlatLayout) -> None:
+        self.layout = layout
+        self._docs: torch.Tensor | None = None  # (documents, layout.numel)
+
+    @property
+    def started(self) -> bool:
+        return self._docs is not None
+
+    def add(self, batch: PhysicalBatch, groups: torch.Tensor, documents: int, scale: float) -> None:
+        """Add each row of `batch` (times `scale`, its loss scale) to its document's sum.
+
+        groups: (rows,) the document of each row, an index in [0, documents) within the
+        logical batch; documents: how many documents the logical batch holds.
+        """
+        if batch.factored:
+            raise ValueError("privacy_unit='document' needs dense per-example rows (mode='bias')")
+        if groups.shape != (batch.rows,):
+            raise ValueError(
+                f"{batch.rows} per-example rows but {tuple(groups.shape)} document ids; give "
+                "one document id per row of the batch"
+            )
+        if batch.rows and not 0 <= int(groups.min()) <= int(groups.max()) < documents:
+            raise ValueError(f"document ids must be in [0, {documents}), got {groups.tolist()}")
+        if batch.dense is None:
+            return
+        rows = batch.dense
+        if len(batch.plain) != len(self.layout.params):  # place the columns in the layout
+            full = rows.new_zeros(batch.rows, self.layout.numel)
+            offset = 0
+            for p in batch.plain:
+                k = p.numel()
+                full[:, self.layout.span(p)] = rows[:, offset : offset + k]
+                offset += k
+            rows = full
+        if self._docs is None:
+            self._docs = rows.new_zeros(documents, self.layout.numel)
+        elif self._docs.shape[0] != documents:
+            raise ValueError(
+                f"the logical batch holds {self._docs.shape[0]} documents, this physical batch "
+                f"says {documents}"
+            )
+        self._docs.index_add_(0, groups.to(rows.device), rows, alpha=scale)
+
+    def clip_into(
+        self,
+        target: ClippedSum,
+        clip_fn: Callable[[torch.Tensor, float], torch.Tensor],
+        max_grad_norm: float,
+    ) -> None:
+        """Clip each document's summed gradient and add it to `target`; starts anew."""
+        docs, self._docs = self._docs, None
+        if docs is None:
+            return
+        factors = clip_fn(docs.norm(dim=1), max_grad_norm)
+        target.add(None, factors @ docs)
+
+    def clear(self) -> None:
+        self._docs = None

@@ -14,6 +14,9 @@ LORA_MODES = ("bias+lora", "lora")
 PHASE_MODES = ("bias", "full")
 LOSS_REDUCTIONS = ("mean", "sum")
 SAMPLINGS = ("poisson", "user-poisson")
+# what one contribution (sampled and clipped as one) is: a row of the batch, or a document
+# whose rows (windows) are summed before the clip (dpfit.clipped_sum.DocumentSums)
+PRIVACY_UNITS = ("example", "document")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,10 @@ class PrivacyConfig:
     "user-poisson" means the caller draws Poisson batches at rate q itself and vouches for it.
     neighbouring: the relation a target epsilon is calibrated (and the budget kept) for,
     "add-remove" or "replace-one"; both epsilons are reported (dpfit.accounting.NEIGHBOURING).
+    privacy_unit: "example" (each row of a batch is one contribution) or "document" (the
+    dataset's items are documents of several rows, e.g. the windows of a long text; a sampled
+    document's rows are summed into one gradient and clipped together, so sample_size and
+    expected_batch_size count documents and epsilon protects a whole document).
     """
 
     expected_batch_size: int
@@ -48,6 +55,7 @@ class PrivacyConfig:
     batch_dims: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     check_gradients: bool = True
     neighbouring: str = DEFAULT_NEIGHBOURING
+    privacy_unit: str = "example"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -77,6 +85,13 @@ class PrivacyConfig:
             bad(f"neighbouring must be one of {NEIGHBOURING}, got {self.neighbouring!r}")
         if self.sampling not in SAMPLINGS:
             bad(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
+        if self.privacy_unit not in PRIVACY_UNITS:
+            bad(f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}")
+        if self.privacy_unit == "document" and self.mode != "bias":
+            bad(
+                f"privacy_unit='document' sums dense per-example rows and works with "
+                f"mode='bias' only, got mode={self.mode!r}; use privacy_unit='example'"
+            )
         if not 0 < self.target_delta < 1:
             bad("target_delta must be in (0, 1); a common choice is 1/n^1.1 or 1e-5")
         if self.noise_multiplier is None:

@@ -28,7 +28,7 @@ from dpfit.accounting import (
     noise_multiplier_for,
 )
 from dpfit.batch_axis import BatchAxisProbe
-from dpfit.clipped_sum import ClippedSum, arrange
+from dpfit.clipped_sum import ClippedSum, DocumentSums, arrange
 from dpfit.clipping import get_clipping
 from dpfit.config import PrivacyConfig
 from dpfit.distributed import (
@@ -70,6 +70,11 @@ from dpfit.schedule import (
 
 log = logging.getLogger(__name__)
 
+_DOCUMENT_IDS_NEEDED = (
+    "privacy_unit='document' with sampling='user-poisson': call engine.step(optimizer, "
+    "batch_size=rows, documents=[the document id of each row])"
+)
+
 __all__ = ["PrivacyEngine", "gaussian_noise", "get_clipping"]
 
 
@@ -80,6 +85,12 @@ class PrivacyEngine:
     "bias+lora" / "lora" (a peft LoRA model after dpfit.make_lora_trainable: the adapters
     through grad_sample.full's ghost norm or materialised rows, biases and head as in bias
     mode, all under one per-example global norm).
+
+    privacy_unit: "example" (each row is a contribution) or "document": the dataset's items
+    are documents, each a sequence of rows (the windows of a long text); Poisson sampling is
+    over documents (sample_size and expected_batch_size count them), and a document's rows
+    are summed, across physical batches, into one gradient clipped once (epsilon protects a
+    whole document). Bias mode only.
 
     Construction validates the model (no BatchNorm, a sampler for every trainable parameter),
     fixes the noise multiplier (given, or calibrated to a target epsilon for the planned steps)
@@ -111,6 +122,7 @@ class PrivacyEngine:
         schedule: Sequence[PhaseSpec] | None = None,
         process_group: Any = None,
         neighbouring: str = "add-remove",
+        privacy_unit: str = "example",
     ) -> None:
         # data parallel (dpfit.distributed): a process group with >1 rank, given or the
         # initialised default one; a DDP wrapper is looked through (its own sync is kept off)
@@ -142,6 +154,7 @@ class PrivacyEngine:
             batch_dims=tuple(sorted((batch_dims or {}).items())),
             check_gradients=check_gradients,
             neighbouring=neighbouring,
+            privacy_unit=privacy_unit,
         )
         self.model = model
         self._bias_selection = bias_selection(model)
@@ -233,6 +246,7 @@ class PrivacyEngine:
         self._params = self._ordered_trainable(self.model)
         self._layout = FlatLayout(self._params)
         self._clipped = ClippedSum(self._layout)
+        self._documents = DocumentSums(self._layout)  # privacy_unit="document"
         self._check = AutogradCheck(self._params, self._layout, self._names)
 
     # the per-example state, as the tests' oracle and fault injection reach it
@@ -277,6 +291,7 @@ class PrivacyEngine:
         self._hooks.detach()
         self._probe.detach()
         self._clipped.clear()
+        self._documents.clear()
 
     # ------------------------------------------------------------------ data
     def data_loader(
@@ -339,6 +354,7 @@ class PrivacyEngine:
             stop=None if max_steps is None else (lambda: self.ledger.steps >= max_steps),
             yield_empty=yield_empty,
             group_physical=group_physical,
+            documents=self.config.privacy_unit == "document",
         )
         if self._pending_loader_state is not None:
             self._loader.load_state_dict(self._pending_loader_state)
@@ -414,7 +430,29 @@ class PrivacyEngine:
             "batch_first=False, or give batch_dims={layer_name: axis} for single layers."
         )
 
-    def step(self, optimizer: torch.optim.Optimizer, batch_size: int | None = None) -> bool:
+    def _document_ids(self, documents: Sequence[int] | None, rows: int) -> tuple[torch.Tensor, int]:
+        """privacy_unit="document": each row's document (an index into the logical batch's
+        documents) and how many documents the logical batch holds."""
+        if self.config.sampling == "poisson":
+            drawn = self._steps.drawn_documents()
+            if drawn is None:
+                raise SamplingError(
+                    "privacy_unit='document' needs batches from engine.data_loader over a "
+                    "dataset of documents (each item a sequence of rows)"
+                )
+            ids, count = drawn
+            return torch.tensor(ids, dtype=torch.long), count
+        if documents is None or len(documents) != rows:
+            raise SamplingError(_DOCUMENT_IDS_NEEDED)
+        _, ids = torch.unique(torch.as_tensor(list(documents)), return_inverse=True)
+        return ids.long(), int(ids.max()) + 1 if rows else 0
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        batch_size: int | None = None,
+        documents: Sequence[int] | None = None,
+    ) -> bool:
         """Clip this physical batch into the running sum; at the end of a logical batch, add
         noise, divide by the expected batch size, step the optimizer and account.
 
@@ -423,6 +461,8 @@ class PrivacyEngine:
         required, so that a wrong batch axis (per-example rows that are not examples) is
         caught. On the first step of each phase one example's row is also compared with its
         gradient computed alone (dpfit.batch_axis), whatever the shapes.
+        documents: privacy_unit="document" with sampling="user-poisson" only: the document of
+        each row (rows with the same id are summed and clipped as one contribution).
 
         Returns True when a logical (noised) step was taken.
         """
@@ -441,6 +481,9 @@ class PrivacyEngine:
                 "each physical batch under model.no_sync()), or wrap forward and backward in "
                 "`with model.no_sync():`; the engine reduces the clipped sums itself"
             )
+        document_unit = self.config.privacy_unit == "document"
+        if document_unit and self.config.sampling == "user-poisson" and documents is None:
+            raise SamplingError(_DOCUMENT_IDS_NEEDED)  # before this batch's rows are taken
         self._optimizer = optimizer
         per_ex = self._collect()
         if not per_ex:
@@ -458,7 +501,11 @@ class PrivacyEngine:
             self._probe.check(per_ex, n, self._hooks)
         self._apply_deferred(optimizer)
         scale = float(n) if self.config.loss_reduction == "mean" else 1.0
-        self._clipped.clip_into(batch, self._clip_fn, self.max_grad_norm, scale)
+        if document_unit:  # summed per document, clipped at the end of the logical batch
+            ids, count = self._document_ids(documents, n)
+            self._documents.add(batch, ids, count, scale)
+        else:
+            self._clipped.clip_into(batch, self._clip_fn, self.max_grad_norm, scale)
         for p in per_ex:
             p.grad = None
         if self.config.sampling == "user-poisson":
@@ -481,6 +528,8 @@ class PrivacyEngine:
             self._release(optimizer)
 
     def _finish_logical_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        # privacy_unit="document": every row of the logical batch is in; clip each document
+        self._documents.clip_into(self._clipped, self._clip_fn, self.max_grad_norm)
         self._release(optimizer)
         self._steps.close()
         return True
@@ -508,6 +557,7 @@ class PrivacyEngine:
         """
         if self._max_steps is not None and self.ledger.steps + 1 > self._max_steps:
             self._clipped.clear()
+            self._documents.clear()
             raise BudgetExhaustedError(
                 f"the privacy budget epsilon={self.config.target_epsilon} at "
                 f"delta={self.target_delta} is spent after {self.ledger.steps} steps "
@@ -582,6 +632,8 @@ class PrivacyEngine:
             "mode": self.config.mode,
             "accountant": self.config.accountant,
             "sampling": self.config.sampling,
+            # what one contribution is: the unit epsilon protects (a row, or a document)
+            "privacy_unit": self.config.privacy_unit,
             "secure_rng": self.config.secure_rng,
             "insecure_seed": self._insecure_seed,
             "trained_parameters": names,
@@ -672,7 +724,12 @@ class PrivacyEngine:
         parameters. With `remaining_steps` (and a target epsilon) the noise is re-calibrated so
         that the steps already taken plus these meet the target.
         """
-        if self._steps.physical_left or self._clipped.started or self._per_example:
+        if (
+            self._steps.physical_left
+            or self._clipped.started
+            or self._documents.started
+            or self._per_example
+        ):
             raise SamplingError(
                 "switch_phase() in the middle of a logical batch; call it between epochs, "
                 "after engine.step(optimizer) returned True"

