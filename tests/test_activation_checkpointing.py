@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from long_context import T, tiny_long_llama, token_ids
+from long_llama import T, tiny_long_llama, token_ids
 from oracle import assert_matches_oracle, engine_per_example, make_engine, oracle_per_example
 
 from dpfit.activation_checkpointing import enable_activation_checkpointing

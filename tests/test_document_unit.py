@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from long_context import T, tiny_long_llama, token_ids
+from long_llama import T, tiny_long_llama, token_ids
 from oracle import Capture, oracle_per_example
 
 import dpfit
