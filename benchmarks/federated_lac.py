@@ -374,8 +374,36 @@ def cost_line(runs: list[dict], setup: list[dict]) -> str:
     return text + "."
 
 
+def lr_rule_line(runs: list[dict], pilot: dict) -> str:
+    """The stated lr rule, recomputed: the pilot's SGD lr scaled so that its round-1 median
+    update norm would be C_init = 1 (a step from the zero-initialised head scales with lr)."""
+    sgd = [r for r in pilot["runs"] if r["local_optimizer"] == "sgd"]
+    if not sgd or runs[0]["local_optimizer"] != "sgd":
+        return ""
+    p = sgd[0]
+    norm1 = p["rounds"][0]["median_update_norm"]
+    text = (
+        f"Learning-rate rule (chosen on neither validation nor test accuracy): the pilot's SGD "
+        f"lr {p['lr']:g} x C_init / its round-1 median update norm {norm1:.4g} = "
+        f"{p['lr'] / norm1:.3g} at N = {pilot['clients']}, m = {pilot['m']:g}; used: "
+        f"{runs[0]['lr']:g}."
+    )
+    ref = [r for r in runs if r["method"] == NON_PRIVATE and r["rounds"]]
+    if ref:
+        text += (
+            f" At that lr the non-private reference's round-1 median update norm is "
+            f"{ref[0]['rounds'][0]['median_update_norm']:.4g} (the step does not scale "
+            "linearly with lr)."
+        )
+    return text
+
+
 def render(
-    runs: list[dict], name: str, floor: dict | None = None, setup: list[dict] | None = None
+    runs: list[dict],
+    name: str,
+    floor: dict | None = None,
+    setup: list[dict] | None = None,
+    pilot: dict | None = None,
 ) -> str:
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
@@ -400,6 +428,7 @@ def render(
         command_of(runs, name),
         "```",
         "",
+        *([lr_rule_line(runs, pilot), ""] if pilot and lr_rule_line(runs, pilot) else []),
         "## Test accuracy (mean and sd over seeds)",
         "",
         *(
@@ -465,23 +494,29 @@ def render(
         "benchmark). C* in the sense of the best fixed clip norm is not measured: the fixed rule "
         "ran at C = 1 only, not at each candidate.",
         "",
-        "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote s | run s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote + round 1 "
+        "CPU s | run CPU s | vote wall s | run wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if "c_star" in r:
             counts = ", ".join(f"{c:.0f}" for c in r["vote_counts"])
+            cpu = (
+                f"{r['rounds'][0]['cpu_seconds']:.0f} | {r['cpu_seconds']:.0f}"
+                if "cpu_seconds" in r
+                else "- | -"
+            )
             lines.append(
                 f"| {r['method']} | {r['epsilon_target']:g} | {r['seed']} | "
                 f"{r['vote_noise_std']:.2f} | {counts} | {r['initial_clip']:g} | "
-                f"{r['c_star']:g} | {r['vote_time_s']:.0f} | {r['seconds']:.0f} |"
+                f"{r['c_star']:g} | {cpu} | {r['vote_time_s']:.0f} | {r['seconds']:.0f} |"
             )
     lines += [
         "",
-        "vote s: wall time from the run's start to the end of round 1, i.e. the vote (all N "
-        "clients train once and score three candidates) plus one round; compare with run s "
-        "over the run's rounds. The baselines' private tuning was not run (see "
-        "docs/federated.md).",
+        "vote: from the run's start to the end of round 1, i.e. the vote (all N clients train "
+        "once and score three candidates) plus one round; compare with the whole run's time. "
+        "CPU seconds are the process's own; wall seconds also count waiting for the shared "
+        "cores. The baselines' private tuning was not run (see docs/federated.md).",
         "",
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
@@ -575,14 +610,15 @@ def write_into_docs(section: str, docs: Path) -> None:
 
 def render_all(out: Path, names: Sequence[str]) -> tuple[str, list[tuple[str, str]]]:
     """The pilot's and each recorded protocol's rendering (names without a JSONL skipped)."""
-    pilot = render_pilot(json.loads((out / "federated_lac_pilot.json").read_text()))
+    pilot_data = json.loads((out / "federated_lac_pilot.json").read_text())
     protocols = []
     for name in names:
         path = out / f"{name}.jsonl"
         if path.exists():
             runs = load_runs(path)
-            protocols.append((name, render(runs, name, load_floor(out), load_setup(out, name))))
-    return pilot, protocols
+            text = render(runs, name, load_floor(out), load_setup(out, name), pilot_data)
+            protocols.append((name, text))
+    return render_pilot(pilot_data), protocols
 
 
 def cmd_render(args: argparse.Namespace) -> None:
