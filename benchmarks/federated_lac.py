@@ -340,16 +340,22 @@ def scale_label(r0: dict) -> str:
 
 
 def command_of(runs: list[dict], name: str) -> str:
-    """The run command, rebuilt from the recorded parameters (one invocation per epsilon)."""
+    """The run commands, rebuilt from the recorded parameters: one line per epsilon with the
+    seeds and rules recorded there (an unfinished invocation shows what finished)."""
     r0 = runs[0]
-    eps = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
-    seeds = sorted({r["seed"] for r in runs})
-    return (
-        f"python benchmarks/federated_lac.py run --epsilons {' '.join(f'{e:g}' for e in eps)} "
-        f"--seeds {' '.join(map(str, seeds))} --rounds {r0['rounds_requested']} "
-        f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
-        f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
-    )
+    lines = []
+    for e in sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None}):
+        at = [r for r in runs if r["epsilon_target"] == e]
+        seeds = sorted({r["seed"] for r in at})
+        methods = [m for m in METHODS if any(r["method"] == m for r in at)]
+        only = "" if len(methods) == len(METHODS) else f" --methods {' '.join(methods)}"
+        lines.append(
+            f"python benchmarks/federated_lac.py run --epsilons {e:g} "
+            f"--seeds {' '.join(map(str, seeds))}{only} --rounds {r0['rounds_requested']} "
+            f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
+            f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+        )
+    return "\n".join(lines)
 
 
 def load_setup(out: Path, name: str) -> list[dict]:
@@ -478,7 +484,9 @@ def render(
             d = [by[("lac", e, s)]["test_accuracy"] - by[(m, e, s)]["test_accuracy"] for s in pairs]
             mean, lo, hi = paired_interval(d)
             cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(d)})")
-            if lo > 0:
+            if len(d) < 2:
+                verdicts.append(f"without an interval against {m} at eps {e:g} (one seed)")
+            elif lo > 0:
                 verdicts.append(f"above {m} at eps {e:g}")
             elif hi < 0:
                 verdicts.append(f"below {m} at eps {e:g}")
