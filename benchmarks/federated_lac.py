@@ -562,14 +562,15 @@ def plot(runs: list[dict], path: Path) -> None:
         2, len(eps_list), figsize=(5.5 * len(eps_list), 6.4), squeeze=False, sharex=True
     )
     for col, e in enumerate(eps_list):
-        for m in METHODS:
+        for i, m in enumerate(METHODS):  # one colour per rule in every panel
             rows = [r for r in runs if r["method"] == m and r["epsilon_target"] == e]
             rows = [r for r in rows if r["seed"] == seed and r["rounds"]]
             if not rows:
                 continue
             x = [p["round"] for p in rows[0]["rounds"]]
-            axes[0, col].plot(x, [p["clip_norm"] for p in rows[0]["rounds"]], label=m)
-            axes[1, col].plot(x, [p["median_update_norm"] for p in rows[0]["rounds"]], label=m)
+            style = {"label": m, "color": f"C{i}"}
+            axes[0, col].plot(x, [p["clip_norm"] for p in rows[0]["rounds"]], **style)
+            axes[1, col].plot(x, [p["median_update_norm"] for p in rows[0]["rounds"]], **style)
         for r in reference:
             x = [p["round"] for p in r["rounds"]]
             y = [p["median_update_norm"] for p in r["rounds"]]
