@@ -14,13 +14,18 @@ benchmark's runs are paired by seed, so they are not private), the same s for ev
     # the pilot: non-private, 30 rounds, each local optimizer; keep the one whose update
     # norms move with the loss
     python benchmarks/federated_lac.py pilot --out benchmarks/results
-    # the protocol (runs appended to <name>.jsonl as they finish; re-running skips them)
-    python benchmarks/federated_lac.py run --epsilons 8 --seeds 0 1 2 --rounds 30
-    # tables and the C_t plot from the recorded runs
+    # the protocol (runs appended to <name>.jsonl as they finish; re-running skips them;
+    # several workers can share the plan through --claims DIR), one invocation per epsilon
+    python benchmarks/federated_lac.py run --epsilons 8 --seeds 0 1 2 --rounds 30 \
+        --clients 1000 --clients-per-round 100 --local-optimizer sgd --lr 0.5
+    # tables and plots of every recorded protocol (RENDERED), and the docs' section
     python benchmarks/federated_lac.py render
 
-Writes ``<out>/<name>.{jsonl,md,png}`` (and ``federated_lac_pilot.{json,md}``); every figure
-in the markdown is computed from the recorded runs.
+Writes ``<out>/<name>.{jsonl,md,png}`` and ``<name>_setup.jsonl`` (each worker's cache
+fill), and ``federated_lac_pilot.{json,md}``; every figure in the markdown is computed from
+the recorded runs. ``federated_lac_full`` is the protocol at its stated scale;
+``federated_lac`` is an earlier reduced run (N = 500, m = 50, 10 rounds), rendered and
+labelled as such.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +46,8 @@ RESULTS = Path(__file__).parent / "results"
 METHODS = ("lac", "clac", "adaptive-quantile", "automatic", "dynamic", "fixed")
 NON_PRIVATE = "non-private"
 LOCAL_LR = {"adamw": 1e-3, "sgd": 0.1}
+# the protocol at its full scale, then the earlier reduced run (N = 500, m = 50, 10 rounds)
+RENDERED = ("federated_lac_full", "federated_lac")
 
 
 class RecordingClients:
@@ -79,7 +87,7 @@ def setup(args: argparse.Namespace):
     val = stratified(val, args.val_examples, seed=task.seed)
     val_data = ([e.text for e in val], [e.label for e in val])
     test_data = ([e.text for e in test], [e.label for e in test])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     cache_file = Path(args.cache_file) if args.cache_file else None
     if cache_file is not None and cache_file.exists():  # the frozen layers' output, reused
         engine.cache.store.update(torch.load(cache_file))
@@ -88,7 +96,8 @@ def setup(args: argparse.Namespace):
     if cache_file is not None:
         torch.save(engine.cache.store, cache_file)
     logging.info("cache filled in %.0fs", time.perf_counter() - t0)
-    return task, engine, val_data, test_data
+    setup_cost = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+    return task, engine, val_data, test_data, setup_cost
 
 
 def stratified(examples: list, k: int, seed: int) -> list:
@@ -124,7 +133,7 @@ def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, 
         insecure_seed=seed,
     )
     rounds: list[dict] = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val))
 
     def on_round(rec) -> None:
@@ -137,6 +146,7 @@ def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, 
                 "epsilon": rec.epsilon,
                 "median_update_norm": server.last_counts.median_update_norm,
                 "seconds": time.perf_counter() - t0,
+                "cpu_seconds": time.process_time() - c0,
             }
         )
 
@@ -163,6 +173,7 @@ def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, 
         "vote_counts": server.vote_counts,
         "rounds": rounds,
         "seconds": time.perf_counter() - t0,
+        "cpu_seconds": time.process_time() - c0,
         "stopped": server.stop_reason,
     }
     if engine.last_losses is not None:
@@ -183,7 +194,7 @@ def cmd_pilot(args: argparse.Namespace) -> None:
         if any(r["local_optimizer"] == opt for r in out["runs"]):
             continue
         args.local_optimizer = opt
-        task, engine, val, test = setup(args)
+        task, engine, val, test, _ = setup(args)
         row = one_run(NON_PRIVATE, None, 0, args, task, engine, val, test)
         print(json.dumps({k: row[k] for k in ("local_optimizer", "test_accuracy", "seconds")}))
         out["runs"].append(row)
@@ -265,7 +276,9 @@ def cmd_run(args: argparse.Namespace) -> None:
         for line in path.read_text().splitlines():
             r = json.loads(line)
             done.add((r["method"], r["epsilon_target"], r["seed"]))
-    task, engine, val, test = setup(args)
+    task, engine, val, test, setup_cost = setup(args)
+    with open(args.out / f"{args.name}_setup.jsonl", "a") as f:  # the cache fill's cost
+        f.write(json.dumps({"pid": os.getpid(), **setup_cost}) + "\n")
     # seed by seed, so that an interrupted run still has complete pairs; the non-private
     # reference at the first seed only (it has nothing to pair with)
     plan = [(NON_PRIVATE, None, args.seeds[0])]
@@ -316,15 +329,96 @@ def load_runs(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
+PROTOCOL_SCALE = {"clients": 1000, "clients_per_round": 100, "rounds_requested": 30}
+
+
+def scale_label(r0: dict) -> str:
+    """'protocol scale' only for the issue's N, m and rounds; anything else is labelled
+    reduced, so a table can never be read as the full protocol by mistake."""
+    full = all(r0[k] == v for k, v in PROTOCOL_SCALE.items())
+    return "protocol scale" if full else "REDUCED scale"
+
+
+def command_of(runs: list[dict], name: str) -> str:
+    """The run commands, rebuilt from the recorded parameters: one line per epsilon with the
+    seeds and rules recorded there (an unfinished invocation shows what finished)."""
+    r0 = runs[0]
+    lines = []
+    for e in sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None}):
+        at = [r for r in runs if r["epsilon_target"] == e]
+        seeds = sorted({r["seed"] for r in at})
+        methods = [m for m in METHODS if any(r["method"] == m for r in at)]
+        only = "" if len(methods) == len(METHODS) else f" --methods {' '.join(methods)}"
+        lines.append(
+            f"python benchmarks/federated_lac.py run --epsilons {e:g} "
+            f"--seeds {' '.join(map(str, seeds))}{only} --rounds {r0['rounds_requested']} "
+            f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
+            f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+        )
+    return "\n".join(lines)
+
+
+def load_setup(out: Path, name: str) -> list[dict]:
+    """Each worker process's cache fill (cost only), if recorded."""
+    path = out / f"{name}_setup.jsonl"
+    return load_runs(path) if path.exists() else []
+
+
+def cost_line(runs: list[dict], setup: list[dict]) -> str:
+    hours = sum(r["seconds"] for r in runs) / 3600
+    text = f"{len(runs)} runs, {hours:.2f} h of wall time on a shared 2-core machine, one thread"
+    if all("cpu_seconds" in r for r in runs):
+        cpu = sum(r["cpu_seconds"] for r in runs)
+        fill = sum(s["cpu_seconds"] for s in setup)
+        text += (
+            f"; CPU time {cpu:.0f} s in the runs + {fill:.0f} s loading/filling the "
+            f"frozen-layer cache ({len(setup)} worker starts) = {(cpu + fill) / 3600:.2f} "
+            "CPU-hours"
+        )
+    else:
+        text += " (CPU time was not recorded for these runs)"
+    return text + "."
+
+
+def lr_rule_line(runs: list[dict], pilot: dict) -> str:
+    """The stated lr rule, recomputed: the pilot's SGD lr scaled so that its round-1 median
+    update norm would be C_init = 1 (a step from the zero-initialised head scales with lr)."""
+    sgd = [r for r in pilot["runs"] if r["local_optimizer"] == "sgd"]
+    if not sgd or runs[0]["local_optimizer"] != "sgd":
+        return ""
+    p = sgd[0]
+    norm1 = p["rounds"][0]["median_update_norm"]
+    text = (
+        f"Learning-rate rule (chosen on neither validation nor test accuracy): the pilot's SGD "
+        f"lr {p['lr']:g} x C_init / its round-1 median update norm {norm1:.4g} = "
+        f"{p['lr'] / norm1:.3g} at N = {pilot['clients']}, m = {pilot['m']:g}; used: "
+        f"{runs[0]['lr']:g}."
+    )
+    ref = [r for r in runs if r["method"] == NON_PRIVATE and r["rounds"]]
+    if ref:
+        text += (
+            f" At that lr the non-private reference's round-1 median update norm is "
+            f"{ref[0]['rounds'][0]['median_update_norm']:.4g} (the step does not scale "
+            "linearly with lr)."
+        )
+    return text
+
+
+def render(
+    runs: list[dict],
+    name: str,
+    floor: dict | None = None,
+    setup: list[dict] | None = None,
+    pilot: dict | None = None,
+) -> str:
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
     seeds = sorted({r["seed"] for r in runs})
     by = {(r["method"], r["epsilon_target"], r["seed"]): r for r in runs}
     methods = [m for m in METHODS if any(r["method"] == m for r in runs)]
-    hours = sum(r["seconds"] for r in runs) / 3600
     lines = [
-        "# DP-LAC against the clip-rule baselines on fine-tuned clients",
+        f"# DP-LAC against the clip-rule baselines on fine-tuned clients ({scale_label(r0)}: "
+        f"N = {r0['clients']}, m = {r0['clients_per_round']:g}, {r0['rounds_requested']} rounds)",
         "",
         f"Batched lora-top MiniLM clients (LoRA r=4 on the top layer's q, v + its biases + "
         f"the head), local {r0['local_optimizer']} lr {r0['lr']:g}, 2 local epochs, batch 16; "
@@ -334,9 +428,13 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
         f"examples), the server's public validation {r0['val_examples']} examples (stratified "
         "sample of the validation split). "
         f"Seeds {', '.join(map(str, seeds))} (paired: the same client sampling and noise "
-        f"streams for every rule at a seed). {len(runs)} runs, {hours:.2f} h of wall time "
-        "on a shared 2-core machine, one thread.",
+        f"streams for every rule at a seed). {cost_line(runs, setup or [])}",
         "",
+        "```",
+        command_of(runs, name),
+        "```",
+        "",
+        *([lr_rule_line(runs, pilot), ""] if pilot and lr_rule_line(runs, pilot) else []),
         "## Test accuracy (mean and sd over seeds)",
         "",
         *(
@@ -386,7 +484,9 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
             d = [by[("lac", e, s)]["test_accuracy"] - by[(m, e, s)]["test_accuracy"] for s in pairs]
             mean, lo, hi = paired_interval(d)
             cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(d)})")
-            if lo > 0:
+            if len(d) < 2:
+                verdicts.append(f"without an interval against {m} at eps {e:g} (one seed)")
+            elif lo > 0:
                 verdicts.append(f"above {m} at eps {e:g}")
             elif hi < 0:
                 verdicts.append(f"below {m} at eps {e:g}")
@@ -395,68 +495,94 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "DP-LAC is " + "; ".join(verdicts) + " (interval excludes 0 or not).", ""]
     lines += [
-        "## DP-LAC's vote: C_hist against C*",
+        "## DP-LAC's vote: C_hist against the vote's own optimum",
         "",
-        "C* = the candidate with the lowest mean candidate loss over all clients (recomputed "
-        "non-privately by the benchmark); C_hist = the noised histogram's pick.",
+        "C_hist = the noised histogram's pick; C_loss = the candidate with the lowest mean "
+        "candidate loss over all clients (the vote's objective, recomputed non-privately by the "
+        "benchmark). C* in the sense of the best fixed clip norm is not measured: the fixed rule "
+        "ran at C = 1 only, not at each candidate.",
         "",
-        "| rule | eps | seed | sigma_h | noised counts | C_hist | C* | vote s | run s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote + round 1 "
+        "CPU s | run CPU s | vote wall s | run wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if "c_star" in r:
             counts = ", ".join(f"{c:.0f}" for c in r["vote_counts"])
+            cpu = (
+                f"{r['rounds'][0]['cpu_seconds']:.0f} | {r['cpu_seconds']:.0f}"
+                if "cpu_seconds" in r
+                else "- | -"
+            )
             lines.append(
                 f"| {r['method']} | {r['epsilon_target']:g} | {r['seed']} | "
                 f"{r['vote_noise_std']:.2f} | {counts} | {r['initial_clip']:g} | "
-                f"{r['c_star']:g} | {r['vote_time_s']:.0f} | {r['seconds']:.0f} |"
+                f"{r['c_star']:g} | {cpu} | {r['vote_time_s']:.0f} | {r['seconds']:.0f} |"
             )
     lines += [
         "",
-        "vote s: wall time from the run's start to the end of round 1, i.e. the vote (all N "
-        "clients train once and score three candidates) plus one round; compare with run s "
-        "over the run's rounds. The baselines' tuning was not run (see docs/federated.md).",
+        "vote: from the run's start to the end of round 1, i.e. the vote (all N clients train "
+        "once and score three candidates) plus one round; compare with the whole run's time. "
+        "CPU seconds are the process's own; wall seconds also count waiting for the shared "
+        "cores. The baselines' private tuning was not run (see docs/federated.md).",
         "",
-        "## Median client update norm and validation loss (seed 0)",
+        f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
-        "| rule | eps | norm round 1 -> last | val loss round 1 -> last | corr(norm, loss) |",
-        "|---|---|---|---|---|",
+        "| rule | eps | C_t round 1 -> last | norm round 1 -> last | val loss round 1 -> last "
+        "| corr(norm, loss) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in runs:
         if r["seed"] != seeds[0] or not r["rounds"]:
             continue
         n = [x["median_update_norm"] for x in r["rounds"]]
         v = [x["val_loss"] for x in r["rounds"]]
+        c = [x["clip_norm"] for x in r["rounds"]]
         eps = "-" if r["epsilon_target"] is None else f"{r['epsilon_target']:g}"
+        clip = "-" if r["method"] == NON_PRIVATE else f"{c[0]:.4g} -> {c[-1]:.4g}"
         lines.append(
-            f"| {r['method']} | {eps} | {n[0]:.4g} -> {n[-1]:.4g} | {v[0]:.3f} -> {v[-1]:.3f} "
-            f"| {_corr(n, v):.2f} |"
+            f"| {r['method']} | {eps} | {clip} | {n[0]:.4g} -> {n[-1]:.4g} | "
+            f"{v[0]:.3f} -> {v[-1]:.3f} | {_corr(n, v):.2f} |"
         )
-    lines += ["", f"![C_t per rule]({name}.png)", ""]
+    lines += ["", f"![C_t and update norm per rule]({name}.png)", ""]
     return "\n".join(lines)
 
 
 def plot(runs: list[dict], path: Path) -> None:
+    """C_t and the median client update norm per round, one seed (the first), each epsilon."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
-    fig, axes = plt.subplots(1, len(eps_list), figsize=(5.5 * len(eps_list), 3.6), squeeze=False)
-    for ax, e in zip(axes[0], eps_list, strict=True):
-        for m in METHODS:
+    seed = min(r["seed"] for r in runs)
+    reference = [r for r in runs if r["method"] == NON_PRIVATE and r["seed"] == seed]
+    fig, axes = plt.subplots(
+        2, len(eps_list), figsize=(5.5 * len(eps_list), 6.4), squeeze=False, sharex=True
+    )
+    for col, e in enumerate(eps_list):
+        for i, m in enumerate(METHODS):  # one colour per rule in every panel
             rows = [r for r in runs if r["method"] == m and r["epsilon_target"] == e]
+            rows = [r for r in rows if r["seed"] == seed and r["rounds"]]
             if not rows:
                 continue
-            n = min(len(r["rounds"]) for r in rows)
-            c = np.mean([[x["clip_norm"] for x in r["rounds"][:n]] for r in rows], axis=0)
-            ax.plot(range(1, n + 1), c, label=m)
-        ax.set_yscale("log")
-        ax.set_xlabel("round")
-        ax.set_ylabel("C_t (mean over seeds)")
-        ax.set_title(f"eps {e:g}")
-        ax.legend(fontsize=7)
+            x = [p["round"] for p in rows[0]["rounds"]]
+            style = {"label": m, "color": f"C{i}"}
+            axes[0, col].plot(x, [p["clip_norm"] for p in rows[0]["rounds"]], **style)
+            axes[1, col].plot(x, [p["median_update_norm"] for p in rows[0]["rounds"]], **style)
+        for r in reference:
+            x = [p["round"] for p in r["rounds"]]
+            y = [p["median_update_norm"] for p in r["rounds"]]
+            axes[1, col].plot(x, y, "k--", label=NON_PRIVATE)
+        axes[0, col].set_yscale("log")
+        axes[0, col].set_ylabel("C_t")
+        axes[0, col].set_title(f"eps {e:g}, seed {seed}")
+        axes[1, col].set_yscale("log")
+        axes[1, col].set_ylabel("median client update norm")
+        axes[1, col].set_xlabel("round")
+        axes[0, col].legend(fontsize=7)
+        axes[1, col].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -466,17 +592,17 @@ DOCS = Path(__file__).parent.parent / "docs" / "federated.md"
 MARKERS = ("<!-- federated_lac:begin -->", "<!-- federated_lac:end -->")
 
 
-def docs_section(pilot_md: str, protocol_md: str) -> str:
-    """The docs' section: both renderings, their titles one level down, the plot's path
-    relative to docs/."""
+def docs_section(pilot_md: str, protocols: Sequence[tuple[str, str]]) -> str:
+    """The docs' section: the pilot, then each (name, rendering) of the protocol, titles one
+    level down, plot paths relative to docs/."""
     out = []
-    for text in (pilot_md, protocol_md):
+    for text in (pilot_md, *(md for _, md in protocols)):
         for line in text.splitlines():
             if line.startswith("#"):
                 line = "#" + line
-            out.append(
-                line.replace("](federated_lac.png)", "](../benchmarks/results/federated_lac.png)")
-            )
+            for name, _ in protocols:
+                line = line.replace(f"]({name}.png)", f"](../benchmarks/results/{name}.png)")
+            out.append(line)
         out.append("")
     return "\n".join(out).strip()
 
@@ -491,16 +617,28 @@ def write_into_docs(section: str, docs: Path) -> None:
     docs.write_text(f"{head}{begin}\n{section}\n{end}{tail}")
 
 
+def render_all(out: Path, names: Sequence[str]) -> tuple[str, list[tuple[str, str]]]:
+    """The pilot's and each recorded protocol's rendering (names without a JSONL skipped)."""
+    pilot_data = json.loads((out / "federated_lac_pilot.json").read_text())
+    protocols = []
+    for name in names:
+        path = out / f"{name}.jsonl"
+        if path.exists():
+            runs = load_runs(path)
+            text = render(runs, name, load_floor(out), load_setup(out, name), pilot_data)
+            protocols.append((name, text))
+    return render_pilot(pilot_data), protocols
+
+
 def cmd_render(args: argparse.Namespace) -> None:
-    runs = load_runs(args.out / f"{args.name}.jsonl")
-    text = render(runs, args.name, load_floor(args.out))
-    (args.out / f"{args.name}.md").write_text(text)
-    plot(runs, args.out / f"{args.name}.png")
-    pilot = render_pilot(json.loads((args.out / "federated_lac_pilot.json").read_text()))
+    pilot, protocols = render_all(args.out, args.names)
     (args.out / "federated_lac_pilot.md").write_text(pilot)
+    for name, text in protocols:
+        (args.out / f"{name}.md").write_text(text)
+        plot(load_runs(args.out / f"{name}.jsonl"), args.out / f"{name}.png")
+        print(text)
     if args.docs is not None:
-        write_into_docs(docs_section(pilot, text), args.docs)
-    print(text)
+        write_into_docs(docs_section(pilot, protocols), args.docs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -525,7 +663,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--docs", type=Path, default=DOCS, help="render: also write into this page")
-    p.add_argument("--name", default="federated_lac")
+    p.add_argument("--name", default="federated_lac_full", help="run: the results' name")
+    p.add_argument(
+        "--names",
+        nargs="+",
+        default=list(RENDERED),
+        help="render: the recorded protocols, in the docs' order",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("transformers", "httpx", "dpfit.federated.strategy"):

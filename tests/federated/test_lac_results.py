@@ -1,6 +1,6 @@
-"""The issue-29 protocol's tables and docs section are the rendering of the recorded runs; the
-paired intervals and the recorded epsilons are recomputed independently (scipy's t quantile,
-dp-accounting directly)."""
+"""The DP-LAC protocol's tables and docs section are the rendering of the recorded runs (the
+full-scale protocol and the earlier reduced one); the paired intervals and the recorded
+epsilons are recomputed independently (scipy's t quantile, dp-accounting directly)."""
 
 from __future__ import annotations
 
@@ -24,20 +24,32 @@ def _benchmark():
 
 
 def _runs():
-    return [json.loads(x) for x in (RESULTS / "federated_lac.jsonl").read_text().splitlines()]
+    runs = []
+    for name in _benchmark().RENDERED:
+        path = RESULTS / f"{name}.jsonl"
+        runs += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return runs
 
 
 def test_tables_and_docs_are_the_rendering_of_the_recorded_runs(tmp_path):
     bench = _benchmark()
-    runs = _runs()
-    text = bench.render(runs, "federated_lac", bench.load_floor(RESULTS))
-    assert (RESULTS / "federated_lac.md").read_text() == text
-    pilot = bench.render_pilot(json.loads((RESULTS / "federated_lac_pilot.json").read_text()))
+    pilot, protocols = bench.render_all(RESULTS, bench.RENDERED)
+    assert [name for name, _ in protocols] == list(bench.RENDERED)  # every JSONL is there
+    for name, text in protocols:
+        assert (RESULTS / f"{name}.md").read_text() == text
     assert (RESULTS / "federated_lac_pilot.md").read_text() == pilot
     docs = tmp_path / "federated.md"
     docs.write_text((ROOT / "docs" / "federated.md").read_text())
-    bench.write_into_docs(bench.docs_section(pilot, text), docs)
+    bench.write_into_docs(bench.docs_section(pilot, protocols), docs)
     assert docs.read_text() == (ROOT / "docs" / "federated.md").read_text()
+
+
+def test_only_the_protocol_scale_is_labelled_as_such():
+    bench = _benchmark()
+    full = {"clients": 1000, "clients_per_round": 100, "rounds_requested": 30}
+    assert bench.scale_label(full) == "protocol scale"
+    for key, small in (("clients", 500), ("clients_per_round", 50), ("rounds_requested", 10)):
+        assert bench.scale_label({**full, key: small}) == "REDUCED scale"
 
 
 def test_paired_interval_matches_scipy():
