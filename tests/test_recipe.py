@@ -151,7 +151,7 @@ def test_a_phase_that_trains_every_weight_never_gets_the_biases_rate():
 
 def test_describe_shows_only_what_applies():
     text = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000).describe()
-    assert "max length 128" in text and "head-first" in text and "full epochs" not in text
+    assert "max length 128" in text and "head-first" in text and "full epoch" not in text
     assert "trained" not in text and "automatic clipping" in text
     image = resolve_recipe(54_000, 10, 8.0, 1e-5, 77_754, "full", tokens=False, start="trained")
     line = image.describe()
@@ -160,7 +160,7 @@ def test_describe_shows_only_what_applies():
     assert "from a checkpoint trained for the task" in line and "every weight" in line
     assert f"lr {image.lr:.3g}" in line
     two = resolve_recipe(54_000, 10, 8.0, 1e-5, 77_754, tokens=False, full_epochs=1)
-    assert "1 full epochs at lr 0.0005 then 2 epochs of biases + head at lr 0.005" in two.describe()
+    assert "1 full epoch at lr 0.0005 then 2 epochs of biases + head at lr 0.005" in two.describe()
     plain = resolve_recipe(1_000, 2, None, None, 1, private=False, head_first=False).describe()
     assert "clipping" not in plain and "head-first" not in plain
 

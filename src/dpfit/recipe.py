@@ -157,14 +157,20 @@ class Recipe:
             parts.append(f"{self.clipping} clipping, R={self.max_grad_norm:g}")
         if self.max_length is not None:
             parts.append(f"max length {self.max_length}")
-        if self.start == "trained":
-            parts.append("from a checkpoint trained for the task")
+        if self.start == "trained" and self.clipping is not None:
+            parts.append(
+                "from a checkpoint trained for the task: lr = noise walk / sqrt(phase steps)"
+                + ("" if self.head_epochs else ", no head-first (the head is trained)")
+            )
+        elif self.start == "trained":
+            parts.append("from a checkpoint trained for the task: no head-first")
         phases = []
         if self.head_epochs:
             phases.append(f"head-first {self.head_epochs} epochs at lr {self.head_lr:.3g}")
         main = self.epochs
         if self.full_epochs and self.full_lr is not None:
-            phases.append(f"{self.full_epochs} full epochs at lr {self.full_lr:.3g}")
+            plural = "s" if self.full_epochs > 1 else ""
+            phases.append(f"{self.full_epochs} full epoch{plural} at lr {self.full_lr:.3g}")
             main -= self.full_epochs
         what = "every weight" if self.mode == "full" else _TRAINS.get(self.mode, self.mode)
         if phases:
@@ -279,7 +285,10 @@ def resolve_recipe(
     if trained:
         lr = trained_lr(mode, main_steps)
         full_lr = trained_lr("full", full_steps) if full_epochs else None
-        how = f"from a trained checkpoint: lr = walk / sqrt(phase steps), walk {TRAINED_WALK}"
+        how = (
+            f"from a trained checkpoint lr = walk / sqrt(phase steps), walk "
+            f"{TRAINED_WALK['full']:g} for every weight, {TRAINED_WALK[mode]:g} otherwise"
+        )
     else:
         lr = PRIVATE_LR[mode]
         full_lr = PRIVATE_LR["full"] if full_epochs else None
