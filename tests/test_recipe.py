@@ -2,6 +2,7 @@
 
 import dataclasses
 import random
+import re
 
 import pytest
 
@@ -156,7 +157,8 @@ def test_describe_shows_only_what_applies():
     image = resolve_recipe(54_000, 10, 8.0, 1e-5, 77_754, "full", tokens=False, start="trained")
     line = image.describe()
     assert image.max_length is None
-    assert "max length" not in line and "token" not in line and "head-first" not in line
+    assert "max length" not in line and "token" not in line and "no head-first" in line
+    assert not re.search(r"head-first \d+ epochs", line)
     assert "from a checkpoint trained for the task" in line and "every weight" in line
     assert f"lr {image.lr:.3g}" in line
     two = resolve_recipe(54_000, 10, 8.0, 1e-5, 77_754, tokens=False, full_epochs=1)
