@@ -18,7 +18,8 @@ Tasks (npz files built here from data on this machine; nothing is downloaded):
 Rows: ``dp-full`` (--mode full) and ``1+bitfit`` (--full-epochs 1: one epoch of every
 weight, then biases + head), eps 8. Variants: ``default`` (no recipe field set: the rule
 for a trained start) and ``before`` (the fresh-start rates the recipe gave before it knew
-the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases, every weight included). The
+the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases, every weight included) and
+``walk/3``, ``walk/10`` (the rule's rates divided by 3 or 10: a smaller noise walk). The
 rule is checked on the validation split (``--split val``); the test split is scored once
 with the defaults (``--split test``). Each run is one fresh worker process (one torch
 thread), appended to ``results/checkpoint_recipe.jsonl``; runs already there are skipped.
@@ -41,11 +42,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit, as in the workers
 RESULTS = HERE / "results"
 RUNS = RESULTS / "checkpoint_recipe.jsonl"
 TASKS = ("fmnist-5k", "fmnist-500", "digits-500")
 ROWS = ("dp-full", "1+bitfit")
-VARIANTS = ("default", "before")
+VARIANTS = ("default", "before", "walk/3", "walk/10")
+WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10}  # the rule's walks divided
 EPS = 8.0
 FMNIST_PRETRAIN_EPOCHS = 10  # CPU budget: dpfit pretrain's own rule would take 40 here
 # the fresh-start rates (dpfit.recipe.PRIVATE_LR): what a trained start got before
@@ -125,6 +128,16 @@ def run_spec(task: str, row: str, variant: str, seed: int, split: str, work: Pat
         train["full_epochs"] = 1
     if variant == "before":
         train.update(BEFORE[row])
+    if variant in WALK_SCALE:  # the rule's own rates, scaled
+        from dpfit.recipe import default_delta, resolve_recipe
+
+        n = _private_n(task)
+        r = resolve_recipe(n, 10, EPS, default_delta(n), 0, train.get("mode", "bias"),
+                           start="trained", full_epochs=train.get("full_epochs", 0),
+                           tokens=False)  # fmt: skip
+        train["lr"] = r.lr * WALK_SCALE[variant]
+        if r.full_lr is not None:
+            train["full_lr"] = r.full_lr * WALK_SCALE[variant]
     return {"kind": "train", "train": train, "image": {}}
 
 
@@ -210,6 +223,18 @@ def cmd_run(args) -> None:
                               f"{res['train_cpu_s']:.0f} CPU s", flush=True)  # fmt: skip
 
 
+def _walks(r: dict) -> str:
+    """The noise walks lr sqrt(T) a run's rates give (every weight, biases + head), from what
+    it recorded: rows from before the rule's constants were fixed read the same way."""
+    import math
+
+    if r["row"] == "dp-full":
+        return f"{r['lr'] * math.sqrt(r['steps']):.2g}, -"
+    per_epoch = max(1, round(r["train_examples"] / r["batch_size"]))
+    full = r["full_lr"] * math.sqrt(per_epoch)
+    return f"{full:.2g}, {r['lr'] * math.sqrt(r['steps'] - per_epoch):.2g}"
+
+
 def _ms(xs: list[float]) -> str:
     if len(xs) == 1:
         return f"{xs[0]:.3f}"
@@ -227,7 +252,10 @@ def cmd_report(args) -> None:
         "`checkpoint_recipe.jsonl`). resnet-gn, eps 8, one torch thread per run, under "
         "`nice -n 10` on a 2-core machine shared with other jobs. *start*: the checkpoint's "
         "accuracy on the same evaluation images, scored by `dpfit train` before training. "
-        "Target: end >= start within the seed spread.",
+        "Target: end >= start within the seed spread. *walk*: lr sqrt(phase steps), the "
+        "distance the noise alone moves a coordinate under DP-Adam (dpfit.recipe); validation "
+        "rows labelled `default` that ran before the rule's constants were fixed show their "
+        "own walks (1e-3, 1e-2).",
         "",
         "## Public checkpoints",
         "",
@@ -244,13 +272,13 @@ def cmd_report(args) -> None:
             continue
         title = "validation split (rule check)" if split == "val" else "test split (defaults)"
         lines += ["", f"## {title}", "",
-                  "| task | private n | row | variant | seeds | lr (full phase) | start | end | "
-                  "end - start (per seed) | train CPU s (mean) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| task | private n | row | variant | walk (weights, biases) | seeds | "
+                  "lr (full phase) | start | end | end - start (per seed) | train CPU s (mean) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         groups: dict = {}
-        for r in rows:
-            groups.setdefault((r["task"], r["row"], r["variant"]), []).append(r)
-        for (task, row, variant), rs in sorted(groups.items()):
+        for r in rows:  # a variant's rates changed with the rule: group by what ran
+            groups.setdefault((r["task"], r["row"], r["variant"], _walks(r)), []).append(r)
+        for (task, row, variant, walks), rs in sorted(groups.items()):
             rs.sort(key=lambda r: r["seed"])
             start = [r["start_accuracy"] for r in rs]
             end = [r["accuracy"] for r in rs]
@@ -258,7 +286,8 @@ def cmd_report(args) -> None:
             lr = f"{rs[0]['lr']:.3g}" + (f" ({rs[0]['full_lr']:.3g})" if rs[0]["full_lr"] else "")
             cpu = statistics.mean(r["train_cpu_s"] for r in rs)
             lines.append(
-                f"| {task} | {rs[0]['train_examples']} | {row} | {variant} | {len(rs)} | {lr} | "
+                f"| {task} | {rs[0]['train_examples']} | {row} | {variant} | {walks} | {len(rs)} | "
+                f"{lr} | "
                 f"{_ms(start)} | {_ms(end)} | {', '.join(f'{d:+.3f}' for d in diff)} | {cpu:.0f} |"
             )
             if split == "test" and variant == "default":
