@@ -255,7 +255,7 @@ def cmd_report(args) -> None:
         "Target: end >= start within the seed spread. *walk*: lr sqrt(phase steps), the "
         "distance the noise alone moves a coordinate under DP-Adam (dpfit.recipe); validation "
         "rows labelled `default` that ran before the rule's constants were fixed show their "
-        "own walks (1e-3, 1e-2).",
+        "own walks (1e-3, 1e-2), and their `walk/3`, `walk/10` rows a third and a tenth of those.",
         "",
         "## Public checkpoints",
         "",
@@ -300,9 +300,14 @@ def cmd_report(args) -> None:
                 )
     if verdicts:
         lines += ["", "Target (test split, defaults):", "", *verdicts]
+    commands = sorted({r["command"] for r in train if r.get("command")})
+    lines += ["", "Commands (each under `nice -n 10`; a run already recorded is skipped, so a "
+              "command stopped part-way and rerun adds only the missing rows):", "",
+              *(f"    {c}" for c in commands)]  # fmt: skip
     cpu_total = sum(r.get("train_cpu_s", 0) for r in runs)
     lines += ["", f"Runs: {len(train)} private runs, {len(pre)} pretraining runs; training-loop "
-              f"CPU over all of them {cpu_total / 60:.1f} min.", ""]  # fmt: skip
+              f"CPU over all of them {cpu_total / 60:.1f} min (each worker's start-up, data loading "
+              "and the two evaluations come on top).", ""]  # fmt: skip
     (RESULTS / "checkpoint_recipe.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
