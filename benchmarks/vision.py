@@ -143,7 +143,7 @@ def row_config(row: str, model_dir: str, eps: float, seed: int, args) -> dict:
     x = int(row.split("+")[0])
     if not 0 < x < args.epochs:
         raise SystemExit(f"{row} needs --epochs > {x}")
-    return {"train": {**base, "full_epochs": x, "lr": lr_full}, "image": image}
+    return {"train": {**base, "full_epochs": x, "lr": lr_full, "full_lr": lr_full}, "image": image}
 
 
 # The public checkpoint a row starts from. "legacy": the first recipe (3 epochs, constant

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -319,3 +320,19 @@ def test_defaults_learn_a_learnable_task_non_privately(tmp_path, capsys):
     majority = max(c["n"] for c in m["per_class"].values()) / m["eval_n"]
     assert m["pooling"] == "mean" and m["overridden_by_flags"] == []
     assert m["accuracy"] >= majority + 0.15
+
+
+def test_a_run_from_a_dpfit_save_prints_the_checkpoint_recipe(tiny, tmp_path, capsys):
+    out = tmp_path / "first"
+    assert main(train_args(tiny, "--max-steps", "1", "--output", str(out))) == 0
+    first = capsys.readouterr().err
+    assert "trained for the task" not in first
+    model = str(out / "model")
+    args = train_args(tiny, "--max-steps", "1", "--no-output")
+    args[args.index("--model") + 1] = model
+    assert main(args) == 0
+    recipe = next(line for line in capsys.readouterr().err.splitlines() if "note: recipe" in line)
+    assert "from a checkpoint trained for the task" in recipe and "no head-first" in recipe
+    phase = re.compile(r"head-first \d+ epochs")
+    assert phase.search(first) and not phase.search(recipe)
+    assert "max length 128" in recipe and "biases + head at lr" in recipe

@@ -2,6 +2,7 @@
 
 import dataclasses
 import random
+import re
 
 import pytest
 
@@ -109,3 +110,109 @@ def test_flags_override_the_recipe(tmp_path):
     assert (m["batch_size"], m["lr"], m["clipping"], m["max_grad_norm"]) == (12, 0.02, "flat", 3.0)
     assert set(m["overridden_by_flags"]) == {"batch_size", "lr", "clipping", "max_grad_norm"}
     assert m["recipe"]["batch_size"] != 12
+
+
+# -- the start: a fresh backbone or a checkpoint already trained for the task ----------------
+
+
+def test_trained_start_has_smaller_rates_by_the_walk_rule_and_no_head_first():
+    args = (10_000, 2, 8.0, 1e-5, 22_700_000)
+    fresh = resolve_recipe(*args)
+    trained = resolve_recipe(*args, start="trained")
+    assert fresh.start == "pretrained" and trained.start == "trained"
+    assert fresh.head_epochs > 0 and trained.head_epochs == 0  # the head is already trained
+    steps = trained.epochs * round(10_000 / trained.batch_size)
+    assert (trained.batch_size, trained.epochs) == (fresh.batch_size, fresh.epochs)
+    # the noise walk lr sqrt(T) is the constant of the rule, for each group
+    assert trained.lr * steps**0.5 == pytest.approx(R.TRAINED_WALK["bias"])
+    full = resolve_recipe(*args, "full", start="trained")
+    assert full.lr * steps**0.5 == pytest.approx(R.TRAINED_WALK["full"])
+    assert full.lr < trained.lr < fresh.lr and full.lr < R.PRIVATE_LR["full"]
+    # asked for explicitly, the probe still runs
+    assert resolve_recipe(*args, start="trained", head_first=True).head_epochs > 0
+    assert resolve_recipe(*args, private=False, start="trained").head_epochs == 0
+    with pytest.raises(ValueError, match="start must be one of"):
+        resolve_recipe(*args, start="finetuned")
+
+
+def test_a_phase_that_trains_every_weight_never_gets_the_biases_rate():
+    for start in R.STARTS:
+        r = resolve_recipe(10_000, 10, 8.0, 1e-5, 77_754, full_epochs=1, start=start)
+        assert r.full_epochs == 1 and r.full_lr is not None and r.full_lr < r.lr
+        full = resolve_recipe(10_000, 10, 8.0, 1e-5, 77_754, "full", start=start)
+        bias = resolve_recipe(10_000, 10, 8.0, 1e-5, 77_754, "bias", start=start)
+        assert full.lr < bias.lr and full.full_lr is None
+    r = resolve_recipe(10_000, 10, 8.0, 1e-5, 77_754, full_epochs=1)
+    assert r.full_lr == R.PRIVATE_LR["full"] and r.lr == R.PRIVATE_LR["bias"]
+    t = resolve_recipe(10_000, 10, 8.0, 1e-5, 77_754, full_epochs=1, start="trained")
+    per_epoch = round(10_000 / t.batch_size)
+    assert t.full_lr == pytest.approx(R.TRAINED_WALK["full"] / per_epoch**0.5)
+    assert t.lr == pytest.approx(R.TRAINED_WALK["bias"] / ((t.epochs - 1) * per_epoch) ** 0.5)
+
+
+def test_describe_shows_only_what_applies():
+    text = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000).describe()
+    assert "max length 128" in text and "head-first" in text and "full epoch" not in text
+    assert "trained" not in text and "automatic clipping" in text
+    image = resolve_recipe(54_000, 10, 8.0, 1e-5, 77_754, "full", tokens=False, start="trained")
+    line = image.describe()
+    assert image.max_length is None
+    assert "max length" not in line and "token" not in line and "no head-first" in line
+    assert not re.search(r"head-first \d+ epochs", line)
+    assert "from a checkpoint trained for the task" in line and "every weight" in line
+    assert f"lr {image.lr:.3g}" in line
+    two = resolve_recipe(54_000, 10, 8.0, 1e-5, 77_754, tokens=False, full_epochs=1)
+    assert "1 full epoch at lr 0.0005 then 2 epochs of biases + head at lr 0.005" in two.describe()
+    plain = resolve_recipe(1_000, 2, None, None, 1, private=False, head_first=False).describe()
+    assert "clipping" not in plain and "head-first" not in plain
+
+
+def _rows(n: int = 80):
+    return [("the film was good", "x"), ("the film was bad", "y")] * (n // 2)
+
+
+def test_a_dpfit_save_is_detected_as_a_trained_start(tmp_path):
+    """Detection reads the checkpoint (its head and classes), not the data: the same data
+    gives the trained rule from a dpfit save with its classes, the fresh one otherwise."""
+    model = str(save_tiny_random_model(tmp_path / "m"))
+    data = _csv(tmp_path / "d.csv", _rows())
+    first = train(TrainConfig(model=model, data=data, max_steps=1, output=str(tmp_path / "a")))
+    assert first.metrics["recipe"]["start"] == "pretrained"
+    assert first.metrics["head_first_steps"] > 0
+    again = train(TrainConfig(model=str(tmp_path / "a" / "model"), data=data, max_steps=1))
+    m = again.metrics
+    assert m["recipe"]["start"] == "trained" and "start_accuracy" in m
+    assert m["head_first_steps"] == 0 and m["recipe"]["head_epochs"] == 0
+    assert m["lr"] == m["recipe"]["lr"] < R.PRIVATE_LR["bias"]
+    assert any("from a checkpoint trained for the task" in n for n in again.notes)
+    # other classes: a new head, so a fresh start
+    other = _csv(tmp_path / "o.csv", [(t, {"x": "p", "y": "q"}[y]) for t, y in _rows()])
+    new = train(TrainConfig(model=str(tmp_path / "a" / "model"), data=other, max_steps=1))
+    assert new.metrics["recipe"]["start"] == "pretrained"
+
+
+def test_two_phase_runs_each_phase_at_its_own_rate(tmp_path, monkeypatch):
+    """X+BiTFiT: the full epochs step at full_lr (every weight), the bias epochs at lr."""
+    import torch
+
+    seen: list[tuple[int, float]] = []
+    step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        seen.append((sum(len(g["params"]) for g in self.param_groups), self.param_groups[0]["lr"]))
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    model = str(save_tiny_random_model(tmp_path / "m"))
+    res = train(
+        TrainConfig(model=model, data=_csv(tmp_path / "d.csv", _rows()), epochs=2, full_epochs=1)
+    )
+    m = res.metrics
+    assert m["full_lr"] == R.PRIVATE_LR["full"] and m["lr"] == R.PRIVATE_LR["bias"]
+    most = max(k for k, _ in seen)  # the full phase steps every tensor, the bias phase fewer
+    full = [lr for k, lr in seen if k == most]
+    bias = [lr for k, lr in seen if k < most]
+    assert full and bias and set(full) == {m["full_lr"]} and set(bias) == {m["lr"]}
+    assert seen[: len(full)] == [(most, m["full_lr"])] * len(full)  # full first, then bias
+    with pytest.raises(Exception, match="--full-lr is the rate of the --full-epochs phase"):
+        train(TrainConfig(model=model, data=_csv(tmp_path / "e.csv", _rows()), full_lr=1e-4))

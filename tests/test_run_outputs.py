@@ -434,7 +434,8 @@ def test_image_runs_mention_no_max_length():
     text = dataclasses.replace(image, task="classification")
     assert "max length 128" in str(_oom_error(text, RuntimeError("out of memory")))
     recipe = resolve_recipe(1000, 10, 8.0, default_delta(1000), 10**6, "bias")
-    assert "max length" not in recipe.describe(tokens=False) and "max length" in recipe.describe()
+    images = resolve_recipe(1000, 10, 8.0, default_delta(1000), 10**6, "bias", tokens=False)
+    assert "max length" not in images.describe() and "max length" in recipe.describe()
 
 
 def test_a_rare_label_error_stays_short_with_many_names():

@@ -207,6 +207,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--full-epochs", type=int, default=0, help="two-phase: full fine-tuning epochs first"
     )
+    g.add_argument(
+        "--full-lr", type=_positive_float, help="learning rate of the --full-epochs phase (recipe)"
+    )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     g.add_argument(
         "--activation-checkpointing",
@@ -307,6 +310,7 @@ def train_config_from_args(args: argparse.Namespace):
         lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
         add_biases=args.add_biases,
         full_epochs=args.full_epochs,
+        full_lr=args.full_lr,
         task=args.task,
         task_options=_task_options(args),
         output=_output_folder(args),

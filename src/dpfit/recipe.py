@@ -53,6 +53,22 @@ zero head at lr 5e-5, non-private full ended at 74.2 on text-source, below the f
 about a point either way, 84.0 -> 82.9 and 65.4 -> 65.7). Where the shift is strong
 (convention-party, new speakers) the private bias phase can still end below the probe it
 starts from; the suite's table shows it.
+
+**From a checkpoint already trained for the task** (``start="trained"``: a dpfit save whose
+head has the data's classes, such as a ``dpfit pretrain`` checkpoint; known from the
+checkpoint's own record, never from the private data) the rule above would undo what the
+model already fits. Under DP noise Adam's second moment is the noise's, so every coordinate
+steps by about lr per step whatever its signal, and over T steps the noise alone walks it
+by about lr sqrt(T); the signal of a model that already fits its task is small, so that walk
+is what the run risks. So from a trained start:
+
+* no head-first phase (the head is trained; a probe at lr 0.1 would walk it away);
+* each phase's rate is the one whose noise walk over that phase's T steps is a fixed small
+  distance: lr = TRAINED_WALK[group] / sqrt(T), with a smaller distance for phases that
+  train every weight (the full phase of X+BiTFiT, --mode full) than for biases + head.
+
+In every start, a phase that trains every weight gets the full-mode rate and never the
+biases' (X+BiTFiT's full epochs run at ``full_lr``, its bias epochs at ``lr``).
 """
 
 from __future__ import annotations
@@ -98,6 +114,17 @@ NON_PRIVATE_LR = {"bias": 1e-3, "full": 5e-5}
 NON_PRIVATE_LR.update({"bias+lora": NON_PRIVATE_LR["bias"], "lora": NON_PRIVATE_LR["bias"]})
 NON_PRIVATE_HEAD_EPOCHS = 3  # LP-FT: the head alone first (classification, any mode)
 NON_PRIVATE_HEAD_LR = 1e-2  # AdamW on frozen features, batch 32
+# -- from a checkpoint trained for the task (start="trained"; see the module docstring) --------
+# the noise walk lr sqrt(T) allowed per coordinate over a phase: well under a percent of the
+# scale of a trained conv or linear weight (0.02-0.1) for phases that train every weight, ten
+# times that for biases + head. Checked on validation splits (never test) of two image tasks
+# from public checkpoints (benchmarks/results/checkpoint_recipe.md): walks of 1e-3 / 1e-2 lost
+# 1-2 points of the start on FashionMNIST; a third of them (this rule) kept within about a
+# point there at 500 private images and gained on digits; a tenth left the model where it
+# was. Not enough at 5,000 FashionMNIST images (1-2 points below the start on test).
+TRAINED_WALK = {"full": 3e-4, "bias": 3e-3}
+TRAINED_WALK.update({"bias+lora": TRAINED_WALK["bias"], "lora": TRAINED_WALK["bias"]})
+STARTS = ("pretrained", "trained")  # a backbone not yet trained for the task / one that is
 # -- compute only (no effect on the result or the guarantee) -----------------------------------
 MAX_LENGTH = 128
 PHYSICAL_TOKENS = 8192  # tokens per physical batch at max length for a ~20M-parameter model
@@ -109,32 +136,56 @@ class Recipe:
 
     batch_size: int  # logical; the expected batch under Poisson sampling when private
     epochs: int
-    lr: float
+    lr: float  # the main phase's rate (bias mode: biases + head; full mode: every weight)
     max_grad_norm: float | None  # None: non-private (no clipping)
     clipping: str | None
-    max_length: int
+    max_length: int | None  # None: inputs without a token length (images)
     physical_batch_size: int
     optimizer: str = "adamw"
     head_epochs: int = 0  # head-first phase (private linear probe), 0 = off
     head_lr: float = HEAD_FIRST_LR  # its learning rate
     rule: str = ""
+    full_epochs: int = 0  # X+BiTFiT: epochs that train every weight, before the bias phase
+    full_lr: float | None = None  # their rate (never the biases'); None without that phase
+    mode: str = "bias"
+    start: str = "pretrained"  # "trained": a checkpoint already trained for the task
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def describe(self, tokens: bool = True) -> str:
-        """One line for the run's notes; `tokens=False` for inputs without a length (images)."""
-        parts = [
-            f"logical batch {self.batch_size}",
-            f"{self.epochs} epochs",
-            f"lr {self.lr:g} ({self.optimizer})",
-            *([f"max length {self.max_length}"] if tokens else []),
-        ]
+    def describe(self) -> str:
+        """One line for the run's notes: only what applies to this run (its phases in order,
+        no max length for inputs without one)."""
+        parts = [f"logical batch {self.batch_size}", f"{self.epochs} epochs"]
         if self.clipping is not None:
-            parts.insert(2, f"{self.clipping} clipping, R={self.max_grad_norm:g}")
+            parts.append(f"{self.clipping} clipping, R={self.max_grad_norm:g}")
+        if self.max_length is not None:
+            parts.append(f"max length {self.max_length}")
+        if self.start == "trained" and self.clipping is not None:
+            parts.append(
+                "from a checkpoint trained for the task: lr = noise walk / sqrt(phase steps)"
+                + ("" if self.head_epochs else ", no head-first (the head is trained)")
+            )
+        elif self.start == "trained":
+            parts.append("from a checkpoint trained for the task: no head-first")
+        phases = []
         if self.head_epochs:
-            parts.append(f"head-first {self.head_epochs} epochs at lr {self.head_lr:g}")
+            phases.append(f"head-first {self.head_epochs} epochs at lr {self.head_lr:.3g}")
+        main = self.epochs
+        if self.full_epochs and self.full_lr is not None:
+            plural = "s" if self.full_epochs > 1 else ""
+            phases.append(f"{self.full_epochs} full epoch{plural} at lr {self.full_lr:.3g}")
+            main -= self.full_epochs
+        what = "every weight" if self.mode == "full" else _TRAINS.get(self.mode, self.mode)
+        if phases:
+            phases.append(f"{main} epochs of {what} at lr {self.lr:.3g}")
+        else:
+            phases.append(f"{what} at lr {self.lr:.3g}")
+        parts.append(f"{' then '.join(phases)} ({self.optimizer})")
         return ", ".join(parts)
+
+
+_TRAINS = {"bias": "biases + head", "bias+lora": "biases + LoRA + head", "lora": "LoRA + head"}
 
 
 def default_delta(n: int) -> float:
@@ -151,6 +202,12 @@ def physical_batch_for(model_params: int, max_length: int) -> int:
     return max(1, min(256, int(PHYSICAL_TOKENS / (max_length * scale))))
 
 
+def trained_lr(mode: str, steps: int) -> float:
+    """The rate from a trained checkpoint: the noise walk lr sqrt(T) over the phase's T steps
+    held at TRAINED_WALK[mode] (module docstring)."""
+    return TRAINED_WALK[mode] / math.sqrt(max(1, steps))
+
+
 def resolve_recipe(
     n: int,
     num_classes: int,
@@ -161,6 +218,9 @@ def resolve_recipe(
     *,
     private: bool = True,
     head_first: bool | None = None,
+    start: str = "pretrained",
+    full_epochs: int = 0,
+    tokens: bool = True,
 ) -> Recipe:
     """Every default of a run from public quantities; pure (same inputs, same recipe).
 
@@ -170,20 +230,29 @@ def resolve_recipe(
             the current rule but are part of its signature so that a rule that uses them
             stays a function of public inputs.
         model_params: total parameters of the model (compute sizing only).
-        mode: "bias" (biases + head) or "full".
+        mode: "bias" (biases + head), "full", "bias+lora" or "lora".
         private: False for the non-private reference.
         head_first: add a linear-probe phase before the main phase; None: the default (on
-            for classification in every mode, private or not; see HEAD_FIRST_BY_DEFAULT).
+            for classification in every mode from a pretrained backbone, off from a trained
+            checkpoint; see HEAD_FIRST_BY_DEFAULT).
+        start: "pretrained" (a backbone not trained for the task, or a new head) or
+            "trained" (a checkpoint whose head already has the task's classes: smaller
+            steps, no head-first; module docstring). Public: read from the checkpoint.
+        full_epochs: X of X+BiTFiT (epochs that train every weight first; 0: none).
+        tokens: False for inputs without a token length (images): no max length.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if mode not in PRIVATE_LR:
         raise ValueError(f"mode must be one of {sorted(PRIVATE_LR)}, got {mode!r}")
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {STARTS}, got {start!r}")
+    trained = start == "trained"
     if head_first is None:  # every mode: a zero head does not move at the backbone's lr
-        head_first = HEAD_FIRST_BY_DEFAULT and num_classes >= 2
+        head_first = HEAD_FIRST_BY_DEFAULT and num_classes >= 2 and not trained
     del epsilon, delta  # public, and (for now) not needed by the rule
-    max_length = MAX_LENGTH
-    physical = physical_batch_for(model_params, max_length)
+    physical = physical_batch_for(model_params, MAX_LENGTH)
+    max_length = MAX_LENGTH if tokens else None
     if not private:
         batch = min(NON_PRIVATE_BATCH, n)
         per_epoch = math.ceil(n / batch)
@@ -200,6 +269,8 @@ def resolve_recipe(
             physical_batch_size=min(physical, batch),
             head_epochs=NON_PRIVATE_HEAD_EPOCHS if head_first else 0,
             head_lr=NON_PRIVATE_HEAD_LR,
+            mode=mode,
+            start=start,
             rule=(
                 f"non-private reference: batch {NON_PRIVATE_BATCH}, epochs for >= "
                 f"{NON_PRIVATE_MIN_STEPS} steps in [{NON_PRIVATE_MIN_EPOCHS}, {MAX_EPOCHS}], "
@@ -212,18 +283,36 @@ def resolve_recipe(
     steps_per_epoch = max(1, round(n / batch))
     epochs = min(MAX_EPOCHS, max(MIN_EPOCHS, math.ceil(MIN_STEPS / steps_per_epoch)))
     head_epochs = max(1, round(HEAD_FIRST_EPOCH_FRACTION * epochs)) if head_first else 0
+    full_epochs = max(0, full_epochs)
+    main_steps = max(1, epochs - full_epochs) * steps_per_epoch
+    full_steps = full_epochs * steps_per_epoch
+    if trained:
+        lr = trained_lr(mode, main_steps)
+        full_lr = trained_lr("full", full_steps) if full_epochs else None
+        how = (
+            f"from a trained checkpoint lr = walk / sqrt(phase steps), walk "
+            f"{TRAINED_WALK['full']:g} for every weight, {TRAINED_WALK[mode]:g} otherwise"
+        )
+    else:
+        lr = PRIVATE_LR[mode]
+        full_lr = PRIVATE_LR["full"] if full_epochs else None
+        how = "lr by mode"
     return Recipe(
         batch_size=batch,
         epochs=epochs,
-        lr=PRIVATE_LR[mode],
+        lr=lr,
         max_grad_norm=PRIVATE_MAX_GRAD_NORM,
         clipping=PRIVATE_CLIPPING,
         max_length=max_length,
         physical_batch_size=min(physical, batch),
         head_epochs=head_epochs,
+        full_epochs=full_epochs,
+        full_lr=full_lr,
+        mode=mode,
+        start=start,
         rule=(
             f"private: B = {BATCH_PER_SQRT_N:g} sqrt(n) (<= n/{MIN_STEPS_PER_EPOCH}), "
             f"epochs for >= {MIN_STEPS} steps in [{MIN_EPOCHS}, {MAX_EPOCHS}], "
-            f"{PRIVATE_CLIPPING} clipping R={PRIVATE_MAX_GRAD_NORM:g}, lr by mode"
+            f"{PRIVATE_CLIPPING} clipping R={PRIVATE_MAX_GRAD_NORM:g}, {how}"
         ),
     )

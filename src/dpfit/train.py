@@ -117,6 +117,7 @@ class TrainConfig:
     mode: str = "bias"
     add_biases: bool = False  # BiTFiT-Add: zero biases where the model has none
     full_epochs: int = 0  # two-phase X+BiTFiT: X epochs of full fine-tuning first
+    full_lr: float | None = None  # their rate (None: the recipe's); lr is the bias phase's
     # --mode bias+lora / lora (dpfit.params.add_lora): rank, scale alpha/r, targets (None:
     # peft's attention query/value projections for the model type)
     lora_r: int = 8
@@ -177,6 +178,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.head_lr is not None and not self.head_lr > 0:
             raise ValueError(f"head_lr must be > 0, got {self.head_lr}")
+        if self.full_lr is not None and not self.full_lr > 0:
+            raise ValueError(f"full_lr must be > 0, got {self.full_lr}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1")
         if not self.non_private and self.noise_multiplier is None and self.epsilon is None:
@@ -216,6 +219,7 @@ class TrainConfig:
         "physical_batch_size",
         "head_epochs",
         "head_lr",
+        "full_lr",
     )
 
     def overrides(self) -> tuple[str, ...]:
@@ -397,6 +401,8 @@ def _check_options(config: TrainConfig) -> None:
             raise DPFitError("--head-first and --full-epochs are separate schedules; pick one")
     if config.head_epochs and config.full_epochs:
         raise DPFitError("--head-epochs and --full-epochs are separate schedules; pick one")
+    if config.full_lr is not None and not config.full_epochs:
+        raise DPFitError("--full-lr is the rate of the --full-epochs phase; add --full-epochs X")
     if config.task == "causal-lm" and config.non_private:
         raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
     if config.task != "causal-lm" and (config.privacy_unit != "window" or config.stride):
@@ -556,11 +562,13 @@ def _merge_lora(model, config: TrainConfig) -> None:
         merge_lora(getattr(model, "backbone", model))
 
 
-def _enter_bias_phase(engine, optimizer, note: Callable[[str], None]):
-    """Second phase of X+BiTFiT: bias-only from here on, same ledger, rebuilt optimizer."""
+def _enter_bias_phase(engine, optimizer, lr: float, note: Callable[[str], None]):
+    """Second phase of X+BiTFiT: bias-only from here on, same ledger, rebuilt optimizer at
+    the bias phase's rate (the full phase ran at full_lr)."""
     if engine.mode == "bias":
         return optimizer
     optimizer = engine.switch_phase("bias", optimizer)
+    set_lr(optimizer, lr)
     note(
         f"phase switch: full -> bias after {engine.steps_taken} steps (eps {engine.epsilon():.3f})"
     )
@@ -778,14 +786,16 @@ def train(
     head_first = config.head_first
     if head_first is None and (config.full_epochs or not hasattr(model, "features")):
         head_first = False  # a schedule of its own, or a model without a pooled head
+    images = config.task == "image-classification"  # no token length
     recipe = resolve_recipe(
         n, prep.num_classes, config.epsilon, delta, summary.total, config.mode,
-        private=not config.non_private, head_first=head_first,
+        private=not config.non_private, head_first=head_first, full_epochs=config.full_epochs,
+        start="trained" if prep.starts_trained else "pretrained", tokens=not images,
     )  # fmt: skip
     overrides = config.overrides()
     config = config.with_recipe(recipe)
     _check_phases(config)
-    if config.task != "image-classification":  # image models have no token positions
+    if not images:  # image models have no token positions
         config = _fit_max_length(model, config, "max_length" in overrides, note)
         config = _fit_physical_batch(
             config, recipe, summary.total, "physical_batch_size" in overrides, note
@@ -795,7 +805,7 @@ def train(
 
         enable_activation_checkpointing(model, config.mode)
         note("activation checkpointing: layer activations recomputed in the backward pass")
-    described = recipe.describe(tokens=config.task != "image-classification")
+    described = recipe.describe()
     note(
         f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
         f"{delta:.3g}, {summary.total:,} parameters): {described}"
@@ -871,7 +881,8 @@ def train(
             engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
             head_epsilon = engine.epsilon()
         params = list(engine.parameters())
-    optimizer = OPTIMIZERS[config.optimizer](params, config.lr, config.weight_decay)
+    first_lr = config.full_lr if config.full_epochs and config.full_lr else config.lr
+    optimizer = OPTIMIZERS[config.optimizer](params, first_lr, config.weight_decay)
     if engine is not None:  # the optimizer first: an empty first batch steps at once
         loader = engine.data_loader(
             items,
@@ -891,7 +902,7 @@ def train(
         ckpt.check_compatible(state["config"], config.fingerprint(), tuple(config.fingerprint()))
         ckpt.load_trainable_state(model, state["trainable"])
         if engine is not None and config.full_epochs and int(state["epoch"]) >= config.full_epochs:
-            optimizer = _enter_bias_phase(engine, optimizer, note)
+            optimizer = _enter_bias_phase(engine, optimizer, config.lr, note)
         optimizer.load_state_dict(state["optimizer"])
         stepper.load_state_dict(state["stepper"])
         loader.load_state_dict(state["loader"])
@@ -972,7 +983,7 @@ def train(
     try:
         while epoch < config.epochs and not stopped:
             if engine is not None and config.full_epochs and epoch >= config.full_epochs:
-                optimizer = _enter_bias_phase(engine, optimizer, note)
+                optimizer = _enter_bias_phase(engine, optimizer, config.lr, note)
             for batch in loader:
                 weight = batch.pop("_weight", 1.0)
                 batch = {k: v.to(device) for k, v in batch.items()}
@@ -985,9 +996,8 @@ def train(
                     acc_loss += float(loss.detach()) * bsz
                     acc_n += bsz
                 if config.lr_schedule != "constant":  # this logical step's rate
-                    set_lr(
-                        optimizer, config.lr * lr_factor(config.lr_schedule, len(rows), total_steps)
-                    )
+                    base = first_lr if engine is not None and engine.mode == "full" else config.lr
+                    set_lr(optimizer, base * lr_factor(config.lr_schedule, len(rows), total_steps))
                 if stepper.step(optimizer):
                     # empty Poisson batches are noise-only steps the engine takes on its own
                     record(epoch)
@@ -1138,6 +1148,7 @@ def _metrics(
         "epochs": config.epochs,
         "batch_size": config.batch_size,
         "lr": config.lr,
+        "full_lr": config.full_lr if config.full_epochs else None,
         "lr_schedule": config.lr_schedule,
         # images have no token length: the recipe's value is not what ran
         "max_length": None if config.task == "image-classification" else config.max_length,

@@ -82,6 +82,10 @@ def test_pretrain_public_then_private_bitfit_then_evaluate(tiny_npz, tmp_path, c
     # final score (the same model, the same split seed)
     assert m["start_accuracy"] == m_pre["accuracy"]
     assert "accuracy of the starting model, before training" in captured.err
+    # the recipe knows the checkpoint is trained for the task, and prints nothing about tokens
+    recipe = next(line for line in captured.err.splitlines() if "note: recipe" in line)
+    assert "from a checkpoint trained for the task" in recipe and "max length" not in recipe
+    assert m["recipe"]["start"] == "trained" and m["recipe"]["max_length"] is None
     # private step rows carry no per-step loss or batch size (un-noised private statistics)
     header = (fine / "steps.csv").read_text().splitlines()[0].split(",")
     assert tuple(header) == PRIVATE_STEP_FIELDS

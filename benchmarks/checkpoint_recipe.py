@@ -1,0 +1,335 @@
+"""Does a private run with the defaults end at or above the trained checkpoint it starts from?
+
+One question: from a model already trained (non-privately, on public images) for the task,
+``dpfit train``'s defaults at eps 8 (the recipe detects the trained start: no head-first,
+rates lr = walk / sqrt(phase steps), dpfit.recipe) end at or above the checkpoint's own
+accuracy on the same evaluation images, within the seed spread.
+
+Tasks (npz files built here from data on this machine; nothing is downloaded):
+
+    fmnist-5k    FashionMNIST: a seeded 6,000 training images are public (the checkpoint,
+                 `dpfit pretrain` with --epochs 10), 5,000 others private; validation: 2,000
+                 more training images; test: a seeded 2,000 of the official test split
+    fmnist-500   the same checkpoint, 500 private images
+    digits-500   scikit-learn's 8x8 digits (1,797 images, upsampled to 16x16): 200 public
+                 (checkpoint with `dpfit pretrain`'s defaults), 500 private, 300 validation,
+                 the other 797 test
+
+Rows: ``dp-full`` (--mode full) and ``1+bitfit`` (--full-epochs 1: one epoch of every
+weight, then biases + head), eps 8. Variants: ``default`` (no recipe field set: the rule
+for a trained start) and ``before`` (the fresh-start rates the recipe gave before it knew
+the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases, every weight included) and
+``walk/3``, ``walk/10`` (the rule's rates divided by 3 or 10: a smaller noise walk). The
+rule is checked on the validation split (``--split val``); the test split is scored once
+with the defaults (``--split test``). Each run is one fresh worker process (one torch
+thread), appended to ``results/checkpoint_recipe.jsonl``; runs already there are skipped.
+
+    nice -n 10 python benchmarks/checkpoint_recipe.py run --split val --variants default before
+    nice -n 10 python benchmarks/checkpoint_recipe.py run --split test --seeds 0 1 2
+    python benchmarks/checkpoint_recipe.py report   # writes results/checkpoint_recipe.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit, as in the workers
+RESULTS = HERE / "results"
+RUNS = RESULTS / "checkpoint_recipe.jsonl"
+TASKS = ("fmnist-5k", "fmnist-500", "digits-500")
+ROWS = ("dp-full", "1+bitfit")
+VARIANTS = ("default", "before", "walk/3", "walk/10")
+WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10}  # the rule's walks divided
+EPS = 8.0
+FMNIST_PRETRAIN_EPOCHS = 10  # CPU budget: dpfit pretrain's own rule would take 40 here
+# the fresh-start rates (dpfit.recipe.PRIVATE_LR): what a trained start got before
+BEFORE = {"dp-full": {"lr": 5e-4}, "1+bitfit": {"lr": 5e-3, "full_lr": 5e-3}}
+
+
+def _source(task: str) -> str:
+    return "digits" if task.startswith("digits") else "fmnist"
+
+
+def _private_n(task: str) -> int:
+    return {"fmnist-5k": 5000, "fmnist-500": 500, "digits-500": 500}[task]
+
+
+def build_data(work: Path) -> None:
+    """Seeded disjoint splits as .npz files (idempotent)."""
+    import numpy as np
+
+    work.mkdir(parents=True, exist_ok=True)
+    if (work / "digits_test.npz").is_file():
+        return
+    from dpfit.vision.data import load_fashion_mnist
+
+    rng = np.random.default_rng(0)
+    train, test = load_fashion_mnist("train"), load_fashion_mnist("test")
+    names = np.array(train.label_names)
+    order = rng.permutation(len(train.labels))
+    parts = {"public": order[:6000], "val": order[6000:8000], "private": order[8000:13000]}
+    for name, idx in parts.items():
+        np.savez(work / f"fmnist_{name}.npz", images=train.images[idx],
+                 labels=train.labels[idx], label_names=names)  # fmt: skip
+    t = rng.permutation(len(test.labels))[:2000]
+    np.savez(work / "fmnist_test.npz", images=test.images[t], labels=test.labels[t],
+             label_names=names)  # fmt: skip
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = np.round(d.images * (255 / 16)).astype(np.uint8)
+    order = rng.permutation(len(d.target))
+    digits = {"public": order[:200], "private": order[200:700], "val": order[700:1000],
+              "test": order[1000:]}  # fmt: skip
+    for name, idx in digits.items():
+        np.savez(work / f"digits_{name}.npz", images=images[idx], labels=d.target[idx],
+                 label_names=np.array([str(i) for i in range(10)]))  # fmt: skip
+
+
+def _checkpoint(source: str, work: Path) -> Path:
+    """The public checkpoint of a source, pretrained once (cached in the work folder)."""
+    out = work / f"pretrained-{source}"
+    if (out / "model" / "dpfit-vision.json").is_file():
+        return out / "model"
+    spec = {
+        "kind": "pretrain",
+        "train": dict(task="image-classification", model="resnet-gn", non_private=True,
+                      epsilon=None, mode="full", data=str(work / f"{source}_public.npz"),
+                      eval_data=str(work / f"{source}_val.npz"), public_labels=True,
+                      output=str(out),
+                      epochs=FMNIST_PRETRAIN_EPOCHS if source == "fmnist" else None),
+        "image": dict(split="public", image_size=16 if source == "digits" else 28),
+    }  # fmt: skip
+    res = _spawn(spec)
+    _append({"kind": "pretrain", "source": source, **res})
+    return out / "model"
+
+
+def run_spec(task: str, row: str, variant: str, seed: int, split: str, work: Path) -> dict:
+    source = _source(task)
+    model = _checkpoint(source, work)
+    train = dict(
+        task="image-classification", model=str(model), epsilon=EPS, seed=seed,
+        data=str(work / f"{source}_private.npz"), eval_data=str(work / f"{source}_{split}.npz"),
+        max_train_examples=_private_n(task), public_labels=True,
+    )  # fmt: skip
+    if row == "dp-full":
+        train["mode"] = "full"
+    else:
+        train["full_epochs"] = 1
+    if variant == "before":
+        train.update(BEFORE[row])
+    if variant in WALK_SCALE:  # the rule's own rates, scaled
+        from dpfit.recipe import default_delta, resolve_recipe
+
+        n = _private_n(task)
+        r = resolve_recipe(n, 10, EPS, default_delta(n), 0, train.get("mode", "bias"),
+                           start="trained", full_epochs=train.get("full_epochs", 0),
+                           tokens=False)  # fmt: skip
+        train["lr"] = r.lr * WALK_SCALE[variant]
+        if r.full_lr is not None:
+            train["full_lr"] = r.full_lr * WALK_SCALE[variant]
+    return {"kind": "train", "train": train, "image": {}}
+
+
+def _spawn(spec: dict) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent / "src")}
+    cmd = [sys.executable, __file__, "_worker", json.dumps(spec)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _worker(spec: dict) -> None:
+    import torch
+
+    from dpfit.tasks.image_classification import ImageOptions
+    from dpfit.train import TrainConfig, train
+    from dpfit.vision.pretrain import PRETRAIN_DEFAULTS, pretrain
+
+    torch.set_num_threads(1)
+    notes: list[str] = []
+    cpu: dict = {}
+
+    def on_note(msg: str) -> None:
+        notes.append(msg)
+        if msg.startswith("recipe") or msg.startswith("accuracy of the starting model"):
+            cpu["start"] = time.process_time()  # training starts after these
+
+    def on_step(row, total: int) -> None:
+        cpu["end"] = time.process_time()
+
+    if spec["kind"] == "pretrain":
+        recipe = dict(PRETRAIN_DEFAULTS)
+        spec["image"]["augment"] = recipe.pop("augment")
+        recipe.pop("epochs")
+        spec["train"] = {**recipe, **spec["train"]}
+    config = TrainConfig(**spec["train"], task_options=ImageOptions(**spec["image"]))
+    run = pretrain if spec["kind"] == "pretrain" else train
+    m = run(config, on_step=on_step, on_note=on_note).metrics
+    keep = ("accuracy", "eval_n", "start_accuracy", "epsilon", "noise_multiplier", "sample_rate",
+            "steps", "train_examples", "batch_size", "epochs", "lr", "full_lr", "mode")  # fmt: skip
+    res = {k: m.get(k) for k in keep}
+    res["recipe_note"] = next((n for n in notes if n.startswith("recipe")), "")
+    res["train_cpu_s"] = cpu.get("end", 0.0) - cpu.get("start", 0.0)
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    res["load_avg"] = os.getloadavg()[0]
+    res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(json.dumps(res))
+
+
+def _read() -> list[dict]:
+    if not RUNS.is_file():
+        return []
+    return [json.loads(line) for line in RUNS.read_text().splitlines() if line.strip()]
+
+
+def _append(row: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    with RUNS.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _key(r: dict) -> tuple:
+    return (r.get("task"), r.get("row"), r.get("variant"), r.get("seed"), r.get("split"))
+
+
+def cmd_run(args) -> None:
+    work = Path(args.work)
+    build_data(work)
+    done = {_key(r) for r in _read() if r.get("kind") == "train"}
+    for split in args.split:
+        for seed in args.seeds:
+            for task in args.tasks:
+                for row in args.rows:
+                    for variant in args.variants:
+                        key = dict(task=task, row=row, variant=variant, seed=seed, split=split)
+                        if _key(key) in done:
+                            continue
+                        print(f"run {key}", flush=True)
+                        res = _spawn(run_spec(task, row, variant, seed, split, work))
+                        _append({"kind": "train", **key, "command": args.command_line, **res})
+                        print(f"  start {res['start_accuracy']:.4f} -> {res['accuracy']:.4f}, "
+                              f"{res['train_cpu_s']:.0f} CPU s", flush=True)  # fmt: skip
+
+
+def _walks(r: dict) -> str:
+    """The noise walks lr sqrt(T) a run's rates give (every weight, biases + head), from what
+    it recorded: rows from before the rule's constants were fixed read the same way."""
+    import math
+
+    if r["row"] == "dp-full":
+        return f"{r['lr'] * math.sqrt(r['steps']):.2g}, -"
+    per_epoch = max(1, round(r["train_examples"] / r["batch_size"]))
+    full = r["full_lr"] * math.sqrt(per_epoch)
+    return f"{full:.2g}, {r['lr'] * math.sqrt(r['steps'] - per_epoch):.2g}"
+
+
+def _ms(xs: list[float]) -> str:
+    if len(xs) == 1:
+        return f"{xs[0]:.3f}"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
+
+
+def cmd_report(args) -> None:
+    runs = _read()
+    pre = [r for r in runs if r.get("kind") == "pretrain"]
+    train = [r for r in runs if r.get("kind") == "train"]
+    lines = [
+        "# From a trained checkpoint: private runs with the defaults against their start",
+        "",
+        "Produced by `benchmarks/checkpoint_recipe.py` (raw rows, each with its command: "
+        "`checkpoint_recipe.jsonl`). resnet-gn, eps 8, one torch thread per run, under "
+        "`nice -n 10` on a 2-core machine shared with other jobs. *start*: the checkpoint's "
+        "accuracy on the same evaluation images, scored by `dpfit train` before training. "
+        "Target: end >= start within the seed spread. *walk*: lr sqrt(phase steps), the "
+        "distance the noise alone moves a coordinate under DP-Adam (dpfit.recipe); validation "
+        "rows labelled `default` that ran before the rule's constants were fixed show their "
+        "own walks (1e-3, 1e-2), and their `walk/3`, `walk/10` rows a third and a tenth of those.",
+        "",
+        "## Public checkpoints",
+        "",
+        "| source | public images | epochs | validation accuracy | train CPU (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in pre:
+        lines.append(f"| {r['source']} | {r['train_examples']} | {r['epochs']} | "
+                     f"{r['accuracy']:.3f} | {r['train_cpu_s']:.0f} |")  # fmt: skip
+    verdicts = []
+    for split in ("val", "test"):
+        rows = [r for r in train if r["split"] == split]
+        if not rows:
+            continue
+        title = "validation split (rule check)" if split == "val" else "test split (defaults)"
+        lines += ["", f"## {title}", "",
+                  "| task | private n | row | variant | walk (weights, biases) | seeds | "
+                  "lr (full phase) | start | end | end - start (per seed) | train CPU s (mean) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        groups: dict = {}
+        for r in rows:  # a variant's rates changed with the rule: group by what ran
+            groups.setdefault((r["task"], r["row"], r["variant"], _walks(r)), []).append(r)
+        for (task, row, variant, walks), rs in sorted(groups.items()):
+            rs.sort(key=lambda r: r["seed"])
+            start = [r["start_accuracy"] for r in rs]
+            end = [r["accuracy"] for r in rs]
+            diff = [e - s for s, e in zip(start, end, strict=True)]
+            lr = f"{rs[0]['lr']:.3g}" + (f" ({rs[0]['full_lr']:.3g})" if rs[0]["full_lr"] else "")
+            cpu = statistics.mean(r["train_cpu_s"] for r in rs)
+            lines.append(
+                f"| {task} | {rs[0]['train_examples']} | {row} | {variant} | {walks} | {len(rs)} | "
+                f"{lr} | "
+                f"{_ms(start)} | {_ms(end)} | {', '.join(f'{d:+.3f}' for d in diff)} | {cpu:.0f} |"
+            )
+            if split == "test" and variant == "default":
+                spread = statistics.stdev(end) if len(end) > 1 else 0.0
+                gap = statistics.mean(diff)
+                ok = gap >= -spread
+                verdicts.append(
+                    f"- {task} {row}: end - start {gap:+.3f} (mean), seed sd of the end "
+                    f"{spread:.3f}: {'met' if ok else 'missed'}"
+                )
+    if verdicts:
+        lines += ["", "Target (test split, defaults):", "", *verdicts]
+    commands = sorted({r["command"] for r in train if r.get("command")})
+    lines += ["", "Commands (each under `nice -n 10`; a run already recorded is skipped, so a "
+              "command stopped part-way and rerun adds only the missing rows):", "",
+              *(f"    {c}" for c in commands)]  # fmt: skip
+    cpu_total = sum(r.get("train_cpu_s", 0) for r in runs)
+    lines += ["", f"Runs: {len(train)} private runs, {len(pre)} pretraining runs; training-loop "
+              f"CPU over all of them {cpu_total / 60:.1f} min (each worker's start-up, data loading "
+              "and the two evaluations come on top).", ""]  # fmt: skip
+    (RESULTS / "checkpoint_recipe.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "_worker":
+        _worker(json.loads(sys.argv[2]))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--split", nargs="+", default=["val"], choices=("val", "test"))
+    r.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    r.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    r.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS)
+    r.add_argument("--seeds", nargs="+", type=int, default=[0])
+    r.add_argument("--work", default=os.environ.get("DPFIT_BENCH_WORK", "/tmp/dpfit-ckpt-bench"))
+    sub.add_parser("report")
+    args = p.parse_args()
+    args.command_line = "python benchmarks/checkpoint_recipe.py " + " ".join(sys.argv[1:])
+    {"run": cmd_run, "report": cmd_report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
