@@ -456,8 +456,9 @@ def render(
     def cell(xs: list[float]) -> str:
         if not xs:
             return "-"
-        sd = statistics.stdev(xs) if len(xs) > 1 else math.nan
-        return f"{statistics.fmean(xs):.4f} ± {sd:.4f} (n={len(xs)})"
+        if len(xs) == 1:  # one seed: no spread to show
+            return f"{xs[0]:.4f} (n=1)"
+        return f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f} (n={len(xs)})"
 
     for m in methods:
         lines.append(f"| {m} | " + " | ".join(cell(accs(m, e)) for e in eps_list) + " |")
@@ -483,7 +484,10 @@ def render(
                 continue
             d = [by[("lac", e, s)]["test_accuracy"] - by[(m, e, s)]["test_accuracy"] for s in pairs]
             mean, lo, hi = paired_interval(d)
-            cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(d)})")
+            if len(d) < 2:  # one pair: no interval
+                cells.append(f"{mean:+.4f} (n=1)")
+            else:
+                cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(d)})")
             if len(d) < 2:
                 verdicts.append(f"without an interval against {m} at eps {e:g} (one seed)")
             elif lo > 0:
