@@ -668,35 +668,26 @@ def render(res: dict) -> str:
         *_target_lines(res),
     ]
     for batch in res["batches"]:
-        out += [
-            "",
-            f"## Physical batch {batch}",
-            "",
-            "Peak RSS of the arm's process, GiB (in brackets: its RSS with the model loaded)",
-            "",
-            "| T | steps (warm-up+timed) | " + " | ".join(ARMS[a] for a in arms) + " |",
-            "|---" * (len(arms) + 2) + "|",
-        ]
-        for length in res["lengths"]:
-            rows = [_find(res, a, length, batch) for a in arms]
-            ran = [r for r in rows if r is not None and r.get("ran")]
-            steps = f"{ran[0]['warmup']}+{ran[0]['timed']}" if ran else "-"
-            cells = [_cell_mem(r, cap) for r in rows]
-            out.append(f"| {length} | {steps} | " + " | ".join(cells) + " |")
-        out += [
-            "",
-            "Seconds per example (median wall time of the timed steps / batch; with 0 warm-up "
-            "steps the one step includes one-time work)",
-            "",
-            "| T | steps | " + " | ".join(ARMS[a] for a in arms) + " |",
-            "|---" * (len(arms) + 2) + "|",
-        ]
-        for length in res["lengths"]:
-            rows = [_find(res, a, length, batch) for a in arms]
-            ran = [r for r in rows if r is not None and r.get("ran")]
-            steps = f"{ran[0]['warmup']}+{ran[0]['timed']}" if ran else "-"
-            cells = [_cell_time(r) for r in rows]
-            out.append(f"| {length} | {steps} | " + " | ".join(cells) + " |")
+        out += ["", f"## Physical batch {batch}"]
+        tables = (
+            ("Peak RSS of the arm's process, GiB (in brackets: its RSS with the model loaded)",
+             "steps (warm-up+timed)", lambda r: _cell_mem(r, cap)),
+            ("Seconds per example (median wall time of the timed steps / batch; with 0 warm-up "
+             "steps the one step includes one-time work)", "steps", _cell_time),
+        )  # fmt: skip
+        for title, steps_header, cell in tables:
+            out += [
+                "",
+                title,
+                "",
+                f"| T | {steps_header} | " + " | ".join(ARMS[a] for a in arms) + " |",
+                "|---" * (len(arms) + 2) + "|",
+            ]
+            for length in res["lengths"]:
+                rows = [_find(res, a, length, batch) for a in arms]
+                ran = [r for r in rows if r is not None and r.get("ran")]
+                steps = f"{ran[0]['warmup']}+{ran[0]['timed']}" if ran else "-"
+                out.append(f"| {length} | {steps} | " + " | ".join(cell(r) for r in rows) + " |")
         full = [a for a in arms if a in DP_FULL_ARMS]
         out += [
             "",

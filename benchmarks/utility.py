@@ -338,11 +338,10 @@ AGAINST_DP_BOW = (
 )
 
 
-def variant_lines(summary: dict, pairs=VARIANTS) -> list[str]:
-    """Each first row of a pair minus the second (a variant minus the row it departs from, or
-    a fine-tune minus a baseline), paired by seed (the split, the head's initialisation and
-    the subsample are the seed's; the private noise is not)."""
-    lines = []
+def paired_rows(summary: dict, pairs) -> list[tuple[str, str, str, list[int], list[float]]]:
+    """(task, first row's name, second's, seeds both ran, first minus second on each) for each
+    pair of row keys and each task where both rows share a seed."""
+    out = []
     for vkey, bkey in pairs:
         vname, bname = ROW_BY_KEY[vkey].name, ROW_BY_KEY[bkey].name
         for task, rows in summary.items():
@@ -350,15 +349,25 @@ def variant_lines(summary: dict, pairs=VARIANTS) -> list[str]:
             if not v or not b:
                 continue
             seeds = sorted(set(v["by_seed"]) & set(b["by_seed"]))
-            if not seeds:
-                continue
-            diffs = [v["by_seed"][k] - b["by_seed"][k] for k in seeds]
-            each = ", ".join(f"{d:+.1f} (seed {k})" for k, d in zip(seeds, diffs, strict=True))
-            lines.append(
-                f"- {task}: {vname} minus {bname}: {statistics.fmean(diffs):+.1f} on average "
-                f"over {len(seeds)} seed(s): {each}"
-            )
-    return lines
+            if seeds:
+                diffs = [v["by_seed"][k] - b["by_seed"][k] for k in seeds]
+                out.append((task, vname, bname, seeds, diffs))
+    return out
+
+
+def _each(seeds: list[int], diffs: list[float]) -> str:
+    return ", ".join(f"{d:+.1f} (seed {k})" for k, d in zip(seeds, diffs, strict=True))
+
+
+def variant_lines(summary: dict, pairs=VARIANTS) -> list[str]:
+    """Each first row of a pair minus the second (a variant minus the row it departs from, or
+    a fine-tune minus a baseline), paired by seed (the split, the head's initialisation and
+    the subsample are the seed's; the private noise is not)."""
+    return [
+        f"- {task}: {vname} minus {bname}: {statistics.fmean(diffs):+.1f} on average "
+        f"over {len(seeds)} seed(s): {_each(seeds, diffs)}"
+        for task, vname, bname, seeds, diffs in paired_rows(summary, pairs)
+    ]
 
 
 # (mode row key, DP-BiTFiT at the same epsilon): the LoRA modes against bias-only, paired by
@@ -392,22 +401,13 @@ def t_interval(diffs: list[float], level: float = 0.95) -> tuple[float, float] |
 def interval_lines(summary: dict, pairs=AGAINST_BITFIT) -> list[str]:
     """Each first row minus the second, paired by seed: mean, 95% t interval, each seed."""
     lines = []
-    for vkey, bkey in pairs:
-        vname, bname = ROW_BY_KEY[vkey].name, ROW_BY_KEY[bkey].name
-        for task, rows in summary.items():
-            v, b = rows.get(vname), rows.get(bname)
-            if not v or not b:
-                continue
-            seeds, diffs = paired(v, b)
-            if not seeds:
-                continue
-            ci = t_interval(diffs)
-            ci_text = f", 95% t interval [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ", no interval"
-            each = ", ".join(f"{d:+.1f} (seed {k})" for k, d in zip(seeds, diffs, strict=True))
-            lines.append(
-                f"- {task}: {vname} minus {bname}: {statistics.fmean(diffs):+.1f} over "
-                f"{len(seeds)} pair(s){ci_text}: {each}"
-            )
+    for task, vname, bname, seeds, diffs in paired_rows(summary, pairs):
+        ci = t_interval(diffs)
+        ci_text = f", 95% t interval [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ", no interval"
+        lines.append(
+            f"- {task}: {vname} minus {bname}: {statistics.fmean(diffs):+.1f} over "
+            f"{len(seeds)} pair(s){ci_text}: {_each(seeds, diffs)}"
+        )
     return lines
 
 
