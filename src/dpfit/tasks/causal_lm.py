@@ -98,9 +98,10 @@ class CausalLMTask:
     # -- reading -------------------------------------------------------------------------
     def prepare(self, config) -> Prepared:
         model, tokenizer = self._load_model(config)
-        if _document_source(config.data) is not None:
+        source = _document_source(config.data)
+        if source is not None:
             texts, groups, what = read_documents(config)
-            prompts = DOCUMENT_PROMPTS.get(_document_source(config.data), self.sample_prompts)
+            prompts = DOCUMENT_PROMPTS.get(source, self.sample_prompts)
             return self.prepare_documents(model, tokenizer, texts, groups, config, what, prompts)
         if config.privacy_unit != "window" or config.stride is not None:
             raise DPFitError(
@@ -209,6 +210,10 @@ class CausalLMTask:
         add_biases(model)  # DP-BiTFiT-Add: zero biases, the same function at step 0
         before = perplexity(model, held, make_collate(pad), self._eval_batch(length))
         overlap = f", overlap {length - stride}" if stride < length else ", no overlap"
+        # the window count follows the private documents' lengths: published only where it is
+        # n (privacy unit "window", public by declaration); the held-out count never
+        counted = f"{n_windows} windows of " if unit == "window" else "windows of "
+        shape = f"{counted}<= {length} tokens every {stride}{overlap}"
         return Prepared(
             model=model,
             tokenizer=tokenizer,
@@ -216,9 +221,8 @@ class CausalLMTask:
             num_classes=0,
             head_names=(),
             notes=[
-                f"causal LM on {what}: {len(docs)} training documents ({n_windows} windows of "
-                f"<= {length} tokens every {stride}{overlap}), {len(held_docs)} held out by "
-                f"group ({len(held)} windows); privacy unit: {unit}; biases added "
+                f"causal LM on {what}: {len(docs)} training documents ({shape}), "
+                f"{len(held_docs)} held out by group; privacy unit: {unit}; biases added "
                 "(DP-BiTFiT-Add)"
             ],
             state={
