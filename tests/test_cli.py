@@ -336,3 +336,10 @@ def test_a_run_from_a_dpfit_save_prints_the_checkpoint_recipe(tiny, tmp_path, ca
     phase = re.compile(r"head-first \d+ epochs")
     assert phase.search(first) and not phase.search(recipe)
     assert "max length 128" in recipe and "biases + head at lr" in recipe
+
+
+def test_labels_with_spaces_after_commas_name_the_classes_without_them():
+    from dpfit.cli import build_parser, train_config_from_args
+
+    args = build_parser().parse_args(["train", "--labels", "neg, pos ,", "--no-output"])
+    assert train_config_from_args(args).labels == ("neg", "pos")

@@ -268,6 +268,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def train_config_from_args(args: argparse.Namespace):
+    from dpfit.tasks.labels import parse_labels
     from dpfit.train import TrainConfig
 
     max_train = args.max_train_examples
@@ -301,7 +302,7 @@ def train_config_from_args(args: argparse.Namespace):
         head_lr=args.head_lr,
         seed=args.seed,
         insecure_reproducible_noise=args.insecure_reproducible_noise,
-        labels=tuple(x for x in args.labels.split(",") if x.strip()) if args.labels else None,
+        labels=parse_labels(args.labels or ""),
         public_labels=args.public_labels,
         non_private=args.non_private,
         mode=args.mode,

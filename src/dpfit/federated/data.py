@@ -35,6 +35,7 @@ import numpy as np
 
 from dpfit.data.bundled import ROTTEN_TOMATOES_LABELS, TextExample
 from dpfit.data.text import DataError, LabeledTexts, load_grouped_texts, load_texts
+from dpfit.tasks.labels import parse_labels
 
 if TYPE_CHECKING:
     from dpfit.federated.client import TaskConfig
@@ -142,12 +143,6 @@ class Federation:
     clients: Clients
     validation: tuple[TextExample, ...]
     test: tuple[TextExample, ...]
-
-
-def parse_labels(labels: str) -> tuple[str, ...] | None:
-    """``--labels a,b,c`` as a tuple; None when not given."""
-    names = tuple(x.strip() for x in labels.split(",") if x.strip())
-    return names or None
 
 
 @functools.lru_cache(maxsize=4)

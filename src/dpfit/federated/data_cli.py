@@ -70,13 +70,14 @@ def data_options(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str
         }
     from dpfit.federated import data as fed_data
     from dpfit.federated.client import TaskConfig
+    from dpfit.tasks.labels import parse_labels
 
     common = {
         "data": str(Path(data).resolve()),  # every process (Ray actor, SuperNode) reads it
         "eval_data": str(Path(args.eval_data).resolve()) if args.eval_data else "",
         "text_column": args.text_column,
         "label_column": args.label_column,
-        "labels": ",".join(fed_data.parse_labels(args.labels or "") or ()),
+        "labels": ",".join(parse_labels(args.labels or "") or ()),
         "public_labels": bool(args.public_labels),
     }
     if not common["eval_data"]:

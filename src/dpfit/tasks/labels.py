@@ -25,6 +25,13 @@ class RareLabelError(DataError):
 MIN_PUBLIC_LABEL_COUNT = 20
 
 
+def parse_labels(labels: str) -> tuple[str, ...] | None:
+    """``--labels a,b,c`` as a tuple of names without surrounding spaces (``"a, b"`` is
+    ``("a", "b")``, as a user means it); None when no name is given."""
+    names = tuple(x.strip() for x in labels.split(",") if x.strip())
+    return names or None
+
+
 def check_data_label_names(
     names: Sequence[str],
     counts: Mapping[str, int],
