@@ -23,7 +23,6 @@ import dataclasses
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

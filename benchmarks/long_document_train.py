@@ -64,6 +64,7 @@ def _rows(m: dict) -> list[tuple[str, str]]:
         ("noise multiplier", f"{m['noise_multiplier']:.4f}"),
         ("sample rate (documents)", f"{m['sample_rate']:.4f}"),
         ("logical steps", str(m["steps"])),
+        ("learning rate (the recipe's, AdamW)", f"{m['lr']:.3g}"),
         ("training documents", str(m["train_documents"])),
         ("window length, stride", f"{m['window_length']}, {m['stride']}"),
         ("held-out windows", str(m["eval_n"])),

@@ -180,8 +180,7 @@ class Recipe:
             parts.append("from a checkpoint trained for the task: no head-first")
         elif self.language_model and self.clipping is not None:
             parts.append(
-                "a pretrained language model already does its task: lr = noise walk / "
-                "sqrt(steps)"
+                "a pretrained language model already does its task: lr = noise walk / sqrt(steps)"
             )
         phases = []
         if self.head_epochs:
