@@ -145,8 +145,22 @@ def report(out: Path) -> None:
             f"Private arms: epsilon {private[0]['epsilon']:.2f} (add-remove), noise multiplier "
             f"{private[0]['noise_multiplier']:.3f}."
         )
-    cpu = sum(r["cpu_s"] for r in rows) + first["prepare_cpu_s"]
-    lines += [f"CPU time of the arms (one thread): {cpu / 60:.1f} minutes.", ""]
+    from dpfit.recipe import resolve_recipe
+
+    n = first["train_windows"]
+    rule = resolve_recipe(n, 0, 8.0, None, 1)  # the lr rule reads n, classes, mode only
+    steps_rule = rule.epochs * round(n / rule.batch_size)
+    lines += [
+        f"The recipe's rate for this data on its own schedule (n = {n} windows, logical batch "
+        f"{rule.batch_size}, {steps_rule} steps): lr {rule.lr:.2g} ({rule.rule}).",
+        "",
+    ]
+    cpu = sum(r["cpu_s"] for r in rows)
+    lines += [
+        f"CPU time of the arms (one thread, training and scoring; model loading and the "
+        f"before-score not counted): {cpu / 60:.1f} minutes.",
+        "",
+    ]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 
