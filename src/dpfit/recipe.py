@@ -75,8 +75,8 @@ in the same sense: there is no new head, the pretrained model's own LM head alre
 the next token, and DP-BiTFiT-Add only adds zero biases to a model that fits its task. So
 its rate is the trained start's, lr = TRAINED_WALK[mode] / sqrt(T), not the fresh
 backbone's 5e-3. At 5e-3, Adam moved every added bias of SmolLM2-135M by about 5e-3 per
-step and held-out perplexity rose even with the noise off; 1e-4 to 1e-3 lowered it without
-noise, and a little at epsilon 8 (256-token windows, 12 steps:
+step and held-out perplexity rose, at epsilon 8 and with the noise off; 1e-4 to 1e-3
+lowered it without noise, and a little at epsilon 8 (256-token windows, 12 steps:
 benchmarks/results/causal_lm_lr.md). The rule gives about 5e-4 for 30 steps.
 """
 
