@@ -6,11 +6,13 @@ a user would run it, in a subprocess; then the same command with the noise off
 (`--noise-multiplier 0`, not private), the control that tells noise from a broken path when
 the perplexity moves. Each run's metrics.json is kept whole in <out>.json and summarised in
 <out>.md (held-out perplexity before and after, epsilon, unit, steps, peak RSS), with the
-commands, so the figures in docs/long_documents.md come from here. CPU budget: about 20
-CPU-minutes in all, one thread, under `nice -n 10`.
+commands, so the figures in docs/long_documents.md come from here. Each finished run is kept
+in <out>.partial.json until both are done, so a stopped run resumes where it was. CPU budget:
+about 20 CPU-minutes in all, one thread, under `nice -n 10`.
 
     nice -n 10 python benchmarks/long_document_train.py [--out benchmarks/results/long_document_train]
     python benchmarks/long_document_train.py --render   # <out>.md again from <out>.json
+    python benchmarks/long_document_train.py --stopped  # <out>.json/.md from the runs finished
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ RUNS = {  # name -> flags added to FLAGS (the control replaces the target epsilo
     "private": "",
     "noise-free control (not private)": " --noise-multiplier 0",
 }
+ORDER = ("noise-free control (not private)", "private")  # the control first: it tells the
+# step size from the noise, and each finished run is saved before the next starts
 QUIET = " --threads 1 --quiet"  # compute only: not part of the command the docs show
 
 
@@ -64,6 +68,7 @@ def _rows(m: dict) -> list[tuple[str, str]]:
         ("noise multiplier", f"{m['noise_multiplier']:.4f}"),
         ("sample rate (documents)", f"{m['sample_rate']:.4f}"),
         ("logical steps", str(m["steps"])),
+        ("learning rate (the recipe's, AdamW)", f"{m['lr']:.3g}"),
         ("training documents", str(m["train_documents"])),
         ("window length, stride", f"{m['window_length']}, {m['stride']}"),
         ("held-out windows", str(m["eval_n"])),
@@ -77,27 +82,36 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_document_train"))
     ap.add_argument("--render", action="store_true", help="only write <out>.md from <out>.json")
+    ap.add_argument(
+        "--stopped", action="store_true", help="write <out>.json/.md from the runs finished"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.render:
         return _render(json.loads(out.with_suffix(".json").read_text()), out)
-    runs = {}
+    partial = out.with_suffix(".partial.json")  # runs finished so far, of these FLAGS
+    runs = json.loads(partial.read_text()) if partial.exists() else {}
+    runs = {k: v for k, v in runs.items() if v["command"] == f"dpfit train {FLAGS}{RUNS[k]}"}
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dpfit-long-") as tmp:
-        for i, (name, extra) in enumerate(RUNS.items()):
-            metrics, seconds = _run(FLAGS + extra, Path(tmp) / f"run{i}")
+        for i, name in enumerate(n for n in ORDER if n not in runs and not args.stopped):
+            metrics, seconds = _run(FLAGS + RUNS[name], Path(tmp) / f"run{i}")
             runs[name] = {
-                "command": f"dpfit train {FLAGS}{extra}",
+                "command": f"dpfit train {FLAGS}{RUNS[name]}",
                 "subprocess_seconds": seconds,
                 "metrics": metrics,
             }
+            partial.write_text(json.dumps(runs, indent=2) + "\n")
     record = {
         "question": __doc__.splitlines()[0],
         "produced_by": "nice -n 10 python benchmarks/long_document_train.py",
         "compute_flags": QUIET.strip(),
-        "runs": runs,
+        "runs": {name: runs[name] for name in RUNS if name in runs},
+        "not_run": [name for name in RUNS if name not in runs],  # stopped (--stopped)
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    if not record["not_run"]:  # a stopped run keeps its partial result, to resume
+        partial.unlink(missing_ok=True)
     return _render(record, out)
 
 
@@ -112,6 +126,11 @@ def _render(record: dict, out: Path) -> int:
         f"Produced by `{record['produced_by']}` (each run with `{record['compute_flags']}`):",
         "",
         *[f"* {name}: `{r['command']}`" for name, r in runs.items()],
+        *[
+            f"* {name}: not run (stopped for the CPU budget on a shared machine): "
+            f"`dpfit train {FLAGS}{RUNS[name]}`"
+            for name in record.get("not_run", [])
+        ],
         "",
         "| | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

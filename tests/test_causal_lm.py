@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dpfit.causal_lm import TokenizedLines, causal_lm_loss, make_collate
-from dpfit.recipe import default_delta
+from dpfit.recipe import default_delta, resolve_recipe
 from dpfit.tasks.causal_lm import CausalLMTask, train_causal_lm
 from dpfit.train import TrainConfig
 
@@ -73,6 +73,8 @@ def test_tiny_llama_end_to_end():
     assert math.isfinite(m["perplexity_before"]) and math.isfinite(m["perplexity_after"])
     assert m["trainable_params"] < m["total_params"] and len(m["samples"]) == 1
     assert m["final_train_loss"] is None and all(r.loss is None for r in res.steps)
+    # the language-model rate (dpfit.recipe): the noise walk, not the fresh backbone's 5e-3
+    assert m["lr"] == m["recipe"]["lr"] == resolve_recipe(32, 0, 4.0, None, 1).lr < 1e-3
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(n.endswith("bias") for n in trained)
 

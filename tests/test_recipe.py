@@ -135,6 +135,24 @@ def test_trained_start_has_smaller_rates_by_the_walk_rule_and_no_head_first():
         resolve_recipe(*args, start="finetuned")
 
 
+def test_language_modelling_takes_the_walk_rate_and_classification_keeps_its_own():
+    """No new head: a pretrained LM already does its task, so its rate is the trained
+    start's noise walk over the steps, far below the fresh backbone's (which raised held-out
+    perplexity even with the noise off); a classifier of the same n keeps 5e-3."""
+    for n in (171, 701, 10_000):
+        lm = resolve_recipe(n, 0, 8.0, 1e-5, 134_705_664)
+        steps = lm.epochs * round(n / lm.batch_size)
+        assert lm.language_model and lm.start == "pretrained" and lm.head_epochs == 0
+        assert lm.lr * steps**0.5 == pytest.approx(R.TRAINED_WALK["bias"])
+        assert lm.lr < R.PRIVATE_LR["bias"] / 5
+        assert "a pretrained language model already does its task" in lm.describe()
+        assert "a pretrained language model" in lm.rule
+        cls = resolve_recipe(n, 2, 8.0, 1e-5, 134_705_664)
+        assert not cls.language_model and cls.lr == R.PRIVATE_LR["bias"]
+        assert (cls.batch_size, cls.epochs) == (lm.batch_size, lm.epochs)
+        assert "language model" not in cls.describe()
+
+
 def test_a_phase_that_trains_every_weight_never_gets_the_biases_rate():
     for start in R.STARTS:
         r = resolve_recipe(10_000, 10, 8.0, 1e-5, 77_754, full_epochs=1, start=start)

@@ -69,6 +69,15 @@ is what the run risks. So from a trained start:
 
 In every start, a phase that trains every weight gets the full-mode rate and never the
 biases' (X+BiTFiT's full epochs run at ``full_lr``, its bias epochs at ``lr``).
+
+**Language modelling** (``num_classes`` 0, ``dpfit train --task causal-lm``) starts trained
+in the same sense: there is no new head, the pretrained model's own LM head already predicts
+the next token, and DP-BiTFiT-Add only adds zero biases to a model that fits its task. So
+its rate is the trained start's, lr = TRAINED_WALK[mode] / sqrt(T), not the fresh
+backbone's 5e-3. At 5e-3, Adam moved every added bias of SmolLM2-135M by about 5e-3 per
+step and held-out perplexity rose, at epsilon 8 and with the noise off; 1e-4 to 1e-3
+lowered it without noise, and a little at epsilon 8 (256-token windows, 12 steps:
+benchmarks/results/causal_lm_lr.md). The rule gives about 5e-4 for 30 steps.
 """
 
 from __future__ import annotations
@@ -149,6 +158,7 @@ class Recipe:
     full_lr: float | None = None  # their rate (never the biases'); None without that phase
     mode: str = "bias"
     start: str = "pretrained"  # "trained": a checkpoint already trained for the task
+    language_model: bool = False  # no new head: the LM's own head does the task (walk rule)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -168,6 +178,10 @@ class Recipe:
             )
         elif self.start == "trained":
             parts.append("from a checkpoint trained for the task: no head-first")
+        elif self.language_model and self.clipping is not None:
+            parts.append(
+                "a pretrained language model already does its task: lr = noise walk / sqrt(steps)"
+            )
         phases = []
         if self.head_epochs:
             phases.append(f"head-first {self.head_epochs} epochs at lr {self.head_lr:.3g}")
@@ -225,7 +239,8 @@ def resolve_recipe(
     """Every default of a run from public quantities; pure (same inputs, same recipe).
 
     Args:
-        n: training examples. num_classes: classes (1 for language modelling).
+        n: training examples. num_classes: classes (0 for language modelling: the
+            noise-walk rate, as from a trained start).
         epsilon, delta: the target (None with a fixed noise multiplier); they do not change
             the current rule but are part of its signature so that a rule that uses them
             stays a function of public inputs.
@@ -248,6 +263,7 @@ def resolve_recipe(
     if start not in STARTS:
         raise ValueError(f"start must be one of {STARTS}, got {start!r}")
     trained = start == "trained"
+    language_model = num_classes == 0  # the model's own head does the task (docstring)
     if head_first is None:  # every mode: a zero head does not move at the backbone's lr
         head_first = HEAD_FIRST_BY_DEFAULT and num_classes >= 2 and not trained
     del epsilon, delta  # public, and (for now) not needed by the rule
@@ -286,11 +302,12 @@ def resolve_recipe(
     full_epochs = max(0, full_epochs)
     main_steps = max(1, epochs - full_epochs) * steps_per_epoch
     full_steps = full_epochs * steps_per_epoch
-    if trained:
+    if trained or language_model:
         lr = trained_lr(mode, main_steps)
         full_lr = trained_lr("full", full_steps) if full_epochs else None
+        what = "from a trained checkpoint" if trained else "a pretrained language model:"
         how = (
-            f"from a trained checkpoint lr = walk / sqrt(phase steps), walk "
+            f"{what} lr = walk / sqrt(phase steps), walk "
             f"{TRAINED_WALK['full']:g} for every weight, {TRAINED_WALK[mode]:g} otherwise"
         )
     else:
@@ -310,6 +327,7 @@ def resolve_recipe(
         full_lr=full_lr,
         mode=mode,
         start=start,
+        language_model=language_model,
         rule=(
             f"private: B = {BATCH_PER_SQRT_N:g} sqrt(n) (<= n/{MIN_STEPS_PER_EPOCH}), "
             f"epochs for >= {MIN_STEPS} steps in [{MIN_EPOCHS}, {MAX_EPOCHS}], "
