@@ -51,6 +51,7 @@ bf16 does not break training, not the utility suite's 3 tasks x 3 seeds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -70,7 +71,13 @@ ARMS = {
     "nonprivate-bias": "non-private bias-only",
     "dp-bitfit": "DP-BiTFiT",
     "dp-full": "DP full",
+    "dp-bitfit-recast": "DP-BiTFiT, frozen weights recast per call",
 }
+DEFAULT_ARMS = "nonprivate-bias,dp-bitfit,dp-full,dp-bitfit-recast"
+# the issue's targets, checked in the rendered table
+TARGET_SPEEDUP = 1.8  # bf16 / fp32 examples/s
+TARGET_PEAK_FRACTION = 0.60  # of the bf16 matrix-product peak
+TARGET_DP_OVER_NONPRIVATE = 1.02  # time and memory, bf16
 PRECISIONS = ("fp32", "bf16")
 PEAK_SIZES = (1024, 2048, 4096)
 
@@ -144,6 +151,7 @@ def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
 
     import dpfit
     from dpfit import precision
+    from dpfit.frozen_casts import FrozenWeightCasts
     from dpfit.models import load_classifier
 
     arms = []
@@ -178,10 +186,19 @@ def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
             width = inputs["input_ids"].shape[1]
             inputs["position_ids"] = torch.arange(width).expand(n, width).clone()
 
-        def step(prec: str, model=model, opt=opt, engine=engine, inputs=inputs) -> None:
-            with precision.autocast(prec, "cpu"):
-                loss = model(**inputs).loss
-            loss.backward()
+        # as `dpfit train` runs a step: frozen weights cast to bf16 once (dpfit.frozen_casts);
+        # the -recast arm leaves that to autocast, which casts them again on every call
+        recast = name == "dp-bitfit-recast"
+        casts = {p: FrozenWeightCasts(model, p, "cpu") for p in PRECISIONS}
+
+        def step(
+            prec: str, model=model, opt=opt, engine=engine, inputs=inputs, casts=casts,
+            recast=recast,
+        ) -> None:  # fmt: skip
+            with contextlib.nullcontext() if recast else casts[prec].active():
+                with precision.autocast(prec, "cpu"):
+                    loss = model(**inputs).loss
+                loss.backward()
             if engine is None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -208,6 +225,32 @@ def saved_bytes(arm: Arm, prec: str) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         arm.step(prec)
     return sum(seen.values())
+
+
+# torch.profiler op names, by what they are (self CPU time; the rest is "other")
+OP_KINDS = {
+    "matrix products": ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"),
+    "dropout masks (random draws)": ("aten::bernoulli_",),
+    "copies and dtype casts": ("aten::copy_",),
+}
+
+
+def profile_kinds(arm: Arm, prec: str, steps: int = 3) -> dict:
+    """Where one step's CPU time goes (torch.profiler self CPU time by kind of op, summed over
+    `steps` steps). The profiler's own cost inflates small ops, so read the shares, not the
+    milliseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            arm.step(prec)
+    by_name = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(by_name.values())
+    kinds = {k: sum(by_name.get(n, 0.0) for n in names) for k, names in OP_KINDS.items()}
+    kinds["other (elementwise, norms, softmax, reductions, optimizer, ...)"] = total - sum(
+        kinds.values()
+    )
+    return {k: v / total for k, v in kinds.items()}
 
 
 def measure(arms: list[Arm], n: int, warmup: int, timed: int) -> dict:
@@ -263,6 +306,7 @@ def run(args) -> dict:
         lengths.append(int(statistics.median_low(pads)) if spec == "recipe" else int(spec))
     collate = make_collate(tokenizer.pad_token_id)
     rows = []
+    profiles: dict[int, dict] = {}
     for length in lengths:
         enc = tokenizer(
             list(train.texts[: physical * 4]), truncation=True, padding="max_length",
@@ -278,6 +322,9 @@ def run(args) -> dict:
         mem = {(a.name, p): saved_bytes(a, p) for a in arms for p in PRECISIONS}
         print(f"length {length}: timing {len(arms)} arms x 2 precisions", file=sys.stderr)
         times = measure(arms, physical, args.warmup, args.timed)
+        for arm in arms:
+            if arm.name == "dp-bitfit":
+                profiles[length] = {p: profile_kinds(arm, p) for p in PRECISIONS}
         for arm in arms:
             flops = model_flops(cfg, length, 2, weights_train=arm.name == "dp-full")
             for prec in PRECISIONS:
@@ -319,6 +366,7 @@ def run(args) -> dict:
         "lengths": lengths,
         "peaks": peaks,
         "rows": rows,
+        "profiles": profiles,
         "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
     }
 
@@ -406,7 +454,68 @@ def render(res: dict) -> str:
                     f"| {b['cpu_s_per_step'] / a['cpu_s_per_step']:.3f} "
                     f"| {b['saved_mb'] / a['saved_mb']:.3f} |"
                 )
+    if "dp-bitfit" in arms and "dp-bitfit-recast" in arms:
+        lines += [
+            "",
+            "Frozen weights cast to bf16 once per run (`dpfit.frozen_casts`, as `dpfit train` "
+            "does) against autocast's cast on every call (same rounding, same results):",
+            "",
+            "| len | precision | DP-BiTFiT CPU s/step, cast once | recast per call | recast / once |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        for length in res["lengths"]:
+            for p in PRECISIONS:
+                a = _row(res, length, "dp-bitfit", p)
+                b = _row(res, length, "dp-bitfit-recast", p)
+                lines.append(
+                    f"| {length} | {p} | {a['cpu_s_per_step']:.3f} | {b['cpu_s_per_step']:.3f} "
+                    f"| {b['cpu_s_per_step'] / a['cpu_s_per_step']:.3f} |"
+                )
+    for length, prof in (res.get("profiles") or {}).items():
+        kinds = list(prof["fp32"])
+        lines += [
+            "",
+            f"Where a DP-BiTFiT step's CPU time goes (len {length}; torch.profiler, self CPU "
+            "time by kind of op over 3 steps, after the timed rounds; the profiler inflates "
+            "small ops, so these are rough shares):",
+            "",
+            "| kind of op | fp32 | bf16 |",
+            "|---|---:|---:|",
+        ]
+        for k in kinds:
+            lines.append(f"| {k} | {100 * prof['fp32'][k]:.0f}% | {100 * prof['bf16'][k]:.0f}% |")
+    lines += render_targets(res, arms)
     return "\n".join(lines) + "\n"
+
+
+def render_targets(res: dict, arms: list[str]) -> list[str]:
+    """The issue's per-step targets, met or not, with the measured number (CPU time)."""
+    if "dp-bitfit" not in arms:
+        return []
+    pk = res["peaks"]["bf16"]["gflops_cpu"]
+    lines = ["", "Targets (per step, CPU time, this run):", "", "| len | target | measured | met |"]
+    lines.append("|---:|---|---:|---|")
+
+    def add(length, what, value, ok, fmt):
+        lines.append(f"| {length} | {what} | {fmt.format(value)} | {'yes' if ok else 'no'} |")
+
+    for length in res["lengths"]:
+        a, b = _row(res, length, "dp-bitfit", "fp32"), _row(res, length, "dp-bitfit", "bf16")
+        speed = a["cpu_s_per_step"] / b["cpu_s_per_step"]
+        add(length, f"DP-BiTFiT bf16 / fp32 examples/s >= {TARGET_SPEEDUP}", speed,
+            speed >= TARGET_SPEEDUP, "{:.2f}x")  # fmt: skip
+        frac = b["achieved_gflops_cpu"] / pk
+        add(length, f"DP-BiTFiT bf16 achieved >= {TARGET_PEAK_FRACTION:.0%} of bf16 peak", frac,
+            frac >= TARGET_PEAK_FRACTION, "{:.1%}")  # fmt: skip
+        c = _row(res, length, "nonprivate-bias", "bf16")
+        if c:
+            t = b["cpu_s_per_step"] / c["cpu_s_per_step"]
+            m = b["saved_mb"] / c["saved_mb"]
+            add(length, f"bf16 DP-BiTFiT / non-private bias-only time <= "
+                f"{TARGET_DP_OVER_NONPRIVATE}", t, t <= TARGET_DP_OVER_NONPRIVATE, "{:.3f}")  # fmt: skip
+            add(length, f"bf16 DP-BiTFiT / non-private bias-only saved memory <= "
+                f"{TARGET_DP_OVER_NONPRIVATE}", m, m <= TARGET_DP_OVER_NONPRIVATE, "{:.3f}")  # fmt: skip
+    return lines
 
 
 def plot(res: dict, path: Path) -> None:
@@ -519,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timed", type=int, default=5)
     ap.add_argument("--lengths", default="recipe,128", help="comma list: recipe and/or numbers")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=DEFAULT_ARMS)
     ap.add_argument("--peak-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
                     default=PEAK_SIZES)  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "throughput"))
