@@ -29,6 +29,11 @@ split and scores a random subset of each test split (the table header says so).
     python benchmarks/utility.py --seeds 0 1 2                # the full suite
     python benchmarks/utility.py --rows dp-8 np-bias --tasks convention-party
     python benchmarks/utility.py --table-only                 # rebuild md/json/png
+    python benchmarks/utility.py --precision bf16 --rows dp-8 --seeds 0
+
+`--precision bf16` runs the dpfit rows under bf16 autocast (`dpfit train --precision bf16`)
+into their own log and table (tag `utility_bf16`), and writes `utility_bf16_vs_fp32.md`: each
+bf16 run beside the fp32 runs of the same row, task and scale in `utility_runs.jsonl`.
 """
 
 from __future__ import annotations
@@ -164,7 +169,9 @@ def task_data(name: str, seed: int, scale: Scale) -> tuple[TaskSplits, Path, Pat
     )
 
 
-def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale) -> dict:
+def run_dpfit(
+    row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale, precision: str = "fp32"
+) -> dict:
     from dpfit.train import TrainConfig, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -177,6 +184,7 @@ def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale
         seed=seed,
         max_train_examples=scale.max_train,
         **row.train,
+        **({"precision": precision} if precision != "fp32" else {}),
     )
     m = train(cfg).metrics
     keep = (
@@ -185,12 +193,14 @@ def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale
         "head_first_accuracy"
     ).split()
     out = {k: m.get(k) for k in keep if k in m}
-    for k in ("lr", "max_length", "pooling"):  # older builds keep these only in the config
+    for k in ("lr", "max_length", "pooling", "precision"):  # older builds: only in the config
         out.setdefault(k, m.get("config", {}).get(k))
     return out
 
 
-def run_row(row: Row, task_name: str, seed: int, scale: Scale) -> list[dict]:
+def run_row(
+    row: Row, task_name: str, seed: int, scale: Scale, precision: str = "fp32"
+) -> list[dict]:
     """One or more result records (the probe gives one per pooling)."""
     task, train_csv, test_csv = task_data(task_name, seed, scale)
     sizes = {"n_train": len(task.train), "n_test": len(task.test)}
@@ -204,7 +214,8 @@ def run_row(row: Row, task_name: str, seed: int, scale: Scale) -> list[dict]:
     if row.kind == "probe":
         res = baselines.probe(task, baselines.PROBE_MAX_LENGTH, seed, load_task(task_name, seed))
         return [{"row": f"frozen probe, {p}", **r, **sizes} for p, r in res.items()]
-    return [{"row": row.name, **sizes, **run_dpfit(row, train_csv, test_csv, seed, scale)}]
+    res = run_dpfit(row, train_csv, test_csv, seed, scale, precision)
+    return [{"row": row.name, **sizes, **res}]
 
 
 # -- the log, the table, the plot ---------------------------------------------------------------
@@ -602,6 +613,39 @@ def write_outputs(records: list[dict], scale: Scale, out: Path, tag: str, seeds)
     return md
 
 
+def precision_comparison(records: list[dict], fp32_records: list[dict], scale: Scale) -> str:
+    """Each bf16 run beside the fp32 runs of its row, task and scale (their seeds' spread)."""
+    low, ref = summarize(records, scale), summarize(fp32_records, scale)
+    lines = [
+        "# Utility suite: bf16 runs beside the fp32 runs",
+        "",
+        f"`dpfit train --precision bf16` (bf16 autocast, float32 mechanism), scale "
+        f"{scale.tag()}, against the fp32 runs of the same row in `utility_runs.jsonl`. The bf16 "
+        "column has the seeds listed (one seed is one run: no spread of its own); noise is "
+        "drawn fresh in every run, so even the same seed is not a paired comparison. Accuracy "
+        "in %.",
+        "",
+        "| task | row | bf16: seeds, accuracy | fp32: seeds, mean ± sd [min-max] | bf16 inside "
+        "the fp32 range |",
+        "|---|---|---|---|---|",
+    ]
+    for task, rows in low.items():
+        for name, s in rows.items():
+            bf = ", ".join(f"{s['by_seed'][k]:.1f} (seed {k})" for k in sorted(s["by_seed"]))
+            r = ref.get(task, {}).get(name)
+            if r is None:
+                lines.append(f"| {task} | {name} | {bf} | not run | |")
+                continue
+            vals = list(r["by_seed"].values())
+            sd = f" ± {r['sd']:.1f}" if r["sd"] is not None else ""
+            inside = all(min(vals) <= v <= max(vals) for v in s["by_seed"].values())
+            lines.append(
+                f"| {task} | {name} | {bf} | {r['seeds']}, {r['mean']:.1f}{sd} "
+                f"[{min(vals):.1f}-{max(vals):.1f}] | {'yes' if inside else 'no'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -613,9 +657,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-train", type=int, help="random training subset per task")
     p.add_argument("--max-test", type=int, help="random test subset per task")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--tag", default="utility")
+    p.add_argument("--tag", default=None, help="log and table name (default utility[_bf16])")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dpfit rows' compute precision; bf16 runs get their own log and table",
+    )
     p.add_argument("--table-only", action="store_true", help="rebuild outputs from the log")
     args = p.parse_args(argv)
+    if args.tag is None:
+        args.tag = "utility" if args.precision == "fp32" else f"utility_{args.precision}"
+    if args.precision != "fp32" and any(ROW_BY_KEY[k].kind != "dpfit" for k in args.rows):
+        p.error("--precision applies to the dpfit rows only: pass --rows with dpfit rows")
     max_train = args.max_train or (QUICK_TRAIN if args.quick else None)
     max_test = args.max_test or (QUICK_TEST if args.quick else None)
     scale = Scale(max_train, max_test)
@@ -646,7 +700,7 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     base = {"key": key, "task": task, "seed": seed, "scale": scale.tag()}
                     try:
-                        recs = run_row(row, task, seed, scale)
+                        recs = run_row(row, task, seed, scale, args.precision)
                     except Exception as e:
                         logger.warning("%s failed: %s", key, traceback.format_exc(limit=3))
                         recs = [{"row": row.name, "error": f"{type(e).__name__}: {e}"}]
@@ -659,6 +713,10 @@ def main(argv=None) -> int:
                     )
                     write_outputs(read_log(log), scale, args.out, table_tag, args.seeds)
     print(write_outputs(read_log(log), scale, args.out, table_tag, args.seeds))
+    if args.precision != "fp32":
+        md = precision_comparison(read_log(log), read_log(args.out / "utility_runs.jsonl"), scale)
+        (args.out / f"{table_tag}_vs_fp32.md").write_text(md)
+        print(md)
     return 0
 
 
