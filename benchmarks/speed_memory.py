@@ -25,8 +25,11 @@ appended: the forward pass under bf16 autocast (dpfit.precision); ask for them w
     python benchmarks/speed_memory.py                 # defaults (see --help)
     python benchmarks/speed_memory.py --quick         # smoke run (a few minutes on 2 cores)
     python benchmarks/speed_memory.py --lengths 64 128 256 512 --steps 3 --reps 2
-    python benchmarks/speed_memory.py --lengths 64 256 --methods nonpriv-bias dpfit-bitfit \
-        nonpriv-bias-bf16 dpfit-bitfit-bf16 --out benchmarks/results/speed_memory_bf16
+    python benchmarks/speed_memory.py --lengths 64 256 --methods nonpriv-bias \
+        nonpriv-bias-bf16 dpfit-bitfit dpfit-bitfit-bf16 --skip 256:nonpriv-bias-bf16
+
+`--skip [LEN:]METHOD ...` leaves rows out (listed as not run; `--note` says why in the header).
+A -bf16 row casts the frozen weights to bf16 once (dpfit.frozen_casts), as `dpfit train` does.
 """
 
 from __future__ import annotations
