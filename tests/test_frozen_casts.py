@@ -11,6 +11,8 @@ from torch import nn
 import dpfit
 from dpfit import precision
 from dpfit.frozen_casts import FrozenWeightCasts
+from dpfit.grad_sample.full import OuterGrad
+from dpfit.params import add_lora, make_lora_trainable
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,14 +36,54 @@ def _bert() -> nn.Module:
     return model
 
 
+def _gpt2() -> nn.Module:
+    """Conv1D layers (x @ W + b through addmm)."""
+    cfg = transformers.GPT2Config(
+        vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, num_labels=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2ForSequenceClassification(cfg).train()
+    dpfit.make_bias_trainable(model, train_head=("score",))
+    return model
+
+
+def _bert_bias_lora() -> nn.Module:
+    """peft LoRA on query/value: the adapted layers' frozen base weights are swapped, the
+    adapters (trainable, float32) are not."""
+    peft = pytest.importorskip("peft")
+    model = _bert()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    add_lora(model, r=4, alpha=8.0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # peft starts lora_B at zero: move it off, so lora_A gets gradients
+            nn.init.normal_(p, std=0.2)
+    make_lora_trainable(model, biases=True)
+    assert any(isinstance(m, peft.tuners.lora.LoraLayer) for m in model.modules())
+    return model
+
+
+MODELS = {
+    "bert": (_bert, "bias"),
+    "gpt2": (_gpt2, "bias"),
+    "bert-bias+lora": (_bert_bias_lora, "bias+lora"),
+}
+
+
+def _dense(g) -> torch.Tensor:
+    """A per-example row as a plain tensor (LoRA adapters' rows are factored)."""
+    return g.materialize() if isinstance(g, OuterGrad) else g
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randint(3, 200, (B, T), generator=g), torch.randint(0, 2, (B,), generator=g)
 
 
-def _per_example_and_grads(model, casts: FrozenWeightCasts | None):
+def _per_example_and_grads(model, casts: FrozenWeightCasts | None, mode: str = "bias"):
     ids, labels = _data()
-    engine = make_engine(model)
+    engine = make_engine(model, mode=mode)
 
     def batch_loss() -> torch.Tensor:
         with precision.autocast("bf16", "cpu"):
@@ -68,19 +110,24 @@ def _per_example_and_grads(model, casts: FrozenWeightCasts | None):
     return per, grads
 
 
-def test_cached_casts_change_nothing_that_is_computed():
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cached_casts_change_nothing_that_is_computed(name):
     """Per-example rows and autograd's gradients, with and without the cached casts: equal
     bit for bit (the copy is the cast autocast makes on every call)."""
-    model = _bert()
-    want_rows, want_grads = _per_example_and_grads(model, None)
+    build, mode = MODELS[name]
+    model = build()
+    want_rows, want_grads = _per_example_and_grads(model, None, mode)
     casts = FrozenWeightCasts(model, "bf16", "cpu")
-    assert len(casts.frozen_weights()) == 2 * 6 + 1  # Q K V O, FFN in/out per layer, pooler
+    # BERT: 6 products a layer (Q K V O, FFN in/out; under LoRA the base layers') and the
+    # pooler, + the head where it does not train (LoRA here); GPT-2: 4 a layer
+    assert len(casts.frozen_weights()) == {"bert": 13, "gpt2": 8, "bert-bias+lora": 14}[name]
     for _ in range(2):  # the second step reuses the copies
-        got_rows, got_grads = _per_example_and_grads(model, casts)
+        got_rows, got_grads = _per_example_and_grads(model, casts, mode)
         assert set(got_rows) == set(want_rows) and set(got_grads) == set(want_grads)
         for n in want_rows:
-            assert got_rows[n].dtype == torch.float32
-            assert torch.equal(got_rows[n], want_rows[n]), n
+            got, want = _dense(got_rows[n]), _dense(want_rows[n])
+            assert got.dtype == torch.float32
+            assert torch.equal(got, want), n
         for n in want_grads:
             assert torch.equal(got_grads[n], want_grads[n]), n
 
