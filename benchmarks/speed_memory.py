@@ -480,7 +480,14 @@ def ratios(table: dict, models, lengths) -> dict:
                 k: div(get(m, L, "nonpriv-full", k), get(m, L, "dpfit-bitfit", k))
                 for k in ("wall_s", "cpu_s")
             }
-        L0 = 256 if 256 in lengths else max(lengths)
+        # the longest length where an Opacus DP full row ran (rows may be --skip'ped)
+        full_ran = [
+            L
+            for L in lengths
+            for opx in ("opacus-hooks", "opacus-ghost")
+            if get(m, L, opx, "cpu_s")
+        ]
+        L0 = max(full_ran) if full_ran else (256 if 256 in lengths else max(lengths))
         r["ref_length"] = L0
         for opx in ("opacus-hooks", "opacus-ghost", "opacus-bias"):
             r[f"vs_{opx}"] = {
@@ -695,6 +702,11 @@ def main(argv=None) -> int:
         "--quick", action="store_true", help="smoke run: roberta-base, length 32, 1+1 steps"
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "speed_memory")
+    ap.add_argument(
+        "--from-json",
+        type=Path,
+        help="render the md, ratios and png again from a run's json (no measuring)",
+    )
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -713,6 +725,15 @@ def main(argv=None) -> int:
         res = worker(spec)
         with open(a._out, "w") as f:
             json.dump(res, f)
+        return 0
+
+    if a.from_json:
+        run = json.loads(a.from_json.read_text())
+        meta, table = run["meta"], run["table"]
+        models, lengths, methods = meta["models"], meta["lengths"], meta["methods"]
+        rat = ratios(table, models, lengths)
+        md = markdown(table, rat, models, lengths, methods, meta)
+        write_outputs(a.out, meta, table, rat, run["runs"], md, models, lengths, methods)
         return 0
 
     import torch
@@ -806,14 +827,18 @@ def main(argv=None) -> int:
     md = markdown(table, rat, a.models, lengths, a.methods, meta)
     print()
     print(md)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out.with_suffix(".json"), "w") as f:
-        json.dump({"meta": meta, "table": table, "ratios": rat, "runs": rows}, f, indent=1)
-    with open(a.out.with_suffix(".md"), "w") as f:
-        f.write(f"# Speed and memory (`{meta['command']}`)\n\n{md}\n")
-    plot(table, a.models, lengths, a.methods, a.out.with_suffix(".png"))
-    print(f"\nwrote {a.out.with_suffix('.json')}, .md, .png in {meta['elapsed_s']:.0f}s")
+    write_outputs(a.out, meta, table, rat, rows, md, a.models, lengths, a.methods)
     return 0
+
+
+def write_outputs(out: Path, meta, table, rat, rows, md, models, lengths, methods) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".json"), "w") as f:
+        json.dump({"meta": meta, "table": table, "ratios": rat, "runs": rows}, f, indent=1)
+    with open(out.with_suffix(".md"), "w") as f:
+        f.write(f"# Speed and memory (`{meta['command']}`)\n\n{md}\n")
+    plot(table, models, lengths, methods, out.with_suffix(".png"))
+    print(f"\nwrote {out.with_suffix('.json')}, .md, .png in {meta['elapsed_s']:.0f}s")
 
 
 if __name__ == "__main__":
