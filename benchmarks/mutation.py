@@ -748,6 +748,31 @@ MUTATIONS += (
 )
 
 
+# bf16 frozen weights cast once per run (dpfit.frozen_casts): only frozen weights are swapped,
+# and their float32 values come back after the step
+MUTATIONS += (
+    Mutation(
+        "frozen-casts-swap-trainable-weights",
+        "bf16 copies are swapped in for trainable weights too: a trainable head's float32 master "
+        "holds a bf16 copy during the step, so its gradient and per-example rows come from it",
+        (
+            (
+                "dpfit/frozen_casts.py",
+                "if key not in elsewhere and not p.requires_grad and p.dtype == torch.float32",
+                "if key not in elsewhere and p.dtype == torch.float32",
+            ),
+        ),
+        ("tests/test_frozen_casts.py",),
+    ),
+    Mutation(
+        "frozen-casts-not-restored",
+        "the float32 values of the swapped frozen weights are not put back after the step",
+        (("dpfit/frozen_casts.py", "                w.data = master\n", "                pass\n"),),
+        ("tests/test_frozen_casts.py",),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

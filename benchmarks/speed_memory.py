@@ -25,8 +25,11 @@ appended: the forward pass under bf16 autocast (dpfit.precision); ask for them w
     python benchmarks/speed_memory.py                 # defaults (see --help)
     python benchmarks/speed_memory.py --quick         # smoke run (a few minutes on 2 cores)
     python benchmarks/speed_memory.py --lengths 64 128 256 512 --steps 3 --reps 2
-    python benchmarks/speed_memory.py --lengths 64 256 --methods nonpriv-bias dpfit-bitfit \
-        nonpriv-bias-bf16 dpfit-bitfit-bf16 --out benchmarks/results/speed_memory_bf16
+    python benchmarks/speed_memory.py --lengths 64 256 --methods nonpriv-bias \
+        nonpriv-bias-bf16 dpfit-bitfit dpfit-bitfit-bf16 --skip 256:nonpriv-bias-bf16
+
+`--skip [LEN:]METHOD ...` leaves rows out (listed as not run; `--note` says why in the header).
+A -bf16 row casts the frozen weights to bf16 once (dpfit.frozen_casts), as `dpfit train` does.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ BF16_METHODS = [
 ]
 LABELS.update({m: f"{LABELS[m[: -len(BF16)]]} (bf16)" for m in BF16_METHODS})
 MODELS = ("roberta-base", "gpt2")
+NOT_RUN = "not run (--skip)"
 
 
 # ---------------------------------------------------------------------------- models
@@ -140,10 +144,11 @@ def _peak_rss(resettable: bool) -> int:
 
 
 class SavedTensorMeter:
-    """Bytes autograd saves for backward (unique storages, parameters excluded)."""
+    """Bytes autograd saves for backward (unique storages, parameters excluded: also a frozen
+    weight's bf16 copy that dpfit.frozen_casts swaps into its Parameter for the step)."""
 
     def __init__(self, model):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.model = model
         self.storages: dict[int, int] = {}
         self.raw = 0
 
@@ -158,9 +163,13 @@ class SavedTensorMeter:
             return
         ptr = st.data_ptr()
         self.raw += t.numel() * t.element_size()
-        if ptr in self.param_ptrs or ptr == 0:
+        if ptr == 0 or ptr in self.param_ptrs():
             return
         self.storages[ptr] = st.nbytes()
+
+    def param_ptrs(self) -> set[int]:
+        """The parameters' storages now (inside a step a frozen weight holds its bf16 copy)."""
+        return {p.untyped_storage().data_ptr() for p in self.model.parameters()}
 
     def pack(self, t):
         self.add(t)
@@ -200,6 +209,7 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
     from torch import nn
 
     import dpfit
+    from dpfit.frozen_casts import FrozenWeightCasts
 
     prec = "fp32"
     if method.endswith(BF16):
@@ -222,12 +232,17 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
         dpfit.make_bias_trainable(model)
     info["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
+    # bf16: frozen weights cast once, as `dpfit train` runs it (a no-op in fp32 and for
+    # methods that train every weight)
+    casts = FrozenWeightCasts(model, prec, device)
+
     if method.startswith("nonpriv"):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
         def step(x, y, meter=None):
-            loss = _metered_loss(model, ce, x, y, meter, prec)
-            loss.backward()
+            with casts.active():
+                loss = _metered_loss(model, ce, x, y, meter, prec)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -248,9 +263,10 @@ def _setup(method: str, model_name: str, model_path: str, device: str):
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
 
         def step(x, y, meter=None):
-            loss = _metered_loss(model, ce, x, y, meter, prec)
-            loss.backward()
-            engine.step(opt, batch_size=x.shape[0])
+            with casts.active():
+                loss = _metered_loss(model, ce, x, y, meter, prec)
+                loss.backward()
+            engine.step(opt, batch_size=y.shape[0])
 
         return model, step, info
 
@@ -464,7 +480,14 @@ def ratios(table: dict, models, lengths) -> dict:
                 k: div(get(m, L, "nonpriv-full", k), get(m, L, "dpfit-bitfit", k))
                 for k in ("wall_s", "cpu_s")
             }
-        L0 = 256 if 256 in lengths else max(lengths)
+        # the longest length where an Opacus DP full row ran (rows may be --skip'ped)
+        full_ran = [
+            L
+            for L in lengths
+            for opx in ("opacus-hooks", "opacus-ghost")
+            if get(m, L, opx, "cpu_s")
+        ]
+        L0 = max(full_ran) if full_ran else (256 if 256 in lengths else max(lengths))
         r["ref_length"] = L0
         for opx in ("opacus-hooks", "opacus-ghost", "opacus-bias"):
             r[f"vs_{opx}"] = {
@@ -502,7 +525,14 @@ def markdown(table, rat, models, lengths, methods, meta) -> str:
         f"Batch {BATCH}; {meta['steps']} timed step(s) after {meta['warmup']} warm-up, "
         f"x {meta['reps']} repetition(s); device {meta['device']}, "
         f"{meta['threads']} torch thread(s); medians [min-max over the timed steps]. "
-        f"Memory: {meta['mem_probe']}.",
+        f"Memory: {meta['mem_probe']}."
+        + (
+            f" Warm-up steps at length {meta['warmup_length']}."
+            if isinstance(meta.get("warmup_length"), int)
+            else ""
+        )
+        + (f" Not run: {', '.join(meta['skipped'])}." if meta.get("skipped") else "")
+        + (f" {meta['note']}" if meta.get("note") else ""),
         "",
         "| model | len | method | wall s/step | CPU s/step | peak mem MB | activations MB | trainable |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
@@ -511,6 +541,9 @@ def markdown(table, rat, models, lengths, methods, meta) -> str:
         for L in lengths:
             for meth in methods:
                 e = table[f"{m}|{L}|{meth}"]
+                if not e["ok"] and e["error"] == NOT_RUN:
+                    lines.append(f"| {m} | {L} | {LABELS[meth]} | not run | | | | |")
+                    continue
                 if not e["ok"]:
                     lines.append(
                         f"| {m} | {L} | {LABELS[meth]} | failed: {e['error'][:120]} | | | | |"
@@ -653,21 +686,54 @@ def main(argv=None) -> int:
         default=1,
         help="torch threads per worker (1 keeps CPU time meaningful on a shared machine)",
     )
+    ap.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        metavar="[LEN:]METHOD",
+        help="rows not to run (at every length, or at LEN only), listed as not run in the table",
+    )
+    ap.add_argument(
+        "--note", default="", help="a sentence for the table's header (why rows were skipped)"
+    )
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: roberta-base, length 32, 1+1 steps"
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "speed_memory")
+    ap.add_argument(
+        "--from-json",
+        type=Path,
+        help="render the md, ratios and png again from a run's json (no measuring)",
+    )
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+
+    skip = set()
+    for item in a.skip:
+        length, _, meth = item.rpartition(":")
+        if meth not in METHODS + BF16_METHODS or (length and not length.isdigit()):
+            ap.error(
+                f"--skip {item!r}: give METHOD or LEN:METHOD, METHOD one of --methods' choices"
+            )
+        skip.add((int(length) if length else None, meth))
 
     if a._worker:
         spec = json.loads(a._worker)
         res = worker(spec)
         with open(a._out, "w") as f:
             json.dump(res, f)
+        return 0
+
+    if a.from_json:
+        run = json.loads(a.from_json.read_text())
+        meta, table = run["meta"], run["table"]
+        models, lengths, methods = meta["models"], meta["lengths"], meta["methods"]
+        rat = ratios(table, models, lengths)
+        md = markdown(table, rat, models, lengths, methods, meta)
+        write_outputs(a.out, meta, table, rat, run["runs"], md, models, lengths, methods)
         return 0
 
     import torch
@@ -696,6 +762,8 @@ def main(argv=None) -> int:
         python=platform.python_version(),
         cpu_count=os.cpu_count(),
         command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        skipped=sorted(a.skip),
+        note=a.note,
         started=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     try:
@@ -716,6 +784,12 @@ def main(argv=None) -> int:
                 for rep in range(a.reps):
                     order = a.methods[rep % len(a.methods) :] + a.methods[: rep % len(a.methods)]
                     for meth in order:
+                        if (L, meth) in skip or (None, meth) in skip:
+                            rows.append(
+                                {"model": m, "length": L, "method": meth, "rep": rep,
+                                 "ok": False, "error": NOT_RUN}
+                            )  # fmt: skip
+                            continue
                         spec = dict(
                             model=m,
                             model_path=path,
@@ -753,14 +827,18 @@ def main(argv=None) -> int:
     md = markdown(table, rat, a.models, lengths, a.methods, meta)
     print()
     print(md)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out.with_suffix(".json"), "w") as f:
-        json.dump({"meta": meta, "table": table, "ratios": rat, "runs": rows}, f, indent=1)
-    with open(a.out.with_suffix(".md"), "w") as f:
-        f.write(f"# Speed and memory (`{meta['command']}`)\n\n{md}\n")
-    plot(table, a.models, lengths, a.methods, a.out.with_suffix(".png"))
-    print(f"\nwrote {a.out.with_suffix('.json')}, .md, .png in {meta['elapsed_s']:.0f}s")
+    write_outputs(a.out, meta, table, rat, rows, md, a.models, lengths, a.methods)
     return 0
+
+
+def write_outputs(out: Path, meta, table, rat, rows, md, models, lengths, methods) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".json"), "w") as f:
+        json.dump({"meta": meta, "table": table, "ratios": rat, "runs": rows}, f, indent=1)
+    with open(out.with_suffix(".md"), "w") as f:
+        f.write(f"# Speed and memory (`{meta['command']}`)\n\n{md}\n")
+    plot(table, models, lengths, methods, out.with_suffix(".png"))
+    print(f"\nwrote {out.with_suffix('.json')}, .md, .png in {meta['elapsed_s']:.0f}s")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dpfit.accounting import check_neighbouring
 from dpfit.config import LORA_MODES
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
+from dpfit.frozen_casts import FrozenWeightCasts
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
 from dpfit.models import count_bias_parameters
 from dpfit.precision import PRECISIONS, autocast, resolve_precision
@@ -648,7 +649,8 @@ def _head_phase(
     `on_abort(error, engine)` keeps the record of head steps taken before an error."""
     import dpfit
 
-    with autocast(config.precision, device):  # bf16 features, returned as float32
+    casts = FrozenWeightCasts(model, config.precision, device)
+    with casts.active(), autocast(config.precision, device):  # bf16 features, float32 out
         feats = frozen_features(model, items, collate, config.physical_batch_size, device)
     data = [(feats[i], int(items[i]["labels"])) for i in range(len(items))]
     note(f"head-first: features of {len(data)} examples computed once with the frozen backbone")
@@ -980,6 +982,7 @@ def train(
         acc_loss, acc_n = 0.0, 0
 
     stopped = len(rows) >= total_steps
+    frozen_casts = FrozenWeightCasts(model, config.precision, device)  # cast once, not per step
     try:
         while epoch < config.epochs and not stopped:
             if engine is not None and config.full_epochs and epoch >= config.full_epochs:
@@ -987,7 +990,7 @@ def train(
             for batch in loader:
                 weight = batch.pop("_weight", 1.0)
                 batch = {k: v.to(device) for k, v in batch.items()}
-                with _oom_guard(config):
+                with _oom_guard(config), frozen_casts.active():  # bf16 frozen weights
                     with autocast(config.precision, device):  # float32 masters, norms, noise
                         loss = task.loss(model, batch)
                     (loss * weight).backward()
