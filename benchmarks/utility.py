@@ -193,7 +193,12 @@ def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale
 def run_row(row: Row, task_name: str, seed: int, scale: Scale) -> list[dict]:
     """One or more result records (the probe gives one per pooling)."""
     task, train_csv, test_csv = task_data(task_name, seed, scale)
-    sizes = {"n_train": len(task.train), "n_test": len(task.test)}
+    sizes = {
+        "n_train": len(task.train),
+        "n_test": len(task.test),
+        "n_classes": task.num_labels,
+        "median_words": statistics.median(len(t.split()) for t in task.train.texts),
+    }
     if row.kind == "majority":
         return [{"row": row.name, "accuracy": task.majority_rate(), **sizes}]
     if row.kind == "tfidf":
