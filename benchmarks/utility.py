@@ -648,7 +648,7 @@ def main(argv=None) -> int:
                     if key in done:
                         continue
                     logger.info("run %s", key)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     base = {"key": key, "task": task, "seed": seed, "scale": scale.tag()}
                     try:
                         recs = run_row(row, task, seed, scale)
@@ -656,9 +656,11 @@ def main(argv=None) -> int:
                         logger.warning("%s failed: %s", key, traceback.format_exc(limit=3))
                         recs = [{"row": row.name, "error": f"{type(e).__name__}: {e}"}]
                     wall = time.perf_counter() - t0
+                    cpu = time.process_time() - c0  # user + sys: on a shared machine, the cost
                     with open(log, "a") as f:
                         for r in recs:
-                            f.write(json.dumps({**base, "wall_s": wall, **r}, default=str) + "\n")
+                            rec = {**base, "wall_s": wall, "cpu_s": cpu, **r}
+                            f.write(json.dumps(rec, default=str) + "\n")
                     logger.info(
                         "done %s in %.0f s: %s", key, wall, [r.get("accuracy") for r in recs]
                     )
