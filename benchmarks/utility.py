@@ -498,9 +498,10 @@ def held_out_lines(summary: dict) -> list[str]:
         for name, s in ((dp_name, dp), (np_name, npb)):
             sigma = s.get("noise_multiplier")
             noise = f"sigma {sigma:.3f}" if sigma else "no noise, no clipping"
+            cpu = f", {s['cpu_s']:.0f} CPU s per run" if s.get("cpu_s") else ""
             lines.append(
                 f"  - {name}: batch {s['batch_size']}, {s.get('head_first_steps') or 0} "
-                f"head-first steps, then {s['steps']} bias steps at lr {s['lr']:g}, {noise}"
+                f"head-first steps, then {s['steps']} bias steps at lr {s['lr']:g}, {noise}{cpu}"
             )
         both = [(k, _phases(dp, k), _phases(npb, k)) for k in seeds]
         both = [(k, a, b) for k, a, b in both if a and b]

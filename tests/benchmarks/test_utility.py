@@ -66,6 +66,7 @@ def test_held_out_gap_is_paired_by_seed_and_split_by_phase(utility):
     assert head.endswith("MISSED")  # mean -7.0
     assert _number_after(head, "non-private bias-only: ") == pytest.approx(-7.0)
     assert "sigma 0.900" in lines[1] and "no noise" in lines[2]
+    assert "100 CPU s per run" in lines[1]
     phases = lines[3]
     probe, bias = _number_after(phases, "probe phase "), _number_after(phases, "bias phase ")
     # probe: (58-59 + 60-61)/2 = -1.0; bias: ((2-11) + (2-5))/2 = -6.0; they add up to the gap

@@ -227,7 +227,9 @@ def test_held_out_csvs_load_back_as_a_users_file(held_out, tmp_path):
 
 def test_headline_outside_the_months_is_refused(monkeypatch):
     monkeypatch.setattr(
-        tasks, "_read_csv", lambda *a, **k: [{"Text": "Markets fall again today", "Date": "2021-01-05"}]
+        tasks,
+        "_read_csv",
+        lambda *a, **k: [{"Text": "Markets fall again today", "Date": "2021-01-05"}],
     )
     with pytest.raises(ValueError, match="outside"):
         tasks.headline_examples()
