@@ -513,12 +513,31 @@ def held_out_lines(summary: dict) -> list[str]:
                 f"non-private probe {b[0]:.1f} -> {b[1]:.1f} ({b[1] - b[0]:+.1f})"
                 for k, a, b in both
             )
+            probe_gap, bias_gap = statistics.fmean(probe_part), statistics.fmean(bias_part)
             lines.append(
                 f"  - the gap by phase (private minus non-private, mean over {len(both)} "
-                f"seed(s)): probe phase {statistics.fmean(probe_part):+.1f}, bias phase "
-                f"{statistics.fmean(bias_part):+.1f}; {each}"
+                f"seed(s)): probe phase {probe_gap:+.1f}, bias phase {bias_gap:+.1f}; {each}"
             )
+            if gap < -3:
+                lines.append("  - " + _likely_cause(dp, npb, probe_gap, bias_gap))
     return lines
+
+
+def _likely_cause(dp: dict, npb: dict, probe_gap: float, bias_gap: float) -> str:
+    """The phase that loses most of a missed gap, and what differs between the two runs in
+    it (a reading of the numbers above, not a tested cause)."""
+    if bias_gap <= probe_gap:
+        return (
+            "likely cause (not tested): the bias phase, which loses more than the probe: the "
+            f"private run takes {dp['steps']} noised steps of batch {dp['batch_size']} where the "
+            f"non-private one takes {npb['steps']} of {npb['batch_size']}, so the private "
+            "biases move far less from where the probe left them"
+        )
+    return (
+        "likely cause (not tested): the head-first probe, which loses more than the bias "
+        f"phase: {dp.get('head_first_steps')} noised steps of batch {dp['batch_size']} against "
+        f"{npb.get('head_first_steps')} non-private steps of {npb['batch_size']}"
+    )
 
 
 def markdown(summary: dict, header: str, failures: list[dict]) -> str:

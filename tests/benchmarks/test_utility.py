@@ -72,6 +72,16 @@ def test_held_out_gap_is_paired_by_seed_and_split_by_phase(utility):
     # probe: (58-59 + 60-61)/2 = -1.0; bias: ((2-11) + (2-5))/2 = -6.0; they add up to the gap
     assert probe == pytest.approx(-1.0) and bias == pytest.approx(-6.0)
     assert probe + bias == pytest.approx(-7.0)
+    assert "the bias phase" in lines[4] and "30 noised steps" in lines[4]  # a missed gap
+
+
+def test_a_met_gap_gets_no_cause(utility):
+    records = _records("debate-role")
+    for r in records:
+        if r["row"] == "non-private bias-only":
+            r["accuracy"] = 0.6
+    lines = utility.held_out_lines(utility.summarize(records, utility.Scale(None, None)))
+    assert lines[0].endswith("met") and not any("likely cause" in x for x in lines)
 
 
 def test_suite_tasks_get_no_held_out_section_and_held_out_ones_are_marked(utility):
