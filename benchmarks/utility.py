@@ -516,10 +516,13 @@ def held_out_lines(summary: dict) -> list[str]:
         if not seeds:
             continue
         gap = statistics.fmean(diffs)
+        p = npb["mean"] / 100  # binomial standard error of one run's test accuracy
+        se = 100 * (p * (1 - p) / npb["n_test"]) ** 0.5
         lines.append(
             f"- {task} ({dp['n_train']} train / {dp['n_test']} test, {dp.get('n_classes')} "
-            f"classes, median {dp.get('median_words')} words): {dp_name} minus {np_name}: "
-            f"{gap:+.1f} over {len(seeds)} seed(s): {_each(seeds, diffs)}; within 3 points: "
+            f"classes, median {dp.get('median_words'):g} words; standard error of one test "
+            f"accuracy {se:.1f} points): {dp_name} minus {np_name}: {gap:+.1f} over "
+            f"{len(seeds)} seed(s): {_each(seeds, diffs)}; within 3 points: "
             f"{'met' if gap >= -3 else 'MISSED'}"
         )
         for name, s in ((dp_name, dp), (np_name, npb)):

@@ -61,7 +61,8 @@ def test_held_out_gap_is_paired_by_seed_and_split_by_phase(utility):
     summary = utility.summarize(_records("debate-role"), utility.Scale(None, None))
     lines = utility.held_out_lines(summary)
     head = lines[0]
-    assert head.startswith("- debate-role (3000 train / 700 test, 3 classes, median 11 words)")
+    assert head.startswith("- debate-role (3000 train / 700 test, 3 classes, median 11 words;")
+    assert "standard error of one test accuracy 1.8 points" in head  # p = 0.68, n = 700
     assert "-10.0 (seed 0), -4.0 (seed 1)" in head
     assert head.endswith("MISSED")  # mean -7.0
     assert _number_after(head, "non-private bias-only: ") == pytest.approx(-7.0)
