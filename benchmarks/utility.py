@@ -21,8 +21,6 @@ marked "held out" in the tables): headline-month (7 classes, split by date) and 
   DP full eps=8              `dpfit train --mode full`
   DP LoRA-only eps=8         `dpfit train --mode lora`      (peft LoRA r=8 on query/value)
   DP bias+LoRA eps=E         `dpfit train --mode bias+lora` for E in 1, 8
-  ... batch n/40 (exploratory) DP-BiTFiT eps=8 with a quarter of the recipe's batch (4x the
-                             steps, same epochs and epsilon); run only when named in --rows
 
 dpfit rows pass NO recipe flags (batch, lr, epochs, clip norm, clipping, max length): the
 defaults are what is measured. Every finished run is appended to a JSONL log and skipped when
@@ -73,11 +71,6 @@ class Row:
     name: str  # table label
     kind: str  # majority | tfidf | dpbow | probe | dpfit
     train: dict = dataclasses.field(default_factory=dict)  # TrainConfig fields (no recipe!)
-    # exploratory rows change a default on purpose, run only when named in --rows:
-    # the logical batch as a fraction of the training examples (the recipe's is 1/10 below
-    # n = 10,000), so the same epochs take more steps at the same epsilon
-    batch_per_n: float | None = None
-    exploratory: bool = False
 
 
 ROWS = (
@@ -138,15 +131,6 @@ ROWS = (
     Row("dp-lora-8", "DP LoRA-only eps=8", "dpfit", {"epsilon": 8.0, "mode": "lora"}),
     Row("dp-bias-lora-8", "DP bias+LoRA eps=8", "dpfit", {"epsilon": 8.0, "mode": "bias+lora"}),
     Row("dp-bias-lora-1", "DP bias+LoRA eps=1", "dpfit", {"epsilon": 1.0, "mode": "bias+lora"}),
-    # more steps at the same epsilon and compute: a quarter of the recipe's batch, 4x the steps
-    Row(
-        "dp-8-steps4",
-        "DP-BiTFiT eps=8, batch n/40: 4x steps (exploratory)",
-        "dpfit",
-        {"epsilon": 8.0},
-        batch_per_n=1 / 40,
-        exploratory=True,
-    ),
 )
 ROW_BY_KEY = {r.key: r for r in ROWS}
 QUICK_TRAIN, QUICK_TEST = 1000, 500
@@ -183,16 +167,7 @@ def task_data(name: str, seed: int, scale: Scale) -> tuple[TaskSplits, Path, Pat
     )
 
 
-def train_fields(row: Row, n_train: int) -> dict:
-    """The TrainConfig fields a row sets: none of the recipe's, except in exploratory rows."""
-    if row.batch_per_n is None:
-        return dict(row.train)
-    return {**row.train, "batch_size": max(1, round(row.batch_per_n * n_train))}
-
-
-def run_dpfit(
-    row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale, n_train: int
-) -> dict:
+def run_dpfit(row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale) -> dict:
     from dpfit.train import TrainConfig, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -204,7 +179,7 @@ def run_dpfit(
         eval_data=str(test_csv),
         seed=seed,
         max_train_examples=scale.max_train,
-        **train_fields(row, scale.max_train or n_train),
+        **row.train,
     )
     m = train(cfg).metrics
     keep = (
@@ -237,8 +212,7 @@ def run_row(row: Row, task_name: str, seed: int, scale: Scale) -> list[dict]:
     if row.kind == "probe":
         res = baselines.probe(task, baselines.PROBE_MAX_LENGTH, seed, load_task(task_name, seed))
         return [{"row": f"frozen probe, {p}", **r, **sizes} for p, r in res.items()]
-    res = run_dpfit(row, train_csv, test_csv, seed, scale, len(task.train))
-    return [{"row": row.name, **sizes, **res}]
+    return [{"row": row.name, **sizes, **run_dpfit(row, train_csv, test_csv, seed, scale)}]
 
 
 # -- the log, the table, the plot ---------------------------------------------------------------
@@ -368,7 +342,6 @@ VARIANTS = (
     ("dp-full-8", "dp-8"),
     ("dp-full-8-nohead", "dp-full-8"),
     ("dp-bow-8-long", "dp-bow-8"),
-    ("dp-8-steps4", "dp-8"),
 )
 
 
@@ -745,13 +718,7 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    p.add_argument(
-        "--rows",
-        nargs="+",
-        default=[r.key for r in ROWS if not r.exploratory],
-        choices=list(ROW_BY_KEY),
-        help="rows to run (default: all but the exploratory ones)",
-    )
+    p.add_argument("--rows", nargs="+", default=[r.key for r in ROWS], choices=list(ROW_BY_KEY))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--quick", action="store_true", help=f"{QUICK_TRAIN} train / {QUICK_TEST} test")
     p.add_argument("--max-train", type=int, help="random training subset per task")

@@ -97,13 +97,3 @@ def test_suite_tasks_get_no_held_out_section_and_held_out_ones_are_marked(utilit
     targets = "\n".join(utility.targets(summary))
     assert "headline-month: DP-BiTFiT eps=8" in targets and "held-out task" in targets
     assert "reported only (n=3000 < 5000)" in targets  # the suite task keeps its own rule
-
-
-def test_only_exploratory_rows_set_a_recipe_field_and_none_runs_by_default(utility):
-    for row in [r for r in utility.ROWS if r.kind == "dpfit"]:  # dpfit's defaults measured
-        fields = utility.train_fields(row, 3316)
-        if row.exploratory:
-            assert fields == {"epsilon": 8.0, "batch_size": 83}  # 3316 / 40
-        else:
-            assert "batch_size" not in fields and "epochs" not in fields
-    assert any(r.exploratory for r in utility.ROWS)
