@@ -31,6 +31,7 @@ labelled as such.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -52,17 +53,57 @@ RENDERED = ("federated_lac_full", "federated_lac")
 
 class RecordingClients:
     """The batched engine, keeping the vote's candidate-loss matrix for the C* comparison
-    (benchmark only: a vote reply carries the one-hot vote, never these losses)."""
+    (benchmark only: a vote reply carries the one-hot vote, never these losses).
 
-    def __init__(self, engine) -> None:
+    ``memo``: a folder where each vote's loss matrix is kept under a hash of everything it
+    is computed from (the task, the model's start, the clients, the candidates, the vote's
+    multiplier, the engine's source). The clients' vote draws come from their own
+    generators (task seed, client, round 0), not from the run's seed, so DP-LAC at another
+    seed (same epsilon) asks the very same query and reads the matrix back instead of
+    training all N clients again.
+    """
+
+    def __init__(self, engine, memo: Path | None = None) -> None:
         self.engine = engine
+        self.memo = memo
         self.last_losses: np.ndarray | None = None
+        self.memo_hits = 0
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def candidate_losses(self, *a, **kw):
-        self.last_losses = self.engine.candidate_losses(*a, **kw)
+    def _memo_key(self, start, pids, candidates, noise_multiplier, expected_clients) -> str:
+        import dpfit.federated.batched as batched
+        import dpfit.federated.client as client
+        import dpfit.federated.clipping as clipping
+
+        h = hashlib.sha256()
+        for mod in (batched, client, clipping):
+            h.update(Path(mod.__file__).read_bytes())
+        h.update(repr(self.engine.task).encode())
+        for a in start:
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(json.dumps([list(map(int, pids)), list(map(float, candidates))]).encode())
+        h.update(repr((float(noise_multiplier), float(expected_clients))).encode())
+        return h.hexdigest()[:32]
+
+    def candidate_losses(self, start, pids, candidates, noise_multiplier, expected_clients):
+        path = None
+        if self.memo is not None:
+            key = self._memo_key(start, pids, candidates, noise_multiplier, expected_clients)
+            path = self.memo / f"vote_{key}.npy"
+            if path.exists():
+                self.memo_hits += 1
+                self.last_losses = np.load(path)
+                return self.last_losses
+        self.last_losses = self.engine.candidate_losses(
+            start, pids, candidates, noise_multiplier, expected_clients
+        )
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.npy")
+            np.save(tmp, self.last_losses)
+            tmp.replace(path)
         return self.last_losses
 
 
@@ -82,7 +123,10 @@ def setup(args: argparse.Namespace):
         seed=0, local_optimizer=args.local_optimizer,
     )  # fmt: skip
     lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
-    engine = RecordingClients(BatchedClients(lm, task, lambda p: client_examples(task, p)))
+    memo = Path(args.vote_memo) if getattr(args, "vote_memo", None) else None
+    engine = RecordingClients(
+        BatchedClients(lm, task, lambda p: client_examples(task, p)), memo=memo
+    )
     _, val, test = splits(task.seed)
     val = stratified(val, args.val_examples, seed=task.seed)
     val_data = ([e.text for e in val], [e.label for e in val])
@@ -91,9 +135,10 @@ def setup(args: argparse.Namespace):
     cache_file = Path(args.cache_file) if args.cache_file else None
     if cache_file is not None and cache_file.exists():  # the frozen layers' output, reused
         engine.cache.store.update(torch.load(cache_file))
+    loaded = len(engine.cache.store)
     engine.cache.fill([e.text for p in range(task.num_clients) for e in client_examples(task, p)])
     engine.cache.fill(val_data[0] + test_data[0])
-    if cache_file is not None:
+    if cache_file is not None and len(engine.cache.store) > loaded:  # written only if it grew
         torch.save(engine.cache.store, cache_file)
     logging.info("cache filled in %.0fs", time.perf_counter() - t0)
     setup_cost = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
@@ -115,14 +160,13 @@ def stratified(examples: list, k: int, seed: int) -> list:
     return sorted(out, key=lambda e: e.text)
 
 
-def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, test) -> dict:
-    """One rule at one epsilon and seed; per-round C_t, validation loss, median norm."""
-    from dpfit.federated.app import initial_arrays
-    from dpfit.federated.batched import drive
-    from dpfit.federated.strategy import DPFedAvgServer, ServerConfig
+def server_config(method: str, eps: float | None, seed: int, args):
+    """The untuned server of one rule at one epsilon and seed (C_init = 1; non-private:
+    the fixed rule with C = 1e6 and no noise)."""
+    from dpfit.federated.strategy import ServerConfig
 
     private = method != NON_PRIVATE
-    cfg = ServerConfig(
+    return ServerConfig(
         method=method if private else "fixed",
         num_clients=args.clients,
         clients_per_round=args.clients_per_round,
@@ -132,6 +176,21 @@ def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, 
         initial_clip=1.0 if private else 1e6,
         insecure_seed=seed,
     )
+
+
+def one_run(
+    method: str, eps: float | None, seed: int, args, task, engine, val, test, cfg=None
+) -> dict:
+    """One rule at one epsilon and seed; per-round C_t, validation loss, median norm.
+
+    ``cfg``: the server's config when it is not the untuned one (a tuned or candidate run).
+    """
+    from dpfit.federated.app import initial_arrays
+    from dpfit.federated.batched import drive
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    private = method != NON_PRIVATE
+    cfg = cfg or server_config(method, eps, seed, args)
     rounds: list[dict] = []
     t0, c0 = time.perf_counter(), time.process_time()
     server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val))
@@ -182,6 +241,81 @@ def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, 
         row["c_star"] = cands[int(np.argmin(mean))]
         row["candidate_mean_losses"] = mean.tolist()
         row["vote_time_s"] = rounds[0]["seconds"] if rounds else None
+    return row
+
+
+def _grids() -> dict[str, list[dict]]:
+    """The baselines' tuning grids: those of ``benchmarks/federated.py`` (one definition)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "federated", Path(__file__).with_name("federated.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GRIDS
+
+
+TUNED = ("adaptive-quantile", "automatic")  # the baselines tuned privately
+SELECTION = {"mean_runs": 3.0, "shape": 1.0, "budget_share": 1.0 / 3.0}
+
+
+def candidate_score(cfg, task, engine, val) -> float:
+    """A candidate run's score: its released model's accuracy on the server's validation
+    split, once at the end (no per-round evaluation: nothing in these rules reads it)."""
+    from dpfit.federated.app import initial_arrays
+    from dpfit.federated.batched import drive
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    server = DPFedAvgServer(cfg, initial_arrays(task))
+    drive(server, engine, cfg.num_clients)
+    return engine.evaluate_fn(*val)(server.params)[1]
+
+
+def tuned_run(method: str, eps: float, seed: int, args, task, engine, val, test) -> dict:
+    """Private selection over the method's grid with a third of the budget (Papernot &
+    Steinke's random repetition, E[K] = 3, geometric), then the final run on the rest."""
+    from dataclasses import replace
+
+    from dpfit.federated.tuning import (
+        SelectionConfig,
+        plan_tuning,
+        private_selection,
+        selection_rng,
+    )
+
+    grid = _grids()[method]
+    selection = SelectionConfig(**SELECTION)
+    plan = plan_tuning(server_config(method, eps, seed, args), grid, selection)
+    scores: list[dict] = []
+
+    def candidate(point, i: int) -> float:
+        # each candidate an independent run: its own (insecure, benchmark) noise stream
+        cfg = replace(plan.candidate, insecure_seed=10_000 * (seed + 1) + i, **point)
+        score = candidate_score(cfg, task, engine, val)
+        scores.append({"hyperparameters": dict(point), "val_accuracy": score})
+        return score
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    rng = selection_rng(insecure_seed=seed * 1_000 + METHODS.index(method) * 10 + int(eps))
+    sel = private_selection(grid, candidate, selection, rng)
+    tuning = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+    point = dict(sel.choice) if sel.choice is not None else {}
+    final = replace(plan.final, insecure_seed=seed, **point)
+    row = one_run(method, eps, seed, args, task, engine, val, test, cfg=final)
+    if row["epsilon"] > eps * (1 + 1e-3):
+        raise RuntimeError(f"{method} eps={eps}: tuned run spent {row['epsilon']} > target")
+    row.update(
+        tuned=True,
+        hyperparameters=point,
+        selection=SELECTION,
+        tuning_runs=sel.runs,
+        candidate_scores=scores,
+        candidate_noise_multiplier=plan.candidate_noise_multiplier,
+        tuning_epsilon=plan.tuning_epsilon,
+        tuning_seconds=tuning["seconds"],
+        tuning_cpu_seconds=tuning["cpu_seconds"],
+    )
     return row
 
 
@@ -269,37 +403,54 @@ def cmd_splits(args: argparse.Namespace) -> None:
     print(data)
 
 
+def arm(r: dict) -> str:
+    """A row's arm: the rule, or the rule privately tuned."""
+    return f"{r['method']} (tuned)" if r.get("tuned") else r["method"]
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     path = args.out / f"{args.name}.jsonl"
     done = set()
     if path.exists():
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            done.add((r["method"], r["epsilon_target"], r["seed"]))
+            done.add((arm(r), r["epsilon_target"], r["seed"]))
     task, engine, val, test, setup_cost = setup(args)
     with open(args.out / f"{args.name}_setup.jsonl", "a") as f:  # the cache fill's cost
         f.write(json.dumps({"pid": os.getpid(), **setup_cost}) + "\n")
     # seed by seed, so that an interrupted run still has complete pairs; the non-private
-    # reference at the first seed only (it has nothing to pair with)
-    plan = [(NON_PRIVATE, None, args.seeds[0])]
-    plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
+    # reference at the first seed only (it has nothing to pair with); --tune: the tuned arms
+    # of those baselines instead of the untuned rules
+    if args.tune:
+        plan = [
+            (f"{m} (tuned)", e, s) for s in args.seeds for e in args.epsilons for m in args.tune
+        ]
+    else:
+        plan = [(NON_PRIVATE, None, args.seeds[0])]
+        plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
     claims = Path(args.claims) if args.claims else None
-    for method, eps, seed in plan:
-        if (method, eps, seed) in done:
+    for name, eps, seed in plan:
+        if (name, eps, seed) in done:
             continue
         if claims is not None:  # several workers share one plan: each run is claimed once
             claims.mkdir(parents=True, exist_ok=True)
             try:
-                os.close(os.open(claims / f"{method}_{eps}_{seed}", os.O_CREAT | os.O_EXCL))
+                os.close(os.open(claims / f"{name}_{eps}_{seed}", os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 continue
-        row = one_run(method, eps, seed, args, task, engine, val, test)
+        hits = engine.memo_hits
+        if name.endswith(" (tuned)"):
+            method = name.removesuffix(" (tuned)")
+            row = tuned_run(method, eps, seed, args, task, engine, val, test)
+        else:
+            row = one_run(name, eps, seed, args, task, engine, val, test)
         row["load_avg"] = os.getloadavg()[0]
+        row["vote_from_memo"] = engine.memo_hits > hits
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(
-            f"{method} eps={eps} seed={seed}: test acc {row['test_accuracy']:.4f} "
-            f"({row['seconds']:.0f}s)",
+            f"{name} eps={eps} seed={seed}: test acc {row['test_accuracy']:.4f} "
+            f"({row['seconds']:.0f}s, {row['cpu_seconds']:.0f} CPU s)",
             flush=True,
         )
 
@@ -662,6 +813,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"], help="pilot only")
     p.add_argument("--lr", type=float, default=None, help="default: adamw 1e-3, sgd 0.1")
     p.add_argument("--cache-file", default=None, help="keep the frozen-layer cache here")
+    p.add_argument(
+        "--vote-memo", default=None, help="run: a folder keeping each vote's loss matrix"
+    )
+    p.add_argument(
+        "--tune",
+        nargs="+",
+        default=[],
+        choices=TUNED,
+        help="run: these baselines privately tuned (1/3 of the budget) instead of the rules",
+    )
     p.add_argument(
         "--claims", default=None, help="run: a folder through which workers share the plan"
     )
