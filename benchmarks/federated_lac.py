@@ -496,16 +496,22 @@ def command_of(runs: list[dict], name: str) -> str:
     r0 = runs[0]
     lines = []
     for e in sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None}):
-        at = [r for r in runs if r["epsilon_target"] == e]
-        seeds = sorted({r["seed"] for r in at})
-        methods = [m for m in METHODS if any(r["method"] == m for r in at)]
-        only = "" if len(methods) == len(METHODS) else f" --methods {' '.join(methods)}"
-        lines.append(
-            f"python benchmarks/federated_lac.py run --epsilons {e:g} "
-            f"--seeds {' '.join(map(str, seeds))}{only} --rounds {r0['rounds_requested']} "
-            f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
-            f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
-        )
+        for tuned in (False, True):
+            at = [r for r in runs if r["epsilon_target"] == e and bool(r.get("tuned")) == tuned]
+            if not at:
+                continue
+            seeds = sorted({r["seed"] for r in at})
+            methods = [m for m in METHODS if any(r["method"] == m for r in at)]
+            if tuned:
+                only = f" --tune {' '.join(methods)}"
+            else:
+                only = "" if len(methods) == len(METHODS) else f" --methods {' '.join(methods)}"
+            lines.append(
+                f"python benchmarks/federated_lac.py run --epsilons {e:g} "
+                f"--seeds {' '.join(map(str, seeds))}{only} --rounds {r0['rounds_requested']} "
+                f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
+                f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+            )
     return "\n".join(lines)
 
 
@@ -516,10 +522,13 @@ def load_setup(out: Path, name: str) -> list[dict]:
 
 
 def cost_line(runs: list[dict], setup: list[dict]) -> str:
-    hours = sum(r["seconds"] for r in runs) / 3600
+    hours = sum(r["seconds"] + r.get("tuning_seconds", 0.0) for r in runs) / 3600
     text = f"{len(runs)} runs, {hours:.2f} h of wall time on a shared 2-core machine, one thread"
+    tuned = sum(1 for r in runs if r.get("tuned"))
+    if tuned:
+        text += f" ({tuned} of them tuned arms, their candidate runs included)"
     if all("cpu_seconds" in r for r in runs):
-        cpu = sum(r["cpu_seconds"] for r in runs)
+        cpu = sum(r["cpu_seconds"] + r.get("tuning_cpu_seconds", 0.0) for r in runs)
         fill = sum(s["cpu_seconds"] for s in setup)
         text += (
             f"; CPU time {cpu:.0f} s in the runs + {fill:.0f} s loading/filling the "
@@ -555,6 +564,64 @@ def lr_rule_line(runs: list[dict], pilot: dict) -> str:
     return text
 
 
+def tuned_line() -> str:
+    grids = _grids()
+    parts = []
+    for m in TUNED:
+        key = next(iter(grids[m][0]))
+        parts.append(f"{m} {key} in {{{', '.join(f'{g[key]:g}' for g in grids[m])}}}")
+    return (
+        "the private selection of Papernot & Steinke over "
+        + "; ".join(parts)
+        + f" with E[K] = {SELECTION['mean_runs']:g} candidate runs (geometric) and "
+        f"{SELECTION['budget_share']:.3g} of the budget, each candidate scored by its "
+        "validation accuracy, then the final run on the rest; the epsilon of a tuned arm "
+        "includes the selection"
+    )
+
+
+def tuning_section(runs: list[dict]) -> list[str]:
+    """Each tuned arm's selection and its cost against DP-LAC's vote at the same epsilon."""
+    tuned = [r for r in runs if r.get("tuned")]
+    if not tuned:
+        return ["No tuned arm was run.", ""]
+    votes: dict[float, list[float]] = {}
+    for r in runs:
+        if r["method"] == "lac" and "c_star" in r and not r.get("vote_from_memo"):
+            votes.setdefault(r["epsilon_target"], []).append(r["rounds"][0]["cpu_seconds"])
+    lines = [
+        "## Private tuning of the baselines",
+        "",
+        "| arm | eps | seed | K | candidates (value: validation accuracy) | chosen | "
+        "z candidates | z final | epsilon spent | tuning CPU s | tuning wall s | "
+        "tuning CPU / DP-LAC vote CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in tuned:
+        key = next(iter(r["hyperparameters"]), None)
+        cands = ", ".join(
+            f"{c['hyperparameters'][key]:g}: {c['val_accuracy']:.3f}" for c in r["candidate_scores"]
+        )
+        chosen = f"{key} = {r['hyperparameters'][key]:g}" if key else "default (K = 0)"
+        vote = votes.get(r["epsilon_target"])
+        ratio = f"{r['tuning_cpu_seconds'] / statistics.median(vote):.1f}" if vote else "-"
+        lines.append(
+            f"| {arm(r)} | {r['epsilon_target']:g} | {r['seed']} | {r['tuning_runs']} | {cands} "
+            f"| {chosen} | {r['candidate_noise_multiplier']:.3f} | {r['noise_multiplier']:.3f} "
+            f"| {r['epsilon']:.3f} | {r['tuning_cpu_seconds']:.0f} | "
+            f"{r['tuning_seconds']:.0f} | {ratio} |"
+        )
+    lines += [
+        "",
+        "DP-LAC vote CPU: the median 'vote + round 1' CPU seconds of the DP-LAC runs at that "
+        "epsilon whose vote was computed (not read back). K, the candidates tried and their "
+        "scores are operator-only (the selection's bound does not cover releasing them); they "
+        "are shown because these runs are a benchmark with insecure seeds.",
+        "",
+    ]
+    return lines
+
+
 def render(
     runs: list[dict],
     name: str,
@@ -565,8 +632,9 @@ def render(
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
     seeds = sorted({r["seed"] for r in runs})
-    by = {(r["method"], r["epsilon_target"], r["seed"]): r for r in runs}
-    methods = [m for m in METHODS if any(r["method"] == m for r in runs)]
+    by = {(arm(r), r["epsilon_target"], r["seed"]): r for r in runs}
+    # every rule, and the tuned arms: a cell that was not run says so
+    methods = list(METHODS) + [f"{m} (tuned)" for m in TUNED]
     lines = [
         f"# DP-LAC against the clip-rule baselines on fine-tuned clients ({scale_label(r0)}: "
         f"N = {r0['clients']}, m = {r0['clients_per_round']:g}, {r0['rounds_requested']} rounds)",
@@ -575,7 +643,8 @@ def render(
         f"the head), local {r0['local_optimizer']} lr {r0['lr']:g}, 2 local epochs, batch 16; "
         f"N = {r0['clients']} IID clients of 10 examples, m = {r0['clients_per_round']:g} "
         f"expected a round (Poisson), {r0['rounds_requested']} rounds; every rule untuned "
-        f"(C_init = 1); test accuracy on the full test split ({r0['test_examples']} "
+        f"(C_init = 1); the '(tuned)' arms: quantile and automatic privately tuned by "
+        f"{tuned_line()}; test accuracy on the full test split ({r0['test_examples']} "
         f"examples), the server's public validation {r0['val_examples']} examples (stratified "
         "sample of the validation split). "
         f"Seeds {', '.join(map(str, seeds))} (paired: the same client sampling and noise "
@@ -606,7 +675,7 @@ def render(
 
     def cell(xs: list[float]) -> str:
         if not xs:
-            return "-"
+            return "not run"
         if len(xs) == 1:  # one seed: no spread to show
             return f"{xs[0]:.4f} (n=1)"
         return f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f} (n={len(xs)})"
@@ -623,7 +692,7 @@ def render(
         "| baseline | " + " | ".join(f"eps {e:g}" for e in eps_list) + " |",
         "|---" * (1 + len(eps_list)) + "|",
     ]
-    verdicts = []
+    verdicts: dict[float, list[str]] = {e: [] for e in eps_list}
     for m in methods:
         if m == "lac":
             continue
@@ -631,7 +700,8 @@ def render(
         for e in eps_list:
             pairs = [s for s in seeds if ("lac", e, s) in by and (m, e, s) in by]
             if not pairs:
-                cells.append("-")
+                cells.append("not run")
+                verdicts[e].append(f"not compared with {m} (not run)")
                 continue
             d = [by[("lac", e, s)]["test_accuracy"] - by[(m, e, s)]["test_accuracy"] for s in pairs]
             mean, lo, hi = paired_interval(d)
@@ -640,15 +710,22 @@ def render(
             else:
                 cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(d)})")
             if len(d) < 2:
-                verdicts.append(f"without an interval against {m} at eps {e:g} (one seed)")
+                verdicts[e].append(f"without an interval against {m} (one seed)")
             elif lo > 0:
-                verdicts.append(f"above {m} at eps {e:g}")
+                verdicts[e].append(f"above {m}")
             elif hi < 0:
-                verdicts.append(f"below {m} at eps {e:g}")
+                verdicts[e].append(f"below {m}")
             else:
-                verdicts.append(f"not distinguishable from {m} at eps {e:g}")
+                verdicts[e].append(f"not distinguishable from {m}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "DP-LAC is " + "; ".join(verdicts) + " (interval excludes 0 or not).", ""]
+    lines.append("")
+    for e in eps_list:  # the verdict of each 95% interval: excludes 0 (above/below) or not
+        lines.append(f"At eps {e:g}, DP-LAC is " + "; ".join(verdicts[e]) + ".")
+    lines += [
+        "",
+        "above / below: the paired 95% interval excludes 0; not distinguishable: it holds 0.",
+        "",
+    ]
     lines += [
         "## DP-LAC's vote: C_hist against the vote's own optimum",
         "",
@@ -657,9 +734,9 @@ def render(
         "benchmark). C* in the sense of the best fixed clip norm is not measured: the fixed rule "
         "ran at C = 1 only, not at each candidate.",
         "",
-        "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote + round 1 "
+        "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote | vote + round 1 "
         "CPU s | run CPU s | vote wall s | run wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if "c_star" in r:
@@ -669,18 +746,24 @@ def render(
                 if "cpu_seconds" in r
                 else "- | -"
             )
+            memo = "read back" if r.get("vote_from_memo") else "computed"
             lines.append(
                 f"| {r['method']} | {r['epsilon_target']:g} | {r['seed']} | "
                 f"{r['vote_noise_std']:.2f} | {counts} | {r['initial_clip']:g} | "
-                f"{r['c_star']:g} | {cpu} | {r['vote_time_s']:.0f} | {r['seconds']:.0f} |"
+                f"{r['c_star']:g} | {memo} | {cpu} | {r['vote_time_s']:.0f} | "
+                f"{r['seconds']:.0f} |"
             )
     lines += [
         "",
         "vote: from the run's start to the end of round 1, i.e. the vote (all N clients train "
         "once and score three candidates) plus one round; compare with the whole run's time. "
+        "'read back': the vote's loss matrix came from the vote memo (`--vote-memo`), kept "
+        "when the same query (same epsilon, any seed) was computed before, so that run's vote "
+        "cost almost nothing; its outcome is the computed one's (tested). "
         "CPU seconds are the process's own; wall seconds also count waiting for the shared "
-        "cores. The baselines' private tuning was not run (see docs/federated.md).",
+        "cores.",
         "",
+        *tuning_section(runs),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
         "| rule | eps | C_t round 1 -> last | norm round 1 -> last | val loss round 1 -> last "
@@ -696,7 +779,7 @@ def render(
         eps = "-" if r["epsilon_target"] is None else f"{r['epsilon_target']:g}"
         clip = "-" if r["method"] == NON_PRIVATE else f"{c[0]:.4g} -> {c[-1]:.4g}"
         lines.append(
-            f"| {r['method']} | {eps} | {clip} | {n[0]:.4g} -> {n[-1]:.4g} | "
+            f"| {arm(r)} | {eps} | {clip} | {n[0]:.4g} -> {n[-1]:.4g} | "
             f"{v[0]:.3f} -> {v[-1]:.3f} | {_corr(n, v):.2f} |"
         )
     lines += ["", f"![C_t and update norm per rule]({name}.png)", ""]

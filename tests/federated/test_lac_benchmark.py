@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from accounting_oracle import selected_then_trained_epsilon
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMINGS = ("seconds", "cpu_seconds", "vote_time_s")
@@ -72,8 +73,6 @@ def test_vote_memo_keys_apart_what_changes_the_query(small):
 
 
 def test_tuned_arm_spends_its_target_with_the_selection(small):
-    import dp_accounting as dpa
-
     bench, args, task, engine, val, test, _ = small
     row = bench.tuned_run("automatic", 8.0, 0, args, task, engine, val, test)
     grid = bench._grids()["automatic"]
@@ -82,25 +81,15 @@ def test_tuned_arm_spends_its_target_with_the_selection(small):
     best = max(row["candidate_scores"], key=lambda c: c["val_accuracy"])
     assert row["hyperparameters"] == best["hyperparameters"]  # the best score is released
     assert row["initial_clip"] == best["hyperparameters"]["initial_clip"]
-    assert recomputed_epsilon(dpa, row) == pytest.approx(row["epsilon"], rel=1e-3)
+    assert recomputed_epsilon(row) == pytest.approx(row["epsilon"], rel=1e-3)
     assert row["epsilon"] <= 8.0 * (1 + 1e-3)
 
 
-def recomputed_epsilon(dpa, r: dict) -> float:
-    """Selection (RepeatAndSelect over one candidate run at its multiplier), then the final
-    run: one sampled Gaussian per round (automatic, fixed)."""
-    q = r["clients_per_round"] / r["clients"]
-    rounds = r["rounds_requested"]
-
-    def run(z: float):
-        return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), rounds)
-
+def recomputed_epsilon(r: dict) -> float:
+    """A tuned arm of a rule with one sampled Gaussian per round (automatic, fixed)."""
     sel = r["selection"]
-    acc = dpa.rdp.RdpAccountant()
-    acc.compose(
-        dpa.dp_event.RepeatAndSelectDpEvent(
-            run(r["candidate_noise_multiplier"]), sel["mean_runs"], sel["shape"]
-        )
-    )
-    acc.compose(run(r["noise_multiplier"]))
-    return acc.get_epsilon(1e-5)
+    return selected_then_trained_epsilon(
+        r["clients_per_round"] / r["clients"], r["rounds_requested"],
+        r["candidate_noise_multiplier"], sel["mean_runs"], sel["shape"], r["noise_multiplier"],
+        1e-5,
+    )  # fmt: skip
