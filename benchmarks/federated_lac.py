@@ -39,6 +39,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -432,6 +433,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     for name, eps, seed in plan:
         if (name, eps, seed) in done:
             continue
+        if args.start_before and time.time() >= args.start_before.timestamp():
+            print(f"{args.start_before:%H:%M} UTC passed: no new run started", flush=True)
+            break
         if claims is not None:  # several workers share one plan: each run is claimed once
             claims.mkdir(parents=True, exist_ok=True)
             try:
@@ -898,6 +902,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-file", default=None, help="keep the frozen-layer cache here")
     p.add_argument(
         "--vote-memo", default=None, help="run: a folder keeping each vote's loss matrix"
+    )
+    p.add_argument(
+        "--start-before",
+        type=lambda t: datetime.fromisoformat(t).replace(tzinfo=timezone.utc),
+        default=None,
+        help="run: start no run (or tuned arm) after this UTC time, e.g. 2026-12-03T19:15",
     )
     p.add_argument(
         "--tune",
