@@ -544,6 +544,67 @@ def cost_line(runs: list[dict], setup: list[dict]) -> str:
     return text + "."
 
 
+PROTOCOL_EPS = (2.0, 8.0)
+PROTOCOL_SEEDS = 3
+
+
+def protocol_cost(runs: list[dict]) -> list[str]:
+    """The whole protocol's CPU time (both epsilons, three seeds, six untuned rules, the two
+    tuned arms, the non-private reference), estimated from the medians of the recorded runs."""
+    plain_rules = ("adaptive-quantile", "automatic", "dynamic", "fixed")
+    timed = [r for r in runs if "cpu_seconds" in r]
+    plain = [r["cpu_seconds"] for r in timed if r["method"] in plain_rules and not r.get("tuned")]
+    voted = [r for r in timed if "c_star" in r]
+    computed = [r["cpu_seconds"] for r in voted if not r.get("vote_from_memo")]
+    read_back = [r["cpu_seconds"] for r in voted if r.get("vote_from_memo")]
+    tuned = [r for r in timed if r.get("tuned") and r["tuning_runs"] > 0]
+    if not (plain and computed and read_back and tuned):
+        return [
+            "Whole-protocol CPU estimate: not made (it needs untuned, vote-computed, "
+            "vote-read-back and tuned runs recorded).",
+            "",
+        ]
+    med = statistics.median
+    cells = len(PROTOCOL_EPS) * PROTOCOL_SEEDS
+    vote = med(computed) - med(read_back)
+    k = SELECTION["mean_runs"]
+    parts = [  # (what, count, CPU s each)
+        ("untuned run without a vote (quantile, automatic, dynamic, fixed)", 4 * cells,
+         med(plain)),
+        ("non-private reference (priced as one)", 1, med(plain)),
+        ("DP-LAC / DP-CLAC run, vote read back", 2 * cells, med(read_back)),
+        ("vote computed (once per rule and epsilon with --vote-memo)", 2 * len(PROTOCOL_EPS),
+         vote),
+        (f"tuning candidate run (E[K] = {k:g} per arm)", k * 2 * cells,
+         med([r["tuning_cpu_seconds"] / r["tuning_runs"] for r in tuned])),
+        ("tuned arm's final run", 2 * cells, med([r["cpu_seconds"] for r in tuned])),
+    ]  # fmt: skip
+    lines = [
+        "## The whole protocol's CPU time (estimate from the recorded runs)",
+        "",
+        f"eps {' and '.join(f'{e:g}' for e in PROTOCOL_EPS)}, {PROTOCOL_SEEDS} seeds: each "
+        "component's count times the median CPU seconds of its recorded runs (a vote: the "
+        "median DP-LAC/DP-CLAC run that computed its vote minus the median one that read it "
+        "back).",
+        "",
+        "| component | count | median CPU s each | CPU-hours |",
+        "|---|---|---|---|",
+    ]
+    total = 0.0
+    for what, count, each in parts:
+        total += count * each
+        lines.append(f"| {what} | {count:g} | {each:.0f} | {count * each / 3600:.2f} |")
+    without = total + (2 * cells - 2 * len(PROTOCOL_EPS)) * vote
+    lines += [
+        f"| **total** | | | **{total / 3600:.2f}** |",
+        "",
+        f"Without the vote memo (every DP-LAC/DP-CLAC run computing its vote): "
+        f"{without / 3600:.2f} CPU-hours.",
+        "",
+    ]
+    return lines
+
+
 def lr_rule_line(runs: list[dict], pilot: dict) -> str:
     """The stated lr rule, recomputed: the pilot's SGD lr scaled so that its round-1 median
     update norm would be C_init = 1 (a step from the zero-initialised head scales with lr)."""
@@ -768,6 +829,7 @@ def render(
         "cores.",
         "",
         *tuning_section(runs),
+        *protocol_cost(runs),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
         "| rule | eps | C_t round 1 -> last | norm round 1 -> last | val loss round 1 -> last "

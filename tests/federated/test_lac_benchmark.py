@@ -93,3 +93,21 @@ def recomputed_epsilon(r: dict) -> float:
         r["candidate_noise_multiplier"], sel["mean_runs"], sel["shape"], r["noise_multiplier"],
         1e-5,
     )  # fmt: skip
+
+
+def test_protocol_cost_counts_every_run_of_the_protocol():
+    """Synthetic rows: 24 plain runs + 1 reference at 100 s, 12 voted runs at 150 s + 4
+    votes at 50 s, 12 tuned arms of 3 candidates at 80 s and a final at 90 s."""
+    bench = _benchmark()
+    runs = [{"method": "fixed", "cpu_seconds": 100.0}]
+    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0}]
+    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "vote_from_memo": True}]
+    runs += [
+        {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
+         "cpu_seconds": 90.0}
+    ]  # fmt: skip
+    text = "\n".join(bench.protocol_cost(runs))
+    total = 25 * 100 + 12 * 150 + 4 * 50 + 36 * 80 + 12 * 90
+    assert f"**{total / 3600:.2f}**" in text
+    assert f"{(total + 8 * 50) / 3600:.2f} CPU-hours" in text
+    assert "not made" in "\n".join(bench.protocol_cost(runs[:2]))
