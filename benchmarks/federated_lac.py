@@ -785,7 +785,7 @@ def render(
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
     for e in eps_list:  # the verdict of each 95% interval: excludes 0 (above/below) or not
-        lines.append(f"At eps {e:g}, DP-LAC is " + "; ".join(verdicts[e]) + ".")
+        lines.append(f"- At eps {e:g}, DP-LAC is " + "; ".join(verdicts[e]) + ".")
     lines += [
         "",
         "above / below: the paired 95% interval excludes 0; not distinguishable: it holds 0.",
