@@ -548,44 +548,60 @@ PROTOCOL_EPS = (2.0, 8.0)
 PROTOCOL_SEEDS = 3
 
 
-def protocol_cost(runs: list[dict]) -> list[str]:
-    """The whole protocol's CPU time (both epsilons, three seeds, six untuned rules, the two
-    tuned arms, the non-private reference), estimated from the medians of the recorded runs."""
+def vote_cpu(r: dict) -> float:
+    """CPU seconds of a DP-LAC run's vote: its first round's cumulative CPU (set-up, vote,
+    round 1) less one round (the second round's own CPU); about the set-up alone when the
+    vote was read back from the memo."""
+    c1, c2 = r["rounds"][0]["cpu_seconds"], r["rounds"][1]["cpu_seconds"]
+    return 2 * c1 - c2
+
+
+def cost_parts(runs: list[dict]) -> list[tuple[str, float, float]] | None:
+    """(component, count, median CPU s each) of the whole protocol (both epsilons, three
+    seeds, six untuned rules, two tuned arms, the non-private reference); None when a
+    component has no recorded run."""
     plain_rules = ("adaptive-quantile", "automatic", "dynamic", "fixed")
     timed = [r for r in runs if "cpu_seconds" in r]
     plain = [r["cpu_seconds"] for r in timed if r["method"] in plain_rules and not r.get("tuned")]
-    voted = [r for r in timed if "c_star" in r]
-    computed = [r["cpu_seconds"] for r in voted if not r.get("vote_from_memo")]
-    read_back = [r["cpu_seconds"] for r in voted if r.get("vote_from_memo")]
+    voted = [r for r in timed if "c_star" in r and len(r["rounds"]) > 1]
+    votes = [vote_cpu(r) for r in voted if not r.get("vote_from_memo")]
     tuned = [r for r in timed if r.get("tuned") and r["tuning_runs"] > 0]
-    if not (plain and computed and read_back and tuned):
-        return [
-            "Whole-protocol CPU estimate: not made (it needs untuned, vote-computed, "
-            "vote-read-back and tuned runs recorded).",
-            "",
-        ]
+    if not (plain and voted and votes and tuned):
+        return None
     med = statistics.median
     cells = len(PROTOCOL_EPS) * PROTOCOL_SEEDS
-    vote = med(computed) - med(read_back)
     k = SELECTION["mean_runs"]
-    parts = [  # (what, count, CPU s each)
+    return [
         ("untuned run without a vote (quantile, automatic, dynamic, fixed)", 4 * cells,
          med(plain)),
         ("non-private reference (priced as one)", 1, med(plain)),
-        ("DP-LAC / DP-CLAC run, vote read back", 2 * cells, med(read_back)),
+        ("DP-LAC / DP-CLAC run without its vote", 2 * cells,
+         med([r["cpu_seconds"] - vote_cpu(r) for r in voted])),
         ("vote computed (once per rule and epsilon with --vote-memo)", 2 * len(PROTOCOL_EPS),
-         vote),
+         med(votes)),
         (f"tuning candidate run (E[K] = {k:g} per arm)", k * 2 * cells,
          med([r["tuning_cpu_seconds"] / r["tuning_runs"] for r in tuned])),
         ("tuned arm's final run", 2 * cells, med([r["cpu_seconds"] for r in tuned])),
     ]  # fmt: skip
+
+
+def protocol_cost(runs: list[dict]) -> list[str]:
+    """The whole protocol's CPU time, estimated from the medians of the recorded runs; and
+    the same from the less loaded half of them (CPU seconds grow with the machine's load)."""
+    parts = cost_parts(runs)
+    if parts is None:
+        return [
+            "Whole-protocol CPU estimate: not made (it needs untuned, DP-LAC and tuned runs "
+            "recorded, one DP-LAC run with its vote computed).",
+            "",
+        ]
+    cells = len(PROTOCOL_EPS) * PROTOCOL_SEEDS
     lines = [
         "## The whole protocol's CPU time (estimate from the recorded runs)",
         "",
         f"eps {' and '.join(f'{e:g}' for e in PROTOCOL_EPS)}, {PROTOCOL_SEEDS} seeds: each "
         "component's count times the median CPU seconds of its recorded runs (a vote: the "
-        "median DP-LAC/DP-CLAC run that computed its vote minus the median one that read it "
-        "back).",
+        "first round's cumulative CPU less the second round's own).",
         "",
         "| component | count | median CPU s each | CPU-hours |",
         "|---|---|---|---|",
@@ -594,15 +610,25 @@ def protocol_cost(runs: list[dict]) -> list[str]:
     for what, count, each in parts:
         total += count * each
         lines.append(f"| {what} | {count:g} | {each:.0f} | {count * each / 3600:.2f} |")
+    vote = parts[3][2]
     without = total + (2 * cells - 2 * len(PROTOCOL_EPS)) * vote
     lines += [
         f"| **total** | | | **{total / 3600:.2f}** |",
         "",
         f"Without the vote memo (every DP-LAC/DP-CLAC run computing its vote): "
         f"{without / 3600:.2f} CPU-hours.",
-        "",
     ]
-    return lines
+    loads = [r["load_avg"] for r in runs if "load_avg" in r]
+    if loads:
+        cut = statistics.median(loads)
+        calm = cost_parts([r for r in runs if r.get("load_avg", math.inf) <= cut])
+        if calm is not None:
+            calm_total = sum(count * each for _, count, each in calm)
+            lines.append(
+                f"The same estimate from the runs recorded at a load average up to {cut:.1f} "
+                f"(the less loaded half): {calm_total / 3600:.2f} CPU-hours."
+            )
+    return lines + [""]
 
 
 def lr_rule_line(runs: list[dict], pilot: dict) -> str:
@@ -653,7 +679,7 @@ def tuning_section(runs: list[dict]) -> list[str]:
     votes: dict[float, list[float]] = {}
     for r in runs:
         if r["method"] == "lac" and "c_star" in r and not r.get("vote_from_memo"):
-            votes.setdefault(r["epsilon_target"], []).append(r["rounds"][0]["cpu_seconds"])
+            votes.setdefault(r["epsilon_target"], []).append(vote_cpu(r))
     lines = [
         "## Private tuning of the baselines",
         "",
@@ -678,8 +704,9 @@ def tuning_section(runs: list[dict]) -> list[str]:
         )
     lines += [
         "",
-        "DP-LAC vote CPU: the median 'vote + round 1' CPU seconds of the DP-LAC runs at that "
-        "epsilon whose vote was computed (not read back). K, the candidates tried and their "
+        "DP-LAC vote CPU: the median CPU seconds of the vote (its first round's cumulative "
+        "CPU less the second round's own) of the DP-LAC runs at that epsilon whose vote was "
+        "computed (not read back). K, the candidates tried and their "
         "scores are operator-only (the selection's bound does not cover releasing them); they "
         "are shown because these runs are a benchmark with insecure seeds.",
         "",

@@ -96,15 +96,19 @@ def recomputed_epsilon(r: dict) -> float:
 
 
 def test_protocol_cost_counts_every_run_of_the_protocol():
-    """Synthetic rows: 24 plain runs + 1 reference at 100 s, 12 voted runs at 150 s + 4
-    votes at 50 s, 12 tuned arms of 3 candidates at 80 s and a final at 90 s."""
+    """Synthetic rows: 24 plain runs + 1 reference at 100 s; 12 voted runs at 150 s without
+    their vote + 4 votes at 50 s (first round 55 s cumulative, second 60 s); 12 tuned arms of
+    3 candidates at 80 s and a final at 90 s."""
     bench = _benchmark()
+    rounds = [{"cpu_seconds": 55.0}, {"cpu_seconds": 60.0}]
+    read = [{"cpu_seconds": 5.0}, {"cpu_seconds": 10.0}]
     runs = [{"method": "fixed", "cpu_seconds": 100.0}]
-    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0}]
-    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "vote_from_memo": True}]
+    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0, "rounds": rounds}]
     runs += [
+        {"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "rounds": read,
+         "vote_from_memo": True},
         {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
-         "cpu_seconds": 90.0}
+         "cpu_seconds": 90.0},
     ]  # fmt: skip
     text = "\n".join(bench.protocol_cost(runs))
     total = 25 * 100 + 12 * 150 + 4 * 50 + 36 * 80 + 12 * 90
