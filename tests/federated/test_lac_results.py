@@ -88,13 +88,14 @@ def test_recorded_epsilons_recomputed_with_dp_accounting():
 
 
 def test_recorded_tuned_epsilons_include_the_selection():
-    """A tuned arm (automatic: one Gaussian per round): the selection over its candidates
-    (RepeatAndSelect), then the final run, recomputed with dp-accounting."""
-    for r in _runs():
-        if not r.get("tuned"):
-            continue
+    """A tuned arm (automatic: one Gaussian per round; quantile: the update and the count's
+    Gaussians, one combined multiplier): the selection over its candidates (RepeatAndSelect),
+    then the final run, recomputed with dp-accounting."""
+    tuned = [r for r in _runs() if r.get("tuned")]
+    assert tuned  # the recorded protocol has tuned arms
+    for r in tuned:
         assert r["epsilon"] <= r["epsilon_target"] * (1 + 1e-3)
-        if r["method"] == "automatic" and not r["stopped"]:
+        if r["method"] in ("automatic", "adaptive-quantile") and not r["stopped"]:
             sel = r["selection"]
             eps = selected_then_trained_epsilon(
                 r["clients_per_round"] / r["clients"], r["rounds_requested"],
