@@ -31,6 +31,7 @@ labelled as such.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -52,17 +54,57 @@ RENDERED = ("federated_lac_full", "federated_lac")
 
 class RecordingClients:
     """The batched engine, keeping the vote's candidate-loss matrix for the C* comparison
-    (benchmark only: a vote reply carries the one-hot vote, never these losses)."""
+    (benchmark only: a vote reply carries the one-hot vote, never these losses).
 
-    def __init__(self, engine) -> None:
+    ``memo``: a folder where each vote's loss matrix is kept under a hash of everything it
+    is computed from (the task, the model's start, the clients, the candidates, the vote's
+    multiplier, the engine's source). The clients' vote draws come from their own
+    generators (task seed, client, round 0), not from the run's seed, so DP-LAC at another
+    seed (same epsilon) asks the very same query and reads the matrix back instead of
+    training all N clients again.
+    """
+
+    def __init__(self, engine, memo: Path | None = None) -> None:
         self.engine = engine
+        self.memo = memo
         self.last_losses: np.ndarray | None = None
+        self.memo_hits = 0
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def candidate_losses(self, *a, **kw):
-        self.last_losses = self.engine.candidate_losses(*a, **kw)
+    def _memo_key(self, start, pids, candidates, noise_multiplier, expected_clients) -> str:
+        import dpfit.federated.batched as batched
+        import dpfit.federated.client as client
+        import dpfit.federated.clipping as clipping
+
+        h = hashlib.sha256()
+        for mod in (batched, client, clipping):
+            h.update(Path(mod.__file__).read_bytes())
+        h.update(repr(self.engine.task).encode())
+        for a in start:
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(json.dumps([list(map(int, pids)), list(map(float, candidates))]).encode())
+        h.update(repr((float(noise_multiplier), float(expected_clients))).encode())
+        return h.hexdigest()[:32]
+
+    def candidate_losses(self, start, pids, candidates, noise_multiplier, expected_clients):
+        path = None
+        if self.memo is not None:
+            key = self._memo_key(start, pids, candidates, noise_multiplier, expected_clients)
+            path = self.memo / f"vote_{key}.npy"
+            if path.exists():
+                self.memo_hits += 1
+                self.last_losses = np.load(path)
+                return self.last_losses
+        self.last_losses = self.engine.candidate_losses(
+            start, pids, candidates, noise_multiplier, expected_clients
+        )
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.npy")
+            np.save(tmp, self.last_losses)
+            tmp.replace(path)
         return self.last_losses
 
 
@@ -82,7 +124,10 @@ def setup(args: argparse.Namespace):
         seed=0, local_optimizer=args.local_optimizer,
     )  # fmt: skip
     lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
-    engine = RecordingClients(BatchedClients(lm, task, lambda p: client_examples(task, p)))
+    memo = Path(args.vote_memo) if getattr(args, "vote_memo", None) else None
+    engine = RecordingClients(
+        BatchedClients(lm, task, lambda p: client_examples(task, p)), memo=memo
+    )
     _, val, test = splits(task.seed)
     val = stratified(val, args.val_examples, seed=task.seed)
     val_data = ([e.text for e in val], [e.label for e in val])
@@ -91,9 +136,10 @@ def setup(args: argparse.Namespace):
     cache_file = Path(args.cache_file) if args.cache_file else None
     if cache_file is not None and cache_file.exists():  # the frozen layers' output, reused
         engine.cache.store.update(torch.load(cache_file))
+    loaded = len(engine.cache.store)
     engine.cache.fill([e.text for p in range(task.num_clients) for e in client_examples(task, p)])
     engine.cache.fill(val_data[0] + test_data[0])
-    if cache_file is not None:
+    if cache_file is not None and len(engine.cache.store) > loaded:  # written only if it grew
         torch.save(engine.cache.store, cache_file)
     logging.info("cache filled in %.0fs", time.perf_counter() - t0)
     setup_cost = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
@@ -115,14 +161,13 @@ def stratified(examples: list, k: int, seed: int) -> list:
     return sorted(out, key=lambda e: e.text)
 
 
-def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, test) -> dict:
-    """One rule at one epsilon and seed; per-round C_t, validation loss, median norm."""
-    from dpfit.federated.app import initial_arrays
-    from dpfit.federated.batched import drive
-    from dpfit.federated.strategy import DPFedAvgServer, ServerConfig
+def server_config(method: str, eps: float | None, seed: int, args):
+    """The untuned server of one rule at one epsilon and seed (C_init = 1; non-private:
+    the fixed rule with C = 1e6 and no noise)."""
+    from dpfit.federated.strategy import ServerConfig
 
     private = method != NON_PRIVATE
-    cfg = ServerConfig(
+    return ServerConfig(
         method=method if private else "fixed",
         num_clients=args.clients,
         clients_per_round=args.clients_per_round,
@@ -132,6 +177,21 @@ def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, 
         initial_clip=1.0 if private else 1e6,
         insecure_seed=seed,
     )
+
+
+def one_run(
+    method: str, eps: float | None, seed: int, args, task, engine, val, test, cfg=None
+) -> dict:
+    """One rule at one epsilon and seed; per-round C_t, validation loss, median norm.
+
+    ``cfg``: the server's config when it is not the untuned one (a tuned or candidate run).
+    """
+    from dpfit.federated.app import initial_arrays
+    from dpfit.federated.batched import drive
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    private = method != NON_PRIVATE
+    cfg = cfg or server_config(method, eps, seed, args)
     rounds: list[dict] = []
     t0, c0 = time.perf_counter(), time.process_time()
     server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val))
@@ -182,6 +242,81 @@ def one_run(method: str, eps: float | None, seed: int, args, task, engine, val, 
         row["c_star"] = cands[int(np.argmin(mean))]
         row["candidate_mean_losses"] = mean.tolist()
         row["vote_time_s"] = rounds[0]["seconds"] if rounds else None
+    return row
+
+
+def _grids() -> dict[str, list[dict]]:
+    """The baselines' tuning grids: those of ``benchmarks/federated.py`` (one definition)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "federated", Path(__file__).with_name("federated.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GRIDS
+
+
+TUNED = ("adaptive-quantile", "automatic")  # the baselines tuned privately
+SELECTION = {"mean_runs": 3.0, "shape": 1.0, "budget_share": 1.0 / 3.0}
+
+
+def candidate_score(cfg, task, engine, val) -> float:
+    """A candidate run's score: its released model's accuracy on the server's validation
+    split, once at the end (no per-round evaluation: nothing in these rules reads it)."""
+    from dpfit.federated.app import initial_arrays
+    from dpfit.federated.batched import drive
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    server = DPFedAvgServer(cfg, initial_arrays(task))
+    drive(server, engine, cfg.num_clients)
+    return engine.evaluate_fn(*val)(server.params)[1]
+
+
+def tuned_run(method: str, eps: float, seed: int, args, task, engine, val, test) -> dict:
+    """Private selection over the method's grid with a third of the budget (Papernot &
+    Steinke's random repetition, E[K] = 3, geometric), then the final run on the rest."""
+    from dataclasses import replace
+
+    from dpfit.federated.tuning import (
+        SelectionConfig,
+        plan_tuning,
+        private_selection,
+        selection_rng,
+    )
+
+    grid = _grids()[method]
+    selection = SelectionConfig(**SELECTION)
+    plan = plan_tuning(server_config(method, eps, seed, args), grid, selection)
+    scores: list[dict] = []
+
+    def candidate(point, i: int) -> float:
+        # each candidate an independent run: its own (insecure, benchmark) noise stream
+        cfg = replace(plan.candidate, insecure_seed=10_000 * (seed + 1) + i, **point)
+        score = candidate_score(cfg, task, engine, val)
+        scores.append({"hyperparameters": dict(point), "val_accuracy": score})
+        return score
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    rng = selection_rng(insecure_seed=seed * 1_000 + METHODS.index(method) * 10 + int(eps))
+    sel = private_selection(grid, candidate, selection, rng)
+    tuning = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+    point = dict(sel.choice) if sel.choice is not None else {}
+    final = replace(plan.final, insecure_seed=seed, **point)
+    row = one_run(method, eps, seed, args, task, engine, val, test, cfg=final)
+    if row["epsilon"] > eps * (1 + 1e-3):
+        raise RuntimeError(f"{method} eps={eps}: tuned run spent {row['epsilon']} > target")
+    row.update(
+        tuned=True,
+        hyperparameters=point,
+        selection=SELECTION,
+        tuning_runs=sel.runs,
+        candidate_scores=scores,
+        candidate_noise_multiplier=plan.candidate_noise_multiplier,
+        tuning_epsilon=plan.tuning_epsilon,
+        tuning_seconds=tuning["seconds"],
+        tuning_cpu_seconds=tuning["cpu_seconds"],
+    )
     return row
 
 
@@ -269,37 +404,57 @@ def cmd_splits(args: argparse.Namespace) -> None:
     print(data)
 
 
+def arm(r: dict) -> str:
+    """A row's arm: the rule, or the rule privately tuned."""
+    return f"{r['method']} (tuned)" if r.get("tuned") else r["method"]
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     path = args.out / f"{args.name}.jsonl"
     done = set()
     if path.exists():
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            done.add((r["method"], r["epsilon_target"], r["seed"]))
+            done.add((arm(r), r["epsilon_target"], r["seed"]))
     task, engine, val, test, setup_cost = setup(args)
     with open(args.out / f"{args.name}_setup.jsonl", "a") as f:  # the cache fill's cost
         f.write(json.dumps({"pid": os.getpid(), **setup_cost}) + "\n")
     # seed by seed, so that an interrupted run still has complete pairs; the non-private
-    # reference at the first seed only (it has nothing to pair with)
-    plan = [(NON_PRIVATE, None, args.seeds[0])]
-    plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
+    # reference at the first seed only (it has nothing to pair with); --tune: the tuned arms
+    # of those baselines instead of the untuned rules
+    if args.tune:
+        plan = [
+            (f"{m} (tuned)", e, s) for s in args.seeds for e in args.epsilons for m in args.tune
+        ]
+    else:
+        plan = [(NON_PRIVATE, None, args.seeds[0])]
+        plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
     claims = Path(args.claims) if args.claims else None
-    for method, eps, seed in plan:
-        if (method, eps, seed) in done:
+    for name, eps, seed in plan:
+        if (name, eps, seed) in done:
             continue
+        if args.start_before and time.time() >= args.start_before.timestamp():
+            print(f"{args.start_before:%H:%M} UTC passed: no new run started", flush=True)
+            break
         if claims is not None:  # several workers share one plan: each run is claimed once
             claims.mkdir(parents=True, exist_ok=True)
             try:
-                os.close(os.open(claims / f"{method}_{eps}_{seed}", os.O_CREAT | os.O_EXCL))
+                os.close(os.open(claims / f"{name}_{eps}_{seed}", os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 continue
-        row = one_run(method, eps, seed, args, task, engine, val, test)
+        hits = engine.memo_hits
+        if name.endswith(" (tuned)"):
+            method = name.removesuffix(" (tuned)")
+            row = tuned_run(method, eps, seed, args, task, engine, val, test)
+        else:
+            row = one_run(name, eps, seed, args, task, engine, val, test)
         row["load_avg"] = os.getloadavg()[0]
+        row["vote_from_memo"] = engine.memo_hits > hits
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(
-            f"{method} eps={eps} seed={seed}: test acc {row['test_accuracy']:.4f} "
-            f"({row['seconds']:.0f}s)",
+            f"{name} eps={eps} seed={seed}: test acc {row['test_accuracy']:.4f} "
+            f"({row['seconds']:.0f}s, {row['cpu_seconds']:.0f} CPU s)",
             flush=True,
         )
 
@@ -345,16 +500,22 @@ def command_of(runs: list[dict], name: str) -> str:
     r0 = runs[0]
     lines = []
     for e in sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None}):
-        at = [r for r in runs if r["epsilon_target"] == e]
-        seeds = sorted({r["seed"] for r in at})
-        methods = [m for m in METHODS if any(r["method"] == m for r in at)]
-        only = "" if len(methods) == len(METHODS) else f" --methods {' '.join(methods)}"
-        lines.append(
-            f"python benchmarks/federated_lac.py run --epsilons {e:g} "
-            f"--seeds {' '.join(map(str, seeds))}{only} --rounds {r0['rounds_requested']} "
-            f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
-            f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
-        )
+        for tuned in (False, True):
+            at = [r for r in runs if r["epsilon_target"] == e and bool(r.get("tuned")) == tuned]
+            if not at:
+                continue
+            seeds = sorted({r["seed"] for r in at})
+            methods = [m for m in METHODS if any(r["method"] == m for r in at)]
+            if tuned:
+                only = f" --tune {' '.join(methods)}"
+            else:
+                only = "" if len(methods) == len(METHODS) else f" --methods {' '.join(methods)}"
+            lines.append(
+                f"python benchmarks/federated_lac.py run --epsilons {e:g} "
+                f"--seeds {' '.join(map(str, seeds))}{only} --rounds {r0['rounds_requested']} "
+                f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
+                f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+            )
     return "\n".join(lines)
 
 
@@ -365,10 +526,13 @@ def load_setup(out: Path, name: str) -> list[dict]:
 
 
 def cost_line(runs: list[dict], setup: list[dict]) -> str:
-    hours = sum(r["seconds"] for r in runs) / 3600
+    hours = sum(r["seconds"] + r.get("tuning_seconds", 0.0) for r in runs) / 3600
     text = f"{len(runs)} runs, {hours:.2f} h of wall time on a shared 2-core machine, one thread"
+    tuned = sum(1 for r in runs if r.get("tuned"))
+    if tuned:
+        text += f" ({tuned} of them tuned arms, their candidate runs included)"
     if all("cpu_seconds" in r for r in runs):
-        cpu = sum(r["cpu_seconds"] for r in runs)
+        cpu = sum(r["cpu_seconds"] + r.get("tuning_cpu_seconds", 0.0) for r in runs)
         fill = sum(s["cpu_seconds"] for s in setup)
         text += (
             f"; CPU time {cpu:.0f} s in the runs + {fill:.0f} s loading/filling the "
@@ -378,6 +542,93 @@ def cost_line(runs: list[dict], setup: list[dict]) -> str:
     else:
         text += " (CPU time was not recorded for these runs)"
     return text + "."
+
+
+PROTOCOL_EPS = (2.0, 8.0)
+PROTOCOL_SEEDS = 3
+
+
+def vote_cpu(r: dict) -> float:
+    """CPU seconds of a DP-LAC run's vote: its first round's cumulative CPU (set-up, vote,
+    round 1) less one round (the second round's own CPU); about the set-up alone when the
+    vote was read back from the memo."""
+    c1, c2 = r["rounds"][0]["cpu_seconds"], r["rounds"][1]["cpu_seconds"]
+    return 2 * c1 - c2
+
+
+def cost_parts(runs: list[dict]) -> list[tuple[str, float, float]] | None:
+    """(component, count, median CPU s each) of the whole protocol (both epsilons, three
+    seeds, six untuned rules, two tuned arms, the non-private reference); None when a
+    component has no recorded run."""
+    plain_rules = ("adaptive-quantile", "automatic", "dynamic", "fixed")
+    timed = [r for r in runs if "cpu_seconds" in r]
+    plain = [r["cpu_seconds"] for r in timed if r["method"] in plain_rules and not r.get("tuned")]
+    voted = [r for r in timed if "c_star" in r and len(r["rounds"]) > 1]
+    votes = [vote_cpu(r) for r in voted if not r.get("vote_from_memo")]
+    tuned = [r for r in timed if r.get("tuned") and r["tuning_runs"] > 0]
+    if not (plain and voted and votes and tuned):
+        return None
+    med = statistics.median
+    cells = len(PROTOCOL_EPS) * PROTOCOL_SEEDS
+    k = SELECTION["mean_runs"]
+    return [
+        ("untuned run without a vote (quantile, automatic, dynamic, fixed)", 4 * cells,
+         med(plain)),
+        ("non-private reference (priced as one)", 1, med(plain)),
+        ("DP-LAC / DP-CLAC run without its vote", 2 * cells,
+         med([r["cpu_seconds"] - vote_cpu(r) for r in voted])),
+        ("vote computed (once per rule and epsilon with --vote-memo)", 2 * len(PROTOCOL_EPS),
+         med(votes)),
+        (f"tuning candidate run (E[K] = {k:g} per arm)", k * 2 * cells,
+         med([r["tuning_cpu_seconds"] / r["tuning_runs"] for r in tuned])),
+        ("tuned arm's final run", 2 * cells, med([r["cpu_seconds"] for r in tuned])),
+    ]  # fmt: skip
+
+
+def protocol_cost(runs: list[dict]) -> list[str]:
+    """The whole protocol's CPU time, estimated from the medians of the recorded runs; and
+    the same from the less loaded half of them (CPU seconds grow with the machine's load)."""
+    parts = cost_parts(runs)
+    if parts is None:
+        return [
+            "Whole-protocol CPU estimate: not made (it needs untuned, DP-LAC and tuned runs "
+            "recorded, one DP-LAC run with its vote computed).",
+            "",
+        ]
+    cells = len(PROTOCOL_EPS) * PROTOCOL_SEEDS
+    lines = [
+        "## The whole protocol's CPU time (estimate from the recorded runs)",
+        "",
+        f"eps {' and '.join(f'{e:g}' for e in PROTOCOL_EPS)}, {PROTOCOL_SEEDS} seeds: each "
+        "component's count times the median CPU seconds of its recorded runs (a vote: the "
+        "first round's cumulative CPU less the second round's own).",
+        "",
+        "| component | count | median CPU s each | CPU-hours |",
+        "|---|---|---|---|",
+    ]
+    total = 0.0
+    for what, count, each in parts:
+        total += count * each
+        lines.append(f"| {what} | {count:g} | {each:.0f} | {count * each / 3600:.2f} |")
+    vote = parts[3][2]
+    without = total + (2 * cells - 2 * len(PROTOCOL_EPS)) * vote
+    lines += [
+        f"| **total** | | | **{total / 3600:.2f}** |",
+        "",
+        f"Without the vote memo (every DP-LAC/DP-CLAC run computing its vote): "
+        f"{without / 3600:.2f} CPU-hours.",
+    ]
+    loads = [r["load_avg"] for r in runs if "load_avg" in r]
+    if loads:
+        cut = statistics.median(loads)
+        calm = cost_parts([r for r in runs if r.get("load_avg", math.inf) <= cut])
+        if calm is not None:
+            calm_total = sum(count * each for _, count, each in calm)
+            lines.append(
+                f"The same estimate from the runs recorded at a load average up to {cut:.1f} "
+                f"(the less loaded half): {calm_total / 3600:.2f} CPU-hours."
+            )
+    return lines + [""]
 
 
 def lr_rule_line(runs: list[dict], pilot: dict) -> str:
@@ -404,6 +655,65 @@ def lr_rule_line(runs: list[dict], pilot: dict) -> str:
     return text
 
 
+def tuned_line() -> str:
+    grids = _grids()
+    parts = []
+    for m in TUNED:
+        key = next(iter(grids[m][0]))
+        parts.append(f"{m} {key} in {{{', '.join(f'{g[key]:g}' for g in grids[m])}}}")
+    return (
+        "the private selection of Papernot & Steinke over "
+        + "; ".join(parts)
+        + f" with E[K] = {SELECTION['mean_runs']:g} candidate runs (geometric) and "
+        f"{SELECTION['budget_share']:.3g} of the budget, each candidate scored by its "
+        "validation accuracy, then the final run on the rest; the epsilon of a tuned arm "
+        "includes the selection"
+    )
+
+
+def tuning_section(runs: list[dict]) -> list[str]:
+    """Each tuned arm's selection and its cost against DP-LAC's vote at the same epsilon."""
+    tuned = [r for r in runs if r.get("tuned")]
+    if not tuned:
+        return ["No tuned arm was run.", ""]
+    votes: dict[float, list[float]] = {}
+    for r in runs:
+        if r["method"] == "lac" and "c_star" in r and not r.get("vote_from_memo"):
+            votes.setdefault(r["epsilon_target"], []).append(vote_cpu(r))
+    lines = [
+        "## Private tuning of the baselines",
+        "",
+        "| arm | eps | seed | K | candidates (value: validation accuracy) | chosen | "
+        "z candidates | z final | epsilon spent | tuning CPU s | tuning wall s | "
+        "tuning CPU / DP-LAC vote CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in tuned:
+        key = next(iter(r["hyperparameters"]), None)
+        cands = ", ".join(
+            f"{c['hyperparameters'][key]:g}: {c['val_accuracy']:.3f}" for c in r["candidate_scores"]
+        )
+        chosen = f"{key} = {r['hyperparameters'][key]:g}" if key else "default (K = 0)"
+        vote = votes.get(r["epsilon_target"])
+        ratio = f"{r['tuning_cpu_seconds'] / statistics.median(vote):.1f}" if vote else "-"
+        lines.append(
+            f"| {arm(r)} | {r['epsilon_target']:g} | {r['seed']} | {r['tuning_runs']} | {cands} "
+            f"| {chosen} | {r['candidate_noise_multiplier']:.3f} | {r['noise_multiplier']:.3f} "
+            f"| {r['epsilon']:.3f} | {r['tuning_cpu_seconds']:.0f} | "
+            f"{r['tuning_seconds']:.0f} | {ratio} |"
+        )
+    lines += [
+        "",
+        "DP-LAC vote CPU: the median CPU seconds of the vote (its first round's cumulative "
+        "CPU less the second round's own) of the DP-LAC runs at that epsilon whose vote was "
+        "computed (not read back). K, the candidates tried and their "
+        "scores are operator-only (the selection's bound does not cover releasing them); they "
+        "are shown because these runs are a benchmark with insecure seeds.",
+        "",
+    ]
+    return lines
+
+
 def render(
     runs: list[dict],
     name: str,
@@ -414,8 +724,9 @@ def render(
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
     seeds = sorted({r["seed"] for r in runs})
-    by = {(r["method"], r["epsilon_target"], r["seed"]): r for r in runs}
-    methods = [m for m in METHODS if any(r["method"] == m for r in runs)]
+    by = {(arm(r), r["epsilon_target"], r["seed"]): r for r in runs}
+    # every rule, and the tuned arms: a cell that was not run says so
+    methods = list(METHODS) + [f"{m} (tuned)" for m in TUNED]
     lines = [
         f"# DP-LAC against the clip-rule baselines on fine-tuned clients ({scale_label(r0)}: "
         f"N = {r0['clients']}, m = {r0['clients_per_round']:g}, {r0['rounds_requested']} rounds)",
@@ -424,7 +735,8 @@ def render(
         f"the head), local {r0['local_optimizer']} lr {r0['lr']:g}, 2 local epochs, batch 16; "
         f"N = {r0['clients']} IID clients of 10 examples, m = {r0['clients_per_round']:g} "
         f"expected a round (Poisson), {r0['rounds_requested']} rounds; every rule untuned "
-        f"(C_init = 1); test accuracy on the full test split ({r0['test_examples']} "
+        f"(C_init = 1); the '(tuned)' arms: quantile and automatic privately tuned by "
+        f"{tuned_line()}; test accuracy on the full test split ({r0['test_examples']} "
         f"examples), the server's public validation {r0['val_examples']} examples (stratified "
         "sample of the validation split). "
         f"Seeds {', '.join(map(str, seeds))} (paired: the same client sampling and noise "
@@ -455,7 +767,7 @@ def render(
 
     def cell(xs: list[float]) -> str:
         if not xs:
-            return "-"
+            return "not run"
         if len(xs) == 1:  # one seed: no spread to show
             return f"{xs[0]:.4f} (n=1)"
         return f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f} (n={len(xs)})"
@@ -472,7 +784,7 @@ def render(
         "| baseline | " + " | ".join(f"eps {e:g}" for e in eps_list) + " |",
         "|---" * (1 + len(eps_list)) + "|",
     ]
-    verdicts = []
+    verdicts: dict[float, list[str]] = {e: [] for e in eps_list}
     for m in methods:
         if m == "lac":
             continue
@@ -480,7 +792,8 @@ def render(
         for e in eps_list:
             pairs = [s for s in seeds if ("lac", e, s) in by and (m, e, s) in by]
             if not pairs:
-                cells.append("-")
+                cells.append("not run")
+                verdicts[e].append(f"not compared with {m} (not run)")
                 continue
             d = [by[("lac", e, s)]["test_accuracy"] - by[(m, e, s)]["test_accuracy"] for s in pairs]
             mean, lo, hi = paired_interval(d)
@@ -489,15 +802,22 @@ def render(
             else:
                 cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(d)})")
             if len(d) < 2:
-                verdicts.append(f"without an interval against {m} at eps {e:g} (one seed)")
+                verdicts[e].append(f"without an interval against {m} (one seed)")
             elif lo > 0:
-                verdicts.append(f"above {m} at eps {e:g}")
+                verdicts[e].append(f"above {m}")
             elif hi < 0:
-                verdicts.append(f"below {m} at eps {e:g}")
+                verdicts[e].append(f"below {m}")
             else:
-                verdicts.append(f"not distinguishable from {m} at eps {e:g}")
+                verdicts[e].append(f"not distinguishable from {m}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "DP-LAC is " + "; ".join(verdicts) + " (interval excludes 0 or not).", ""]
+    lines.append("")
+    for e in eps_list:  # the verdict of each 95% interval: excludes 0 (above/below) or not
+        lines.append(f"- At eps {e:g}, DP-LAC is " + "; ".join(verdicts[e]) + ".")
+    lines += [
+        "",
+        "above / below: the paired 95% interval excludes 0; not distinguishable: it holds 0.",
+        "",
+    ]
     lines += [
         "## DP-LAC's vote: C_hist against the vote's own optimum",
         "",
@@ -506,9 +826,9 @@ def render(
         "benchmark). C* in the sense of the best fixed clip norm is not measured: the fixed rule "
         "ran at C = 1 only, not at each candidate.",
         "",
-        "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote + round 1 "
+        "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote | vote + round 1 "
         "CPU s | run CPU s | vote wall s | run wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         if "c_star" in r:
@@ -518,18 +838,25 @@ def render(
                 if "cpu_seconds" in r
                 else "- | -"
             )
+            memo = "read back" if r.get("vote_from_memo") else "computed"
             lines.append(
                 f"| {r['method']} | {r['epsilon_target']:g} | {r['seed']} | "
                 f"{r['vote_noise_std']:.2f} | {counts} | {r['initial_clip']:g} | "
-                f"{r['c_star']:g} | {cpu} | {r['vote_time_s']:.0f} | {r['seconds']:.0f} |"
+                f"{r['c_star']:g} | {memo} | {cpu} | {r['vote_time_s']:.0f} | "
+                f"{r['seconds']:.0f} |"
             )
     lines += [
         "",
         "vote: from the run's start to the end of round 1, i.e. the vote (all N clients train "
         "once and score three candidates) plus one round; compare with the whole run's time. "
+        "'read back': the vote's loss matrix came from the vote memo (`--vote-memo`), kept "
+        "when the same query (same epsilon, any seed) was computed before, so that run's vote "
+        "cost almost nothing; its outcome is the computed one's (tested). "
         "CPU seconds are the process's own; wall seconds also count waiting for the shared "
-        "cores. The baselines' private tuning was not run (see docs/federated.md).",
+        "cores.",
         "",
+        *tuning_section(runs),
+        *protocol_cost(runs),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
         "| rule | eps | C_t round 1 -> last | norm round 1 -> last | val loss round 1 -> last "
@@ -545,7 +872,7 @@ def render(
         eps = "-" if r["epsilon_target"] is None else f"{r['epsilon_target']:g}"
         clip = "-" if r["method"] == NON_PRIVATE else f"{c[0]:.4g} -> {c[-1]:.4g}"
         lines.append(
-            f"| {r['method']} | {eps} | {clip} | {n[0]:.4g} -> {n[-1]:.4g} | "
+            f"| {arm(r)} | {eps} | {clip} | {n[0]:.4g} -> {n[-1]:.4g} | "
             f"{v[0]:.3f} -> {v[-1]:.3f} | {_corr(n, v):.2f} |"
         )
     lines += ["", f"![C_t and update norm per rule]({name}.png)", ""]
@@ -662,6 +989,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"], help="pilot only")
     p.add_argument("--lr", type=float, default=None, help="default: adamw 1e-3, sgd 0.1")
     p.add_argument("--cache-file", default=None, help="keep the frozen-layer cache here")
+    p.add_argument(
+        "--vote-memo", default=None, help="run: a folder keeping each vote's loss matrix"
+    )
+    p.add_argument(
+        "--start-before",
+        type=lambda t: datetime.fromisoformat(t).replace(tzinfo=timezone.utc),
+        default=None,
+        help="run: start no run (or tuned arm) after this UTC time, e.g. 2026-12-03T19:15",
+    )
+    p.add_argument(
+        "--tune",
+        nargs="+",
+        default=[],
+        choices=TUNED,
+        help="run: these baselines privately tuned (1/3 of the budget) instead of the rules",
+    )
     p.add_argument(
         "--claims", default=None, help="run: a folder through which workers share the plan"
     )

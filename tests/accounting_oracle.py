@@ -20,3 +20,20 @@ def direct_epsilon(sigma: float, q: float, steps: int, delta: float, relation, k
     step = gauss if q == 1 else dp_accounting.PoissonSampledDpEvent(q, gauss)
     acc.compose(dp_accounting.SelfComposedDpEvent(step, steps))
     return acc.get_epsilon(delta)
+
+
+def selected_then_trained_epsilon(
+    q: float, rounds: int, z_candidate: float, mean_runs: float, shape: float, z_final: float,
+    delta: float,
+) -> float:  # fmt: skip
+    """Private selection (Papernot & Steinke: K candidate runs of `rounds` sampled Gaussians
+    at z_candidate, dp-accounting's RepeatAndSelect under RDP), then the final run at z_final."""
+
+    def run(z: float):
+        step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+        return dp_accounting.SelfComposedDpEvent(step, rounds)
+
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(run(z_candidate), mean_runs, shape))
+    acc.compose(run(z_final))
+    return acc.get_epsilon(delta)

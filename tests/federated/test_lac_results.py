@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+from accounting_oracle import selected_then_trained_epsilon
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -69,7 +70,7 @@ def test_recorded_epsilons_recomputed_with_dp_accounting():
 
     checked = 0
     for r in _runs():
-        if r["method"] not in ("fixed", "automatic", "lac") or r["stopped"]:
+        if r["method"] not in ("fixed", "automatic", "lac") or r["stopped"] or r.get("tuned"):
             continue
         q = r["clients_per_round"] / r["clients"]
         acc = dpa.rdp.RdpAccountant()
@@ -84,3 +85,21 @@ def test_recorded_epsilons_recomputed_with_dp_accounting():
         assert eps <= r["epsilon_target"] * (1 + 1e-3)
         checked += 1
     assert checked > 0
+
+
+def test_recorded_tuned_epsilons_include_the_selection():
+    """A tuned arm (automatic: one Gaussian per round; quantile: the update and the count's
+    Gaussians, one combined multiplier): the selection over its candidates (RepeatAndSelect),
+    then the final run, recomputed with dp-accounting."""
+    tuned = [r for r in _runs() if r.get("tuned")]
+    assert tuned  # the recorded protocol has tuned arms
+    for r in tuned:
+        assert r["epsilon"] <= r["epsilon_target"] * (1 + 1e-3)
+        if r["method"] in ("automatic", "adaptive-quantile") and not r["stopped"]:
+            sel = r["selection"]
+            eps = selected_then_trained_epsilon(
+                r["clients_per_round"] / r["clients"], r["rounds_requested"],
+                r["candidate_noise_multiplier"], sel["mean_runs"], sel["shape"],
+                r["noise_multiplier"], 1e-5,
+            )  # fmt: skip
+            assert eps == pytest.approx(r["epsilon"], rel=1e-3)

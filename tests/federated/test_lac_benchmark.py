@@ -1,0 +1,117 @@
+"""The DP-LAC benchmark's shortcuts change no result: a vote read back from the memo gives
+the run a fresh vote gives (also at another seed, whose vote query is the same), and a
+privately tuned arm spends its whole target, selection included (recomputed with
+dp-accounting)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+from accounting_oracle import selected_then_trained_epsilon
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMINGS = ("seconds", "cpu_seconds", "vote_time_s")
+
+
+def _benchmark():
+    path = ROOT / "benchmarks" / "federated_lac.py"
+    spec = importlib.util.spec_from_file_location("federated_lac", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """20 clients, 5 a round, 2 rounds; validation and test cut to 40 examples each."""
+    import dpfit.federated.app as app
+
+    bench = _benchmark()
+    splits = app.splits
+    mp = pytest.MonkeyPatch()
+    mp.setattr(app, "splits", lambda seed: tuple(s[:40] for s in splits(seed)))
+    args = argparse.Namespace(
+        clients=20, clients_per_round=5.0, rounds=2, max_length=32, val_examples=0,
+        local_optimizer="sgd", lr=0.5, cache_file=None, vote_memo=None,
+    )  # fmt: skip
+    try:
+        task, engine, val, test, _ = bench.setup(args)
+    finally:
+        mp.undo()
+    return bench, args, task, engine, val, test, tmp_path_factory.mktemp("memo")
+
+
+def _strip(row: dict) -> dict:
+    out = {k: v for k, v in row.items() if k not in TIMINGS}
+    out["rounds"] = [{k: v for k, v in r.items() if k not in TIMINGS} for r in row["rounds"]]
+    return out
+
+
+def test_vote_memo_gives_the_same_run_at_another_seed(small):
+    bench, args, task, engine, val, test, memo = small
+    engine.memo = None
+    fresh = bench.one_run("lac", 8.0, 1, args, task, engine, val, test)
+    engine.memo = memo
+    engine.memo_hits = 0
+    bench.one_run("lac", 8.0, 0, args, task, engine, val, test)  # computes and keeps it
+    assert engine.memo_hits == 0 and len(list(memo.glob("vote_*.npy"))) == 1
+    reused = bench.one_run("lac", 8.0, 1, args, task, engine, val, test)
+    assert engine.memo_hits == 1
+    assert _strip(reused) == _strip(fresh)  # exactly: accuracy, C_t, losses, votes
+
+
+def test_vote_memo_keys_apart_what_changes_the_query(small):
+    bench, args, task, engine, val, test, memo = small
+    engine.memo = memo
+    before = engine.memo_hits
+    bench.one_run("lac", 2.0, 0, args, task, engine, val, test)  # another vote multiplier
+    assert engine.memo_hits == before
+    assert len(list(memo.glob("vote_*.npy"))) == 2
+
+
+def test_tuned_arm_spends_its_target_with_the_selection(small):
+    bench, args, task, engine, val, test, _ = small
+    row = bench.tuned_run("automatic", 8.0, 0, args, task, engine, val, test)
+    grid = bench._grids()["automatic"]
+    assert row["tuned"] and row["tuning_runs"] == len(row["candidate_scores"]) >= 1
+    assert all(c["hyperparameters"] in grid for c in row["candidate_scores"])
+    best = max(row["candidate_scores"], key=lambda c: c["val_accuracy"])
+    assert row["hyperparameters"] == best["hyperparameters"]  # the best score is released
+    assert row["initial_clip"] == best["hyperparameters"]["initial_clip"]
+    assert recomputed_epsilon(row) == pytest.approx(row["epsilon"], rel=1e-3)
+    assert row["epsilon"] <= 8.0 * (1 + 1e-3)
+
+
+def recomputed_epsilon(r: dict) -> float:
+    """A tuned arm of a rule with one sampled Gaussian per round (automatic, fixed)."""
+    sel = r["selection"]
+    return selected_then_trained_epsilon(
+        r["clients_per_round"] / r["clients"], r["rounds_requested"],
+        r["candidate_noise_multiplier"], sel["mean_runs"], sel["shape"], r["noise_multiplier"],
+        1e-5,
+    )  # fmt: skip
+
+
+def test_protocol_cost_counts_every_run_of_the_protocol():
+    """Synthetic rows: 24 plain runs + 1 reference at 100 s; 12 voted runs at 150 s without
+    their vote + 4 votes at 50 s (first round 55 s cumulative, second 60 s); 12 tuned arms of
+    3 candidates at 80 s and a final at 90 s."""
+    bench = _benchmark()
+    rounds = [{"cpu_seconds": 55.0}, {"cpu_seconds": 60.0}]
+    read = [{"cpu_seconds": 5.0}, {"cpu_seconds": 10.0}]
+    runs = [{"method": "fixed", "cpu_seconds": 100.0}]
+    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0, "rounds": rounds}]
+    runs += [
+        {"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "rounds": read,
+         "vote_from_memo": True},
+        {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
+         "cpu_seconds": 90.0},
+    ]  # fmt: skip
+    text = "\n".join(bench.protocol_cost(runs))
+    total = 25 * 100 + 12 * 150 + 4 * 50 + 36 * 80 + 12 * 90
+    assert f"**{total / 3600:.2f}**" in text
+    assert f"{(total + 8 * 50) / 3600:.2f} CPU-hours" in text
+    assert "not made" in "\n".join(bench.protocol_cost(runs[:2]))
