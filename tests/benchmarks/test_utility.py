@@ -3,25 +3,17 @@ paired by seed, and its split into the probe phase and the bias phase."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def utility():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "utility_bench_render", ROOT / "benchmarks" / "utility.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("utility", "utility_bench_render")
 
 
 def _record(task, row, seed, acc, probe, **extra):

@@ -3,13 +3,12 @@ row's epsilon holds up under an independent accountant."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import dp_accounting as dpa
 import pytest
+from benchmark_scripts import load_benchmark
 from dp_accounting import rdp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,14 +19,7 @@ ORDERS = [2 + x / 4 for x in range(41)] + list(range(13, 65)) + [80, 96, 128, 25
 
 
 def _utility():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "utility_bench", ROOT / "benchmarks" / "utility.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("utility", "utility_bench")
 
 
 def _private_runs() -> list[dict]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import dp_accounting as dpa
 import pytest
+from benchmark_scripts import load_benchmark
 from dp_accounting import rdp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,10 +15,7 @@ NAME = "federated_protocol"
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("fed_bench", ROOT / "benchmarks" / "federated.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("federated", "fed_bench")
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +69,7 @@ def test_recorded_tuned_runs_spent_tuning_plus_training(recorded):
 def test_committed_central_comparison_is_rendered_from_its_json(name):
     """FedAvg against central: the markdown is the rendering of the committed measurements."""
     import json
-    import sys
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "fed_central", ROOT / "benchmarks" / "federated_central.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("federated_central", "fed_central")
     data = json.loads((RESULTS / f"{name}.json").read_text())
     assert module.render(data) == (RESULTS / f"{name}.md").read_text()

@@ -6,22 +6,18 @@ dp-accounting)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
 from accounting_oracle import selected_then_trained_epsilon
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMINGS = ("seconds", "cpu_seconds", "vote_time_s")
 
 
 def _benchmark():
-    path = ROOT / "benchmarks" / "federated_lac.py"
-    spec = importlib.util.spec_from_file_location("federated_lac", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("federated_lac")
 
 
 @pytest.fixture(scope="module")

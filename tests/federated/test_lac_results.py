@@ -4,24 +4,20 @@ epsilons are recomputed independently (scipy's t quantile, dp-accounting directl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 from accounting_oracle import selected_then_trained_epsilon
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _benchmark():
-    path = ROOT / "benchmarks" / "federated_lac.py"
-    spec = importlib.util.spec_from_file_location("federated_lac", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("federated_lac")
 
 
 def _runs():

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _benchmark():
-    path = ROOT / "benchmarks" / "federated_round_time.py"
-    spec = importlib.util.spec_from_file_location("fed_round_time", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("federated_round_time", "fed_round_time")
 
 
 def test_docs_and_md_are_rendered_from_the_recorded_runs(tmp_path):
