@@ -191,3 +191,24 @@ def test_batched_engine_refuses_a_mode_it_cannot_batch(capsys):
     rc = _run([*TINY, "--engine", "batched", "--local-mode", "bias"])
     assert rc == 2
     assert "lora-top" in capsys.readouterr().err
+
+
+def test_vote_factors_set_the_lac_candidates():
+    from dpfit.federated.app import initial_arrays
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--method", "lac", "--initial-clip", "2", "--vote-factors", "0.5", "1", "2"]
+    server_cfg, task = configs(parser.parse_args(argv))
+    assert server_cfg.vote_factors == (0.5, 1.0, 2.0)
+    assert DPFedAvgServer(server_cfg, initial_arrays(task)).rule.candidates() == [1.0, 2.0, 4.0]
+    default_cfg, _ = configs(parser.parse_args(["--method", "lac"]))
+    assert default_cfg.vote_factors == (0.25, 0.5, 1.0)
+
+
+@pytest.mark.parametrize("factors", [["1"], ["0.5", "0.5"], ["-1", "1"]])
+def test_bad_vote_factors_are_a_one_line_error(factors, capsys):
+    assert _run([*TINY, "--method", "lac", "--vote-factors", *factors]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vote_factors" in err[0], err

@@ -165,6 +165,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vote-budget-share of the target epsilon)",
     )
     p.add_argument("--vote-budget-share", type=float, default=0.1)
+    p.add_argument(
+        "--vote-factors",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="F",
+        help="DP-LAC/CLAC: the vote's candidates are these multiples of --initial-clip "
+        "(default 0.25 0.5 1, the paper's grid; add a factor above 1 when C_init may be too "
+        "small: the vote can never pick above its largest candidate)",
+    )
     p.add_argument("--loss-bound", type=float, default=2.0, help="L_max for DP-CLAC")
     p.add_argument("--loss-budget-share", type=float, default=0.1)
     p.add_argument(
@@ -253,6 +263,7 @@ def configs(args: argparse.Namespace):
         quantile_lr=args.quantile_lr,
         vote_noise_std=args.vote_noise,
         vote_budget_share=args.vote_budget_share,
+        **({"vote_factors": tuple(args.vote_factors)} if args.vote_factors else {}),
         loss_bound=args.loss_bound,
         loss_budget_share=args.loss_budget_share,
         clac_significance=args.clac_significance,

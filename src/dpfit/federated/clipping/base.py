@@ -115,6 +115,11 @@ class ClipConfig:
         for name in ("clip_decay", "noise_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ClipRuleError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        factors = tuple(self.vote_factors)
+        if len(factors) < 2 or len(set(factors)) != len(factors) or min(factors) <= 0:
+            raise ClipRuleError(
+                f"vote_factors must be two or more distinct positive numbers, got {factors}"
+            )
 
 
 @dataclass(frozen=True)
