@@ -176,6 +176,11 @@ def server_config(method: str, eps: float | None, seed: int, args):
         noise_multiplier=None if private else 0.0,
         initial_clip=1.0 if private else 1e6,
         insecure_seed=seed,
+        **(
+            {"vote_factors": tuple(args.vote_factors)}
+            if getattr(args, "vote_factors", None)
+            else {}
+        ),
     )
 
 
@@ -231,6 +236,7 @@ def one_run(
         "val_examples": len(val[0]),
         "initial_clip": server.initial_clip,
         "vote_counts": server.vote_counts,
+        "vote_factors": list(server.rule.config.vote_factors),
         "rounds": rounds,
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time() - c0,
@@ -427,7 +433,8 @@ def cmd_run(args: argparse.Namespace) -> None:
             (f"{m} (tuned)", e, s) for s in args.seeds for e in args.epsilons for m in args.tune
         ]
     else:
-        plan = [(NON_PRIVATE, None, args.seeds[0])]
+        # a variant grid is compared with the default run's rows: no reference of its own
+        plan = [] if args.vote_factors else [(NON_PRIVATE, None, args.seeds[0])]
         plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
     claims = Path(args.claims) if args.claims else None
     for name, eps, seed in plan:
@@ -948,6 +955,74 @@ def write_into_docs(section: str, docs: Path) -> None:
     docs.write_text(f"{head}{begin}\n{section}\n{end}{tail}")
 
 
+GRID_NAME, GRID_BASE = "federated_lac_grid", "federated_lac_full"
+
+
+def render_grid(grid: list[dict], base: list[dict], name: str, base_name: str) -> str:
+    """DP-LAC with another vote grid against the protocol's DP-LAC (the paper's grid) and its
+    fixed rule, paired by seed: the same client sampling and noise streams at a seed."""
+    factors = grid[0]["vote_factors"]
+    label = f"DP-LAC over {{{', '.join(f'{f:g}' for f in factors)}}} x C_init"
+    by = {(arm(r), r["epsilon_target"], r["seed"]): r for r in base}
+    r0 = grid[0]
+    epsilons = " ".join(f"{e:g}" for e in sorted({r["epsilon_target"] for r in grid}))
+    seeds = " ".join(str(s) for s in sorted({r["seed"] for r in grid}))
+    grid_args = " ".join(f"{f:g}" for f in factors)
+    cmd = (
+        f"python benchmarks/federated_lac.py run --epsilons {epsilons} --seeds {seeds} "
+        f"--methods lac --vote-factors {grid_args} --rounds {r0['rounds_requested']} "
+        f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
+        f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+    )
+    lines = [
+        f"# {label}, against the protocol's rules ({scale_label(r0)})",
+        "",
+        f"The protocol's setting ({base_name}.md), DP-LAC's vote over a grid that reaches above "
+        "C_init = 1, because with the paper's grid the vote picked its largest candidate, "
+        "C_init itself, at every seed. The other rows are the protocol's runs at the same "
+        "seeds (paired: the same client sampling and noise streams).",
+        "",
+        "```",
+        cmd,
+        "```",
+        "",
+        "| eps | seed | noised counts | C_hist | C_loss | final C | test accuracy | DP-LAC "
+        "(paper's grid) | fixed C = 1 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(grid, key=lambda r: (r["epsilon_target"], r["seed"])):
+        e, s = r["epsilon_target"], r["seed"]
+        lac, fixed = by.get(("lac", e, s)), by.get(("fixed", e, s))
+        counts = ", ".join(f"{c:.0f}" for c in r["vote_counts"])
+        lines.append(
+            f"| {e:g} | {s} | {counts} | {r['initial_clip']:.4g} | {r.get('c_star', math.nan):.4g} "
+            f"| {r['rounds'][-1]['clip_norm']:.4g} | {r['test_accuracy']:.4f} | "
+            + (f"{lac['test_accuracy']:.4f}" if lac else "not run")
+            + " | "
+            + (f"{fixed['test_accuracy']:.4f}" if fixed else "not run")
+            + " |"
+        )
+    lines += ["", f"{label} minus each, paired by seed (95% t-interval):", ""]
+    for e in sorted({r["epsilon_target"] for r in grid}):
+        mine = {r["seed"]: r["test_accuracy"] for r in grid if r["epsilon_target"] == e}
+        for other, title in (("lac", "DP-LAC (paper's grid)"), ("fixed", "fixed C = 1")):
+            pairs = [s for s in sorted(mine) if (other, e, s) in by]
+            d = [mine[s] - by[(other, e, s)]["test_accuracy"] for s in pairs]
+            if len(d) < 2:
+                lines.append(f"- eps {e:g}, minus {title}: fewer than two paired seeds")
+                continue
+            mean, lo, hi = paired_interval(d)
+            if all(x == 0 for x in d):
+                verdict = "identical to"  # the vote picked the same C0: the same run
+            else:
+                verdict = "above" if lo > 0 else "below" if hi < 0 else "not distinguishable from"
+            lines.append(
+                f"- eps {e:g}, minus {title}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+                f"(n={len(d)}): {verdict} it"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def render_all(out: Path, names: Sequence[str]) -> tuple[str, list[tuple[str, str]]]:
     """The pilot's and each recorded protocol's rendering (names without a JSONL skipped)."""
     pilot_data = json.loads((out / "federated_lac_pilot.json").read_text())
@@ -967,6 +1042,12 @@ def cmd_render(args: argparse.Namespace) -> None:
     for name, text in protocols:
         (args.out / f"{name}.md").write_text(text)
         plot(load_runs(args.out / f"{name}.jsonl"), args.out / f"{name}.png")
+        print(text)
+    grid = args.out / f"{GRID_NAME}.jsonl"
+    if grid.exists():  # the vote-grid variant, beside the protocol it is paired with
+        text = render_grid(load_runs(grid), load_runs(args.out / f"{GRID_BASE}.jsonl"),
+                           GRID_NAME, GRID_BASE)  # fmt: skip
+        (args.out / f"{GRID_NAME}.md").write_text(text)
         print(text)
     if args.docs is not None:
         write_into_docs(docs_section(pilot, protocols), args.docs)
@@ -989,6 +1070,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"], help="pilot only")
     p.add_argument("--lr", type=float, default=None, help="default: adamw 1e-3, sgd 0.1")
     p.add_argument("--cache-file", default=None, help="keep the frozen-layer cache here")
+    p.add_argument(
+        "--vote-factors",
+        type=float,
+        nargs="+",
+        default=None,
+        help="run: the LAC/CLAC vote's candidates as multiples of C_init (default: the "
+        "library's, 0.25 0.5 1); a grid other than the default belongs in its own --name",
+    )
     p.add_argument(
         "--vote-memo", default=None, help="run: a folder keeping each vote's loss matrix"
     )

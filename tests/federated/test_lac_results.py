@@ -99,3 +99,38 @@ def test_recorded_tuned_epsilons_include_the_selection():
                 r["noise_multiplier"], 1e-5,
             )  # fmt: skip
             assert eps == pytest.approx(r["epsilon"], rel=1e-3)
+
+
+def _jsonl(name: str) -> list[dict]:
+    return [json.loads(x) for x in (RESULTS / f"{name}.jsonl").read_text().splitlines() if x]
+
+
+def test_vote_grid_variant_is_the_rendering_of_its_runs_paired_with_the_protocol():
+    bench = _benchmark()
+    grid, base = _jsonl(bench.GRID_NAME), _jsonl(bench.GRID_BASE)
+    text = bench.render_grid(grid, base, bench.GRID_NAME, bench.GRID_BASE)
+    assert (RESULTS / f"{bench.GRID_NAME}.md").read_text() == text
+    assert all(r["method"] == "lac" and max(r["vote_factors"]) > 1 for r in grid)
+    lac = {r["seed"]: r["test_accuracy"] for r in base if bench.arm(r) == "lac" and
+           r["epsilon_target"] == 8.0}  # fmt: skip
+    diffs = [r["test_accuracy"] - lac[r["seed"]] for r in grid if r["epsilon_target"] == 8.0]
+    mean, lo, hi = bench.paired_interval(diffs)
+    assert f"minus DP-LAC (paper's grid): {mean:+.4f} [{lo:+.4f}, {hi:+.4f}]" in text
+
+
+def test_vote_grid_rendering_pairs_by_seed():
+    bench = _benchmark()
+    base = [r for r in _jsonl(bench.GRID_BASE) if r["epsilon_target"] == 8.0]
+    fake = [
+        {
+            **r,
+            "vote_factors": [0.5, 1.0, 2.0],
+            "test_accuracy": r["test_accuracy"] + 0.01 * r["seed"],
+        }
+        for r in base
+        if bench.arm(r) == "lac"
+    ]
+    text = bench.render_grid(fake, base, "x", bench.GRID_BASE)
+    mean, lo, hi = bench.paired_interval([0.0, 0.01, 0.02])
+    assert f"minus DP-LAC (paper's grid): {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n=3)" in text
+    assert "{0.5, 1, 2} x C_init" in text
