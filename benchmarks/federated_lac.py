@@ -472,6 +472,11 @@ def cmd_run(args: argparse.Namespace) -> None:
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 
 
+def interval_verdict(lo: float, hi: float) -> str:
+    """A paired 95% interval read against 0: 'above' / 'below' when it excludes 0."""
+    return "above" if lo > 0 else "below" if hi < 0 else "not distinguishable from"
+
+
 def paired_interval(diffs: list[float]) -> tuple[float, float, float]:
     """Mean and 95% t-interval of paired differences (n - 1 degrees of freedom)."""
     n = len(diffs)
@@ -501,6 +506,15 @@ def scale_label(r0: dict) -> str:
     return "protocol scale" if full else "REDUCED scale"
 
 
+def setting_args(r0: dict, name: str) -> str:
+    """The run command's options for the recorded setting (scale, local optimizer, name)."""
+    return (
+        f"--rounds {r0['rounds_requested']} --clients {r0['clients']} "
+        f"--clients-per-round {r0['clients_per_round']:g} "
+        f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+    )
+
+
 def command_of(runs: list[dict], name: str) -> str:
     """The run commands, rebuilt from the recorded parameters: one line per epsilon with the
     seeds and rules recorded there (an unfinished invocation shows what finished)."""
@@ -519,9 +533,7 @@ def command_of(runs: list[dict], name: str) -> str:
                 only = "" if len(methods) == len(METHODS) else f" --methods {' '.join(methods)}"
             lines.append(
                 f"python benchmarks/federated_lac.py run --epsilons {e:g} "
-                f"--seeds {' '.join(map(str, seeds))}{only} --rounds {r0['rounds_requested']} "
-                f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
-                f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+                f"--seeds {' '.join(map(str, seeds))}{only} {setting_args(r0, name)}"
             )
     return "\n".join(lines)
 
@@ -810,12 +822,8 @@ def render(
                 cells.append(f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n={len(d)})")
             if len(d) < 2:
                 verdicts[e].append(f"without an interval against {m} (one seed)")
-            elif lo > 0:
-                verdicts[e].append(f"above {m}")
-            elif hi < 0:
-                verdicts[e].append(f"below {m}")
             else:
-                verdicts[e].append(f"not distinguishable from {m}")
+                verdicts[e].append(f"{interval_verdict(lo, hi)} {m}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
     for e in eps_list:  # the verdict of each 95% interval: excludes 0 (above/below) or not
@@ -964,18 +972,15 @@ def render_grid(grid: list[dict], base: list[dict], name: str, base_name: str) -
     factors = grid[0]["vote_factors"]
     label = f"DP-LAC over {{{', '.join(f'{f:g}' for f in factors)}}} x C_init"
     by = {(arm(r), r["epsilon_target"], r["seed"]): r for r in base}
-    r0 = grid[0]
     epsilons = " ".join(f"{e:g}" for e in sorted({r["epsilon_target"] for r in grid}))
     seeds = " ".join(str(s) for s in sorted({r["seed"] for r in grid}))
     grid_args = " ".join(f"{f:g}" for f in factors)
     cmd = (
         f"python benchmarks/federated_lac.py run --epsilons {epsilons} --seeds {seeds} "
-        f"--methods lac --vote-factors {grid_args} --rounds {r0['rounds_requested']} "
-        f"--clients {r0['clients']} --clients-per-round {r0['clients_per_round']:g} "
-        f"--local-optimizer {r0['local_optimizer']} --lr {r0['lr']:g} --name {name}"
+        f"--methods lac --vote-factors {grid_args} {setting_args(grid[0], name)}"
     )
     lines = [
-        f"# {label}, against the protocol's rules ({scale_label(r0)})",
+        f"# {label}, against the protocol's rules ({scale_label(grid[0])})",
         "",
         f"The protocol's setting ({base_name}.md), DP-LAC's vote over a grid that reaches above "
         "C_init = 1, because with the paper's grid the vote picked its largest candidate, "
@@ -1015,7 +1020,7 @@ def render_grid(grid: list[dict], base: list[dict], name: str, base_name: str) -
             if all(x == 0 for x in d):
                 verdict = "identical to"  # the vote picked the same C0: the same run
             else:
-                verdict = "above" if lo > 0 else "below" if hi < 0 else "not distinguishable from"
+                verdict = interval_verdict(lo, hi)
             lines.append(
                 f"- eps {e:g}, minus {title}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] "
                 f"(n={len(d)}): {verdict} it"
