@@ -191,3 +191,70 @@ def test_ledger_prefix_is_the_ledger_as_it_stood_after_k_steps():
         assert ledger.prefix(k).epsilon() == pytest.approx(want)
     with pytest.raises(ValueError, match="steps must be in"):
         ledger.prefix(8)
+
+
+# ------------------------------------------------------------------ cached one-step results
+
+
+def from_scratch(phases, steps, delta, kind, relation):
+    """dp-accounting alone, composing the first `steps` steps of `phases` [(sigma, q, count)]."""
+    rel = dp_accounting.NeighboringRelation
+    relation = rel.REPLACE_ONE if relation == "replace-one" else rel.ADD_OR_REMOVE_ONE
+    if kind == "rdp":
+        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    else:
+        acc = dp_accounting.pld.PLDAccountant(relation, value_discretization_interval=1e-4)
+    for sigma, q, count in phases:
+        n = min(count, steps)
+        steps -= n
+        if n:
+            step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+            acc.compose(dp_accounting.SelfComposedDpEvent(step, n))
+    return acc.get_epsilon(delta)
+
+
+CACHED_GRID = [
+    # (accountant, relation, phases [(sigma, q, count)], delta): one and two phases, the
+    # bundled job's q (1012 / 10233) among them
+    ("rdp", "add-remove", [(0.9, 1012 / 10233, 30), (0.9, 1012 / 10233, 30)], 1e-5),
+    ("rdp", "add-remove", [(0.7, 0.3, 4), (1.4, 0.05, 40)], 1e-5),
+    ("rdp", "add-remove", [(3.0, 0.01, 200)], 1e-7),
+    ("rdp", "add-remove", [(1.1, 256 / 60_000, 500), (0.8, 0.02, 25)], 1e-6),
+    ("pld", "add-remove", [(2.0, 0.05, 6), (1.5, 0.1, 4)], 1e-5),
+    ("pld", "replace-one", [(3.0, 0.1, 3), (2.0, 0.02, 5)], 1e-6),
+]
+
+
+@pytest.mark.parametrize("kind,relation,phases,delta", CACHED_GRID)
+def test_ledger_epsilon_after_every_step_is_dp_accountings_own(kind, relation, phases, delta):
+    """The ledger composes cached one-step results: its epsilon after the first steps, across
+    the phase switch and at the end (where the cache is warm) and at another delta is what
+    dp-accounting computes from scratch."""
+    ledger = PrivacyLedger(delta, kind, neighbouring=relation)
+    for sigma, q, count in phases:
+        for _ in range(count):
+            ledger.record(sigma, q)
+    total, first = ledger.steps, phases[0][2]
+    for k in sorted({1, 2, first, first + 1, total} & set(range(1, total + 1))):
+        assert ledger.prefix(k).epsilon() == pytest.approx(
+            from_scratch(phases, k, delta, kind, relation), rel=1e-9, abs=0
+        )
+    assert ledger.epsilon(delta * 10) == pytest.approx(
+        from_scratch(phases, total, delta * 10, kind, relation), rel=1e-9, abs=0
+    )
+
+
+def test_one_step_results_are_built_once_per_mechanism(monkeypatch):
+    """What makes a per-step epsilon cheap: each mechanism's one-step RDP curve is computed
+    once, not once per step."""
+    import dpfit.accounting as acc
+
+    built = []
+    real = acc.make_accountant
+    monkeypatch.setattr(acc, "make_accountant", lambda *a, **k: built.append(a) or real(*a, **k))
+    acc._one_step_rdp.cache_clear()
+    ledger = PrivacyLedger(1e-5)
+    for sigma in (0.83, 0.83, 0.83, 1.7, 1.7):
+        ledger.record(sigma, 0.0731)
+        ledger.epsilon()
+    assert len(built) == 2

@@ -180,6 +180,20 @@ def test_a_frozen_weight_changed_in_place_is_cast_again():
         assert torch.equal(lin.weight, want)
 
 
+def test_a_frozen_weight_given_new_storage_is_cast_again():
+    """One instance serves a run's phases: a weight whose data was replaced (a checkpoint
+    loaded into `.data`, say) gets a fresh copy even where the version counter did not move."""
+    lin = nn.Linear(8, 8).requires_grad_(False)
+    casts = FrozenWeightCasts(lin, "bf16", "cpu")
+    with casts.active():
+        first = lin.weight.detach().clone()
+    lin.weight.data = lin.weight.data + 1.0
+    want = lin.weight.detach().bfloat16()
+    assert not torch.equal(want, first)
+    with casts.active():
+        assert torch.equal(lin.weight, want)
+
+
 def test_unfrozen_weights_are_no_longer_swapped():
     lin = nn.Linear(8, 8).requires_grad_(False)
     casts = FrozenWeightCasts(lin, "bf16", "cpu")

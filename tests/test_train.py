@@ -402,6 +402,29 @@ def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monke
     assert any("linear probe alone" in note for note in res.notes)
 
 
+def test_bf16_run_casts_each_frozen_weight_once_across_both_phases(tiny, monkeypatch):
+    """Head-first features and the bias steps share one set of bf16 frozen-weight copies."""
+    from dpfit.frozen_casts import FrozenWeightCasts
+
+    casts: list[int] = []  # id of each weight cast to bf16
+    real = FrozenWeightCasts._copy
+
+    def counting(self, w):
+        before = self._copies.get(w)
+        low = real(self, w)
+        if before is None or before[1] is not low:
+            casts.append(id(w))
+        return low
+
+    monkeypatch.setattr(FrozenWeightCasts, "_copy", counting)
+    res = train(
+        cfg(tiny, head_first=True, head_epochs=1, epochs=1, max_steps=2, precision="bf16")
+    )
+    assert res.metrics["head_first_steps"] > 0 and res.metrics["steps"] == 2
+    frozen = FrozenWeightCasts(res.model, "bf16", "cpu").frozen_weights()
+    assert frozen and sorted(casts) == sorted(id(w) for w in frozen)
+
+
 def test_a_saved_classifier_is_scored_before_it_trains_again(tiny, tmp_path):
     first = train(cfg(tiny, non_private=True, epochs=1, output=str(tmp_path / "a")))
     assert "start_accuracy" not in first.metrics  # a new zero head: nothing to score

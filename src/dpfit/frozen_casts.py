@@ -13,7 +13,8 @@ Parameter objects; their float32 values are put back on exit, also on an error),
 the autocast forward and its backward inside it. Outside it the model is float32 as given.
 Trainable parameters (float32 masters) and weights that another, non-matmul module shares
 (tied embeddings) are never touched. A frozen weight changed in place (its version counter
-moves) is cast again at the next `active()`.
+moves, or its storage is replaced) is cast again at the next `active()`, so one instance may
+serve a whole run, phase after phase.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class FrozenWeightCasts:
         self.model = model
         resolved = precision if precision in DTYPES else resolve_precision(precision, device)
         self.dtype: torch.dtype | None = None if resolved == "fp32" else DTYPES[resolved]
-        # weight -> (its version when cast, the low-precision copy)
-        self._copies: dict[nn.Parameter, tuple[int, torch.Tensor]] = {}
+        # weight -> ((its version, its storage) when cast, the low-precision copy)
+        self._copies: dict[nn.Parameter, tuple[tuple[int, int], torch.Tensor]] = {}
 
     def frozen_weights(self) -> list[nn.Parameter]:
         """The float32 weights swapped in `active()`: frozen, of a matmul layer, and used by
@@ -65,11 +66,12 @@ class FrozenWeightCasts:
         ]
 
     def _copy(self, w: nn.Parameter) -> torch.Tensor:
+        stamp = (w._version, w.data_ptr())
         hit = self._copies.get(w)
-        if hit is not None and hit[0] == w._version:
+        if hit is not None and hit[0] == stamp:
             return hit[1]
         low = w.detach().to(self.dtype)
-        self._copies[w] = (w._version, low)
+        self._copies[w] = (stamp, low)
         return low
 
     @contextlib.contextmanager

@@ -643,13 +643,15 @@ def _head_phase(
     model, items, collate, config: TrainConfig, n: int, delta: float, sigma: float, steps: int,
     device, note: Callable[[str], None],
     on_abort: Callable[[BaseException, object], None] | None = None,
+    casts: FrozenWeightCasts | None = None,
 ) -> dict | None:  # fmt: skip
     """Train the head alone on frozen features for `steps` logical steps; returns the
     engine state (ledger, generator) to carry into the main phase (None if non-private).
-    `on_abort(error, engine)` keeps the record of head steps taken before an error."""
+    `on_abort(error, engine)` keeps the record of head steps taken before an error. `casts`:
+    the run's bf16 frozen-weight copies, so the main phase reuses them."""
     import dpfit
 
-    casts = FrozenWeightCasts(model, config.precision, device)
+    casts = casts if casts is not None else FrozenWeightCasts(model, config.precision, device)
     with casts.active(), autocast(config.precision, device):  # bf16 features, float32 out
         feats = frozen_features(model, items, collate, config.physical_batch_size, device)
     data = [(feats[i], int(items[i]["labels"])) for i in range(len(items))]
@@ -854,6 +856,8 @@ def train(
             task, prep, model, config, device, note, "the starting model, before training"
         )
     t_loop = time.perf_counter()
+    # bf16 copies of the frozen weights, made once for the run: head-first features and steps
+    frozen_casts = FrozenWeightCasts(model, config.precision, device)
     if head_steps and not config.non_private:
         sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
     if head_steps and resume_path is None:
@@ -866,7 +870,7 @@ def train(
         with _oom_guard(config):
             head_state = _head_phase(  # None when non-private: no ledger to carry
                 model, items, collate, config, n, delta, sigma or 0.0, head_steps, device, note,
-                on_abort=head_aborted,
+                on_abort=head_aborted, casts=frozen_casts,
             )  # fmt: skip
         head_scores = _score_before(
             task, prep, model, config, device, note, "head-first: the linear probe alone"
@@ -982,7 +986,6 @@ def train(
         acc_loss, acc_n = 0.0, 0
 
     stopped = len(rows) >= total_steps
-    frozen_casts = FrozenWeightCasts(model, config.precision, device)  # cast once, not per step
     try:
         while epoch < config.epochs and not stopped:
             if engine is not None and config.full_epochs and epoch >= config.full_epochs:
