@@ -773,6 +773,42 @@ MUTATIONS += (
 )
 
 
+# a ledger's epsilon from cached one-step RDP curves and PLDs (dpfit.accounting.ledger_epsilon):
+# each record composed count times, each with its own mechanism
+_CACHED_EPSILON_TESTS = ("tests/test_accounting.py", "-k", "dp_accountings_own")
+MUTATIONS += (
+    Mutation(
+        "rdp-cache-count-minus-one",
+        "the cached RDP curve is scaled by steps - 1: every epsilon misses one step",
+        (("dpfit/accounting.py", "total += r.count * curve", "total += (r.count - 1) * curve"),),
+        _CACHED_EPSILON_TESTS,
+    ),
+    Mutation(
+        "pld-cache-count-minus-one",
+        "the cached one-step PLD is self-composed steps - 1 times",
+        (
+            (
+                "dpfit/accounting.py",
+                "step.self_compose(r.count)",
+                "step.self_compose(max(1, r.count - 1))",
+            ),
+        ),
+        _CACHED_EPSILON_TESTS,
+    ),
+    Mutation(
+        "cache-first-phase-only",
+        "every phase is accounted with the first phase's cached mechanism (noise, rate)",
+        (
+            (
+                "dpfit/accounting.py",
+                "ones = [dataclasses.replace(r, count=1) for r in records]",
+                "ones = [dataclasses.replace(records[0], count=1) for r in records]",
+            ),
+        ),
+        _CACHED_EPSILON_TESTS,
+    ),
+)
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel
