@@ -217,19 +217,15 @@ def test_a_failing_companion_epsilon_does_not_lose_the_record(monkeypatch, caplo
     fails (PLD at a tiny sigma) the record holds NaN and a warning, and the run's own
     epsilon is unaffected."""
     from dpfit import accounting
-    from dpfit.errors import AccountingError
 
     engine = small_engine(noise_multiplier=2.0)
     for _ in range(3):
         engine.ledger.record(2.0, engine.sample_rate)
-    real = accounting.epsilon_of
 
-    def failing(event, delta, accountant="rdp", grid=1e-4, neighbouring="add-remove"):
-        if neighbouring == "replace-one":
-            raise AccountingError("PLD support too large")
-        return real(event, delta, accountant, grid, neighbouring)
+    def failing(step, neighbouring, discretization):  # PLD's one-step build, what fails
+        raise MemoryError("Unable to allocate 38.0 GiB")
 
-    monkeypatch.setattr(accounting, "epsilon_of", failing)
+    monkeypatch.setattr(accounting, "_one_step_pld", failing)
     record = engine.privacy_record()
     assert math.isnan(record["epsilon_replace_one"])
     assert (
