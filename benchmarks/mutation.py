@@ -809,6 +809,7 @@ MUTATIONS += (
     ),
 )
 
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

@@ -417,9 +417,7 @@ def test_bf16_run_casts_each_frozen_weight_once_across_both_phases(tiny, monkeyp
         return low
 
     monkeypatch.setattr(FrozenWeightCasts, "_copy", counting)
-    res = train(
-        cfg(tiny, head_first=True, head_epochs=1, epochs=1, max_steps=2, precision="bf16")
-    )
+    res = train(cfg(tiny, head_first=True, head_epochs=1, epochs=1, max_steps=2, precision="bf16"))
     assert res.metrics["head_first_steps"] > 0 and res.metrics["steps"] == 2
     frozen = FrozenWeightCasts(res.model, "bf16", "cpu").frozen_weights()
     assert frozen and sorted(casts) == sorted(id(w) for w in frozen)
