@@ -294,8 +294,8 @@ def ledger_epsilon(
     RDP: the accountant adds count x (one step's curve) per record to a zero curve, and so does
     this, in the same order, so the sum and the epsilon are the same floats. PLD: the accountant
     composes each record's one-step distribution self-composed count times onto the identity,
-    and so does this. Records the cache does not cover (no noise, PLD without Poisson sampling
-    or at q = 0) take the accountant's own path.
+    and so does this. Under PLD, records without Poisson sampling or at q = 0 (built another
+    way there) take the accountant's own path.
     """
     accountant = accountant_for(accountant, neighbouring)
     if not records:
