@@ -203,7 +203,7 @@ def run_dpfit(
         out.setdefault(k, m.get("config", {}).get(k))
     phase = phase_record(recorder, result.steps)
     if phase is not None:  # what the main phase did to the head-first probe's model
-        out["bias_phase"] = phase
+        out["after_probe"] = phase
     return out
 
 
@@ -284,8 +284,8 @@ def summarize(records: list[dict], scale: Scale) -> dict:
                     if r.get("head_first_accuracy") is not None
                 },
                 # what the phase after the probe did (runs that recorded it)
-                "bias_phase_by_seed": {
-                    r["seed"]: r["bias_phase"] for r in rs if r.get("bias_phase")
+                "after_probe_by_seed": {
+                    r["seed"]: r["after_probe"] for r in rs if r.get("after_probe")
                 },
                 "noise_multiplier": rs[0].get("noise_multiplier"),
                 "n_classes": rs[0].get("n_classes"),
@@ -621,7 +621,7 @@ def _phase_evidence(runs, seeds: list[int]) -> str:
     parts = []
     for k in seeds:
         for who, s in runs:
-            b = s.get("bias_phase_by_seed", {}).get(k)
+            b = s.get("after_probe_by_seed", {}).get(k)
             if not b:
                 continue
             share = b["backbone_change_l2"] / b["backbone_norm"] if b["backbone_norm"] else 0.0

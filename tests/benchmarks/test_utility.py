@@ -101,7 +101,7 @@ def _bias_phase(right, wrong, changed):
 
 def test_held_out_section_shows_what_each_bias_phase_did(utility):
     records = _records("headline-month")
-    records[1]["bias_phase"] = _bias_phase(40, 40, 90)  # non-private, seed 0
+    records[1]["after_probe"] = _bias_phase(40, 40, 90)  # non-private, seed 0
     lines = utility.held_out_lines(utility.summarize(records, utility.Scale(None, None)))
     evidence = [x for x in lines if "newly right / newly wrong" in x]
     assert len(evidence) == 1
