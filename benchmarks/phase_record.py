@@ -39,9 +39,16 @@ class PhaseRecorder(ClassificationTask):
         heads = tuple(prep.head_names)
         params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         in_head = {n for n in params if any(n == h or n.startswith(h + ".") for h in heads)}
+        predictions = _predictions(model, prep.tokenizer, test, config, device)
+        right = sum(p == y for p, y in zip(predictions, self.labels, strict=True))
+        if self.labels and right / len(self.labels) != scores["accuracy"]:
+            raise RuntimeError(  # the record must describe the model that was scored
+                f"PhaseRecorder's predictions give accuracy {right / len(self.labels):.4f}, "
+                f"the task's evaluation {scores['accuracy']:.4f}"
+            )
         self.snapshots.append(
             Snapshot(
-                predictions=_predictions(model, prep.tokenizer, test, config, device),
+                predictions=predictions,
                 backbone={n: t for n, t in params.items() if n not in in_head},
                 head={n: t for n, t in params.items() if n in in_head},
             )

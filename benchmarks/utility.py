@@ -551,7 +551,26 @@ def held_out_lines(summary: dict) -> list[str]:
                 "newly right / newly wrong; L2 change of the backbone biases, and of the head; "
                 "mean training loss by epoch, non-private runs only): " + moved
             )
+        ties = _ties(((dp_name, dp), (np_name, npb)), seeds)
+        if ties:
+            lines.append(
+                f"  - {ties}: an accuracy unchanged by the bias phase with test predictions "
+                "changed is a tie (as many newly right as newly wrong), not a phase that did "
+                "not train"
+            )
     return lines
+
+
+def _ties(runs, seeds: list[int]) -> str:
+    """The runs whose bias phase left the accuracy exactly as its probe's while changing
+    predictions, as 'name seed k, ...' ('' if none)."""
+    out = []
+    for name, s in runs:
+        for k in seeds:
+            b = s.get("after_probe_by_seed", {}).get(k)
+            if b and b["predictions_changed"] and b["newly_right"] == b["newly_wrong"]:
+                out.append(f"{name} seed {k}")
+    return ", ".join(out)
 
 
 def _against(v: dict, b: dict) -> str:

@@ -110,6 +110,10 @@ def test_held_out_section_shows_what_each_bias_phase_did(utility):
         in (evidence[0])
     )
     assert "loss 1.600 -> 1.500" in evidence[0] and "seed 1" not in evidence[0]
+    assert lines[-1].startswith("  - non-private bias-only seed 0: an accuracy unchanged")
+    records[1]["after_probe"] = _bias_phase(40, 39, 90)  # a net gain is no tie
+    lines = utility.held_out_lines(utility.summarize(records, utility.Scale(None, None)))
+    assert not any("is a tie" in x for x in lines)
 
 
 def test_tfidf_gap_reads_the_frozen_probe_first(utility):
