@@ -628,9 +628,15 @@ def tfidf_gap_lines(summary: dict) -> list[str]:
             gain = _against(s, best)
             seeds, diffs = paired(s, tfidf)
             verdict = "ends above" if seeds and statistics.fmean(diffs) >= 0 else "still ends below"
+            fits = "; ".join(
+                f"seed {k} " + " -> ".join(f"{x:.2f}" for x in b["epoch_losses"])
+                for k, b in sorted(s.get("after_probe_by_seed", {}).items())
+                if b.get("epoch_losses")
+            )
             lines.append(
                 f"  - {name} minus {best_name}: {gain}; it {verdict} {tfidf_name} "
                 f"({_against(s, tfidf)})"
+                + (f"; its training loss by epoch after the probe: {fits}" if fits else "")
             )
     return lines
 

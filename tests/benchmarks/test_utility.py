@@ -132,6 +132,10 @@ def test_tfidf_gap_reads_the_frozen_probe_first(utility):
         in (lines[2])
     )
     assert lines[3].endswith("it ends above TF-IDF + LR (+1.0 over 1 seed(s))")
+    records[-1]["after_probe"] = _bias_phase(1, 0, 1)
+    lines = utility.tfidf_gap_lines(utility.summarize(records, utility.Scale(None, None)))
+    assert lines[3].endswith("(+1.0 over 1 seed(s)); its training loss by epoch after the "
+                             "probe: seed 0 1.60 -> 1.50")  # fmt: skip
 
 
 def test_tfidf_gap_says_when_the_embedding_is_not_behind(utility):
