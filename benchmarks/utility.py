@@ -597,7 +597,10 @@ def tfidf_gap_lines(summary: dict) -> list[str]:
         se = 100 * (p * (1 - p) / tfidf["n_test"]) ** 0.5
         named = [*sorted(probes), np_bias, np_full]
         each = "; ".join(
-            f"{n} {rows[n]['mean']:.1f} ({_against(rows[n], tfidf)})" for n in named if n in rows
+            f"{n} {rows[n]['mean']:.1f} [{len(rows[n]['seeds'])} seed(s)] "
+            f"({_against(rows[n], tfidf)})"
+            for n in named
+            if n in rows
         )
         lines.append(
             f"- {task}: {tfidf_name} {tfidf['mean']:.1f} over {len(tfidf['seeds'])} seed(s) "
@@ -667,13 +670,27 @@ def _likely_cause(dp: dict, npb: dict, probe_gap: float, bias_gap: float) -> str
         return (
             "likely cause (not tested): the bias phase, which loses more than the probe: the "
             f"private run takes {dp['steps']} noised steps of batch {dp['batch_size']} where the "
-            f"non-private one takes {npb['steps']} of {npb['batch_size']}, so the private "
-            "biases move far less from where the probe left them"
+            f"non-private one takes {npb['steps']} of {npb['batch_size']}" + _moves(dp, npb)
         )
     return (
         "likely cause (not tested): the head-first probe, which loses more than the bias "
         f"phase: {dp.get('head_first_steps')} noised steps of batch {dp['batch_size']} against "
         f"{npb.get('head_first_steps')} non-private steps of {npb['batch_size']}"
+    )
+
+
+def _moves(dp: dict, npb: dict) -> str:
+    """How far each run's biases moved from its probe (recorded seeds), or ''."""
+    a, b = dp.get("after_probe_by_seed", {}), npb.get("after_probe_by_seed", {})
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return ""
+    mean_dp = statistics.fmean(a[k]["backbone_change_l2"] for k in seeds)
+    mean_np = statistics.fmean(b[k]["backbone_change_l2"] for k in seeds)
+    return (
+        f"; measured on seed(s) {', '.join(map(str, seeds))}, the private biases moved "
+        f"{mean_dp:.2f} from the probe (L2) against {mean_np:.2f} without privacy, "
+        + ("further: the noise moves them, not too few steps" if mean_dp > mean_np else "less")
     )
 
 

@@ -66,6 +66,17 @@ def test_held_out_gap_is_paired_by_seed_and_split_by_phase(utility):
     assert probe == pytest.approx(-1.0) and bias == pytest.approx(-6.0)
     assert probe + bias == pytest.approx(-7.0)
     assert "the bias phase" in lines[4] and "30 noised steps" in lines[4]  # a missed gap
+    assert "moved" not in lines[4]  # nothing measured, nothing said
+
+
+def test_the_cause_cites_how_far_the_biases_moved_where_recorded(utility):
+    records = _records("debate-role")
+    for r, moved in zip(records[:2], (5.0, 2.0), strict=True):  # seed 0: private, non-private
+        r["after_probe"] = {**_bias_phase(1, 1, 2), "backbone_change_l2": moved}
+    lines = utility.held_out_lines(utility.summarize(records, utility.Scale(None, None)))
+    cause = next(x for x in lines if "likely cause" in x)
+    assert "on seed(s) 0, the private biases moved 5.00 from the probe (L2) against 2.00" in cause
+    assert cause.endswith("further: the noise moves them, not too few steps")
 
 
 def test_a_met_gap_gets_no_cause(utility):
@@ -124,7 +135,7 @@ def test_tfidf_gap_reads_the_frozen_probe_first(utility):
     records.append(_record("debate-role", "non-private full", 0, 0.67, 0.59, steps=282))
     lines = utility.tfidf_gap_lines(utility.summarize(records, utility.Scale(None, None)))
     assert lines[0].startswith("- debate-role: TF-IDF + LR 65.0 over 2 seed(s)")
-    assert "frozen probe, mean 60.5 (-4.5 over 2 seed(s))" in lines[0]
+    assert "frozen probe, mean 60.5 [2 seed(s)] (-4.5 over 2 seed(s))" in lines[0]
     assert "4.5 points below TF-IDF + LR before any training" in lines[1]
     # non-private bias-only: 70 and 66 against probes 60 and 61
     assert (
