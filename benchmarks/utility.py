@@ -22,6 +22,11 @@ marked "held out" in the tables): headline-month (7 classes, split by date) and 
   DP LoRA-only eps=8         `dpfit train --mode lora`      (peft LoRA r=8 on query/value)
   DP bias+LoRA eps=E         `dpfit train --mode bias+lora` for E in 1, 8
 
+Each dpfit run with a head-first phase also records what the phase after the probe did to the
+probe's model (test predictions newly right / newly wrong, weight change, training loss by
+epoch: benchmarks/phase_record.py), so an accuracy left exactly as the probe's is told apart
+from a phase that did not train.
+
 dpfit rows pass NO recipe flags (batch, lr, epochs, clip norm, clipping, max length): the
 defaults are what is measured. Every finished run is appended to a JSONL log and skipped when
 the suite is run again, so an interrupted suite resumes, and the table is rebuilt from
