@@ -22,6 +22,11 @@ marked "held out" in the tables): headline-month (7 classes, split by date) and 
   DP LoRA-only eps=8         `dpfit train --mode lora`      (peft LoRA r=8 on query/value)
   DP bias+LoRA eps=E         `dpfit train --mode bias+lora` for E in 1, 8
 
+Each dpfit run with a head-first phase also records what the phase after the probe did to the
+probe's model (test predictions newly right / newly wrong, weight change, training loss by
+epoch: benchmarks/phase_record.py), so an accuracy left exactly as the probe's is told apart
+from a phase that did not train.
+
 dpfit rows pass NO recipe flags (batch, lr, epochs, clip norm, clipping, max length): the
 defaults are what is measured. Every finished run is appended to a JSONL log and skipped when
 the suite is run again, so an interrupted suite resumes, and the table is rebuilt from
@@ -61,6 +66,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import baselines  # noqa: E402
+from phase_record import PhaseRecorder, phase_record  # noqa: E402
 
 from dpfit.data.tasks import HELD_OUT, TASKS, TaskSplits, load_task, write_csv  # noqa: E402
 
@@ -189,7 +195,9 @@ def run_dpfit(
         **row.train,
         **({"precision": precision} if precision != "fp32" else {}),
     )
-    m = train(cfg).metrics
+    recorder = PhaseRecorder()  # the classification task, keeping the probe's predictions
+    result = train(cfg, task=recorder)
+    m = result.metrics
     keep = (
         "accuracy epsilon delta noise_multiplier steps head_first_steps epochs batch_size lr "
         "max_length train_examples trainable_fraction train_time_s recipe clipping max_grad_norm "
@@ -198,6 +206,9 @@ def run_dpfit(
     out = {k: m.get(k) for k in keep if k in m}
     for k in ("lr", "max_length", "pooling", "precision"):  # older builds: only in the config
         out.setdefault(k, m.get("config", {}).get(k))
+    phase = phase_record(recorder, result.steps)
+    if phase is not None:  # what the main phase did to the head-first probe's model
+        out["after_probe"] = phase
     return out
 
 
@@ -276,6 +287,10 @@ def summarize(records: list[dict], scale: Scale) -> dict:
                     r["seed"]: 100 * r["head_first_accuracy"]
                     for r in rs
                     if r.get("head_first_accuracy") is not None
+                },
+                # what the phase after the probe did (runs that recorded it)
+                "after_probe_by_seed": {
+                    r["seed"]: r["after_probe"] for r in rs if r.get("after_probe")
                 },
                 "noise_multiplier": rs[0].get("noise_multiplier"),
                 "n_classes": rs[0].get("n_classes"),
@@ -534,7 +549,123 @@ def held_out_lines(summary: dict) -> list[str]:
             )
             if gap < -3:
                 lines.append("  - " + _likely_cause(dp, npb, probe_gap, bias_gap))
+        moved = _phase_evidence((("private", dp), ("non-private", npb)), seeds)
+        if moved:
+            lines.append(
+                "  - what each bias phase did to the model its probe left (test predictions "
+                "newly right / newly wrong; L2 change of the backbone biases, and of the head; "
+                "mean training loss by epoch, non-private runs only): " + moved
+            )
+        ties = _ties(((dp_name, dp), (np_name, npb)), seeds)
+        if ties:
+            lines.append(
+                f"  - {ties}: an accuracy unchanged by the bias phase with test predictions "
+                "changed is a tie (as many newly right as newly wrong), not a phase that did "
+                "not train"
+            )
     return lines
+
+
+def _ties(runs, seeds: list[int]) -> str:
+    """The runs whose bias phase left the accuracy exactly as its probe's while changing
+    predictions, as 'name seed k, ...' ('' if none)."""
+    out = []
+    for name, s in runs:
+        for k in seeds:
+            b = s.get("after_probe_by_seed", {}).get(k)
+            if b and b["predictions_changed"] and b["newly_right"] == b["newly_wrong"]:
+                out.append(f"{name} seed {k}")
+    return ", ".join(out)
+
+
+def _against(v: dict, b: dict) -> str:
+    seeds, diffs = paired(v, b)
+    return (
+        f"{statistics.fmean(diffs):+.1f} over {len(seeds)} seed(s)" if seeds else "no shared seed"
+    )
+
+
+def tfidf_gap_lines(summary: dict) -> list[str]:
+    """On each held-out task: where the fine-tunes' loss to TF-IDF + LR comes from. The
+    frozen probes show what the bundled encoder's features carry before any training; the
+    non-private fine-tunes show what training adds to them (all paired by seed)."""
+    tfidf_name = ROW_BY_KEY["tfidf"].name
+    np_bias, np_full = ROW_BY_KEY["np-bias"].name, ROW_BY_KEY["np-full"].name
+    lines = []
+    for task in [t for t in summary if t in HELD_OUT]:
+        rows = summary[task]
+        tfidf = rows.get(tfidf_name)
+        probes = {n: s for n, s in rows.items() if n.startswith("frozen probe")}
+        if not tfidf or not probes:
+            continue
+        p = tfidf["mean"] / 100
+        se = 100 * (p * (1 - p) / tfidf["n_test"]) ** 0.5
+        named = [*sorted(probes), np_bias, np_full]
+        each = "; ".join(
+            f"{n} {rows[n]['mean']:.1f} [{len(rows[n]['seeds'])} seed(s)] "
+            f"({_against(rows[n], tfidf)})"
+            for n in named
+            if n in rows
+        )
+        lines.append(
+            f"- {task}: {tfidf_name} {tfidf['mean']:.1f} over {len(tfidf['seeds'])} seed(s) "
+            f"(standard error of one test accuracy {se:.1f} points); each row minus it: {each}"
+        )
+        best_name, best = max(probes.items(), key=lambda kv: kv[1]["mean"])
+        seeds, diffs = paired(best, tfidf)
+        if not seeds:
+            continue
+        probe_gap = statistics.fmean(diffs)
+        if probe_gap < 0:
+            lines.append(
+                f"  - the frozen embedding alone ({best_name}, the best pooling) is "
+                f"{-probe_gap:.1f} points below {tfidf_name} before any training: the bundled "
+                "22M-parameter encoder's pooled features carry less of this task than word "
+                "and bigram counts, so every fine-tune starts behind the baseline (a property "
+                "of the encoder, not of the training loop)"
+            )
+        else:
+            lines.append(
+                f"  - the frozen embedding alone ({best_name}) is not below {tfidf_name} "
+                f"({probe_gap:+.1f}): a fine-tune that ends below it loses in training"
+            )
+        for name in (np_bias, np_full):
+            s = rows.get(name)
+            if not s:
+                continue
+            gain = _against(s, best)
+            seeds, diffs = paired(s, tfidf)
+            verdict = "ends above" if seeds and statistics.fmean(diffs) >= 0 else "still ends below"
+            fits = "; ".join(
+                f"seed {k} " + " -> ".join(f"{x:.2f}" for x in b["epoch_losses"])
+                for k, b in sorted(s.get("after_probe_by_seed", {}).items())
+                if b.get("epoch_losses")
+            )
+            lines.append(
+                f"  - {name} minus {best_name}: {gain}; it {verdict} {tfidf_name} "
+                f"({_against(s, tfidf)})"
+                + (f"; its training loss by epoch after the probe: {fits}" if fits else "")
+            )
+    return lines
+
+
+def _phase_evidence(runs, seeds: list[int]) -> str:
+    """Each run's recorded bias phase (phase_record), or '' if none recorded one."""
+    parts = []
+    for k in seeds:
+        for who, s in runs:
+            b = s.get("after_probe_by_seed", {}).get(k)
+            if not b:
+                continue
+            share = b["backbone_change_l2"] / b["backbone_norm"] if b["backbone_norm"] else 0.0
+            loss = " -> ".join(f"{x:.3f}" for x in b["epoch_losses"])
+            parts.append(
+                f"seed {k} {who}: {b['newly_right']} / {b['newly_wrong']} of {b['test_n']} "
+                f"({b['predictions_changed']} changed), biases moved {b['backbone_change_l2']:.2f}"
+                f" ({100 * share:.1f}% of their norm), head {b['head_change_l2']:.2f}"
+                + (f", loss {loss}" if loss else "")
+            )
+    return "; ".join(parts)
 
 
 def _likely_cause(dp: dict, npb: dict, probe_gap: float, bias_gap: float) -> str:
@@ -544,13 +675,27 @@ def _likely_cause(dp: dict, npb: dict, probe_gap: float, bias_gap: float) -> str
         return (
             "likely cause (not tested): the bias phase, which loses more than the probe: the "
             f"private run takes {dp['steps']} noised steps of batch {dp['batch_size']} where the "
-            f"non-private one takes {npb['steps']} of {npb['batch_size']}, so the private "
-            "biases move far less from where the probe left them"
+            f"non-private one takes {npb['steps']} of {npb['batch_size']}" + _moves(dp, npb)
         )
     return (
         "likely cause (not tested): the head-first probe, which loses more than the bias "
         f"phase: {dp.get('head_first_steps')} noised steps of batch {dp['batch_size']} against "
         f"{npb.get('head_first_steps')} non-private steps of {npb['batch_size']}"
+    )
+
+
+def _moves(dp: dict, npb: dict) -> str:
+    """How far each run's biases moved from its probe (recorded seeds), or ''."""
+    a, b = dp.get("after_probe_by_seed", {}), npb.get("after_probe_by_seed", {})
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return ""
+    mean_dp = statistics.fmean(a[k]["backbone_change_l2"] for k in seeds)
+    mean_np = statistics.fmean(b[k]["backbone_change_l2"] for k in seeds)
+    return (
+        f"; measured on seed(s) {', '.join(map(str, seeds))}, the private biases moved "
+        f"{mean_dp:.2f} from the probe (L2) against {mean_np:.2f} without privacy, "
+        + ("further: the noise moves them, not too few steps" if mean_dp > mean_np else "less")
     )
 
 
@@ -607,6 +752,16 @@ def markdown(summary: dict, header: str, failures: list[dict]) -> str:
             "(private gain over its probe minus the non-private gain over its probe).",
             "",
             *held_out,
+        ]
+    gaps = tfidf_gap_lines(summary)
+    if gaps:
+        lines += [
+            "",
+            "Held-out tasks against TF-IDF + LR: where the fine-tunes' loss to the baseline "
+            "comes from (points of test accuracy, paired by seed; the frozen probes are the "
+            "encoder's features before any training, fitted by logistic regression):",
+            "",
+            *gaps,
         ]
     modes = interval_lines(summary)
     if modes:
