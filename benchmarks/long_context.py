@@ -14,6 +14,9 @@ ids, no padding, loss = mean over examples of each example's mean next-token NLL
   RMSNorm) trained with plain autograd;
 * dp-bitfit: the same biases through dpfit.PrivacyEngine (mode "bias", sigma 1, noise and
   sampling from os.urandom);
+* dp-bitfit-ckpt: dp-bitfit with activation checkpointing (dpfit.activation_checkpointing,
+  transformers' own, non-reentrant; what `dpfit train --activation-checkpointing` turns on):
+  each decoder layer keeps its input only and is recomputed in the backward pass;
 * nonpriv-full, dpfit-full (PrivacyEngine mode "full"), opacus-hooks (Opacus GradSampleModule,
   per-example weight gradients; LlamaRMSNorm has no Opacus grad sampler and runs through its
   functorch fallback), opacus-ghost (Opacus ghost clipping): every weight of the original model
@@ -75,13 +78,15 @@ GIB = 1024**3
 ARMS = {
     "nonpriv-bias": "non-private bias-only",
     "dp-bitfit": "DP-BiTFiT",
+    "dp-bitfit-ckpt": "DP-BiTFiT + activation checkpointing",
     "nonpriv-full": "non-private full",
     "dpfit-full": "dpfit DP full",
     "opacus-hooks": "Opacus DP full (hooks)",
     "opacus-ghost": "Opacus DP full (ghost)",
     "opacus-ghost-untied": "Opacus DP full (ghost, untied head)",
 }
-BIAS_ARMS = ("nonpriv-bias", "dp-bitfit")
+BIAS_ARMS = ("nonpriv-bias", "dp-bitfit", "dp-bitfit-ckpt")
+BITFIT_ARMS = ("dp-bitfit", "dp-bitfit-ckpt")
 DP_FULL_ARMS = ("dpfit-full", "opacus-hooks", "opacus-ghost", "opacus-ghost-untied")
 # warm-up + timed steps from each length on: a shared 2-core machine affords one step at long T
 DEFAULT_SCHEDULE = "256:1+2,1024:0+1"
@@ -164,6 +169,10 @@ def setup_arm(arm: str, model, batch: int):
     if arm in BIAS_ARMS:
         dpfit.add_biases(model)
         dpfit.make_bias_trainable(model)
+        if arm == "dp-bitfit-ckpt":
+            from dpfit.activation_checkpointing import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model, "bias")
     else:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -179,7 +188,7 @@ def setup_arm(arm: str, model, batch: int):
 
         return step
 
-    if arm in ("dp-bitfit", "dpfit-full"):
+    if arm in (*BITFIT_ARMS, "dpfit-full"):
         engine = dpfit.PrivacyEngine(
             model,
             expected_batch_size=batch,
@@ -187,7 +196,7 @@ def setup_arm(arm: str, model, batch: int):
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             sampling="user-poisson",
-            mode="bias" if arm == "dp-bitfit" else "full",
+            mode="full" if arm == "dpfit-full" else "bias",
             check_gradients=False,  # see the module docstring
         )
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
