@@ -678,9 +678,8 @@ def _target_lines(res: dict) -> list[str]:
             f"{'met' if m['met'] else 'NOT met'}."
         )
     for bitfit, key in (("dp-bitfit", ""), ("dp-bitfit-ckpt", "_ckpt")):
-        for x in t.get(f"dp_full_vs_bitfit{key}_memory_at_longest_common_T", {}).get(
-            "per_arm", []
-        ):
+        ratios = t.get(f"dp_full_vs_bitfit{key}_memory_at_longest_common_T", {})
+        for x in ratios.get("per_arm", []):
             lines.append(
                 f"- {ARMS[x['arm']]} / {ARMS[bitfit]} peak memory at the longest T both fit "
                 f"(T={x['length']}, batch {x['batch']}): {x['ratio']:.2f}x; target >= 3x: "
