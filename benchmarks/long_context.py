@@ -896,8 +896,8 @@ def render_docs(res: dict, md: str, png_name: str) -> str:
         "gradients (Opacus hooks: materialised; dpfit: per layer, T x T ghost-norm products or "
         "materialised rows, whichever is smaller). DP-BiTFiT + activation checkpointing "
         "(`dpfit train --activation-checkpointing`) keeps only each decoder layer's input and "
-        "recomputes the layer in the backward pass: what is left growing with T is mostly the "
-        "LM head's logits.\n\n"
+        "recomputes the layer in the backward pass: what still grows with T is then mostly the "
+        "LM head's logits and the loss's tensors of their size.\n\n"
         f"![peak memory vs T](../benchmarks/results/{png_name})\n\n"
         + md.split("\n", 1)[1].lstrip("\n").replace("## ", "### ")
     )
