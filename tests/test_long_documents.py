@@ -1,16 +1,27 @@
 """Long documents through the one training loop: windows at a stride, the privacy unit in the
-accounting and the record, refusals of what is not built."""
+accounting and the record, a document-unit run resumed after SIGKILL, refusals of what is not
+built."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_causal_lm import CharTokenizer, tiny_llama
 
+from dpfit import checkpoint as ckpt
 from dpfit.causal_lm import IGNORE, Window, make_collate, windows
+from dpfit.cli import main
 from dpfit.errors import DPFitError
+from dpfit.models import TINY_WORDS, save_tiny_random_model
 from dpfit.tasks.causal_lm import CausalLMTask
 from dpfit.train import TrainConfig, train
 
@@ -186,19 +197,6 @@ def test_document_unit_resumes_after_sigkill_as_if_never_killed(tmp_path):
     """Kill a --privacy-unit document run with SIGKILL at a random moment (possibly with a
     logical batch's document sums half filled), resume it from its checkpoint: the ledger, the
     document sampler and the parameters continue as in the uninterrupted run, bit for bit."""
-    import json
-    import os
-    import random
-    import subprocess
-    import sys
-    import time
-
-    from safetensors.torch import load_file
-
-    from dpfit import checkpoint as ckpt
-    from dpfit.cli import main
-    from dpfit.models import TINY_WORDS, save_tiny_random_model
-
     folder = save_tiny_random_model(tmp_path / "llama", arch="llama")
     words = random.Random(0)
     data = tmp_path / "docs.jsonl"
