@@ -490,10 +490,12 @@ def _runs(res: dict) -> list[dict]:
 def merge(old: dict, new: dict, command: str) -> dict:
     """`old`'s rows with `new`'s: a row of `new` replaces `old`'s for the same (arm, T, batch)
     unless only the old one was measured; every row keeps the run it came from (its command
-    and memory cap), so a merged result never mixes runs silently."""
+    and memory cap), so a merged result never mixes runs silently. A measured row that is
+    replaced is kept in "superseded_rows" (not rendered)."""
     shift = len(_runs(old))
     runs = _runs(old) + _runs(new)
     rows: dict[tuple, dict] = {}
+    superseded = [{**r, "run": r.get("run", 0)} for r in old.get("superseded_rows", [])]
     for part, offset in ((old, 0), (new, shift)):
         for r in part["rows"]:
             r = {**r, "run": r.get("run", 0) + offset}
@@ -501,6 +503,8 @@ def merge(old: dict, new: dict, command: str) -> dict:
             prev = rows.get(key)
             if prev is None or r.get("ran") or not prev.get("ran"):
                 rows[key] = r
+                if prev is not None and prev.get("ran"):
+                    superseded.append(prev)
     for r in rows.values():
         r.setdefault("memory_cap_gib", runs[r["run"]]["memory_cap_gib"])
     merged = {k: v for k, v in old.items() if k not in ("targets", "cap_note", "schedule")}
@@ -508,6 +512,7 @@ def merge(old: dict, new: dict, command: str) -> dict:
         command=command,
         runs=runs,
         rows=list(rows.values()),
+        superseded_rows=superseded,
         arms=[a for a in ARMS if a in old["arms"] or a in new["arms"]],
         lengths=sorted({*old["lengths"], *new["lengths"]}),
         batches=sorted({*old["batches"], *new["batches"]}),
@@ -739,11 +744,14 @@ def _runs_lines(res: dict) -> list[str]:
                 arms = ", ".join(ARMS[a] for a in res["arms"] if any(r["arm"] == a for r in mine))
                 ts = ", ".join(str(t) for t in sorted({r["length"] for r in mine}))
                 what.append(f"batch {batch}, T = {ts}: {arms}")
+        gone = sum(r.get("run", 0) == i for r in res.get("superseded_rows", []))
         lines.append(
             f"- run {i + 1}: `{run['command']}`; each arm's process capped at "
             f"{run['memory_cap_gib']:g} GiB of address space; {run['children_cpu_minutes']:.1f} "
             f"CPU-minutes{_resumed_note(rows)}. Rows: " + "; ".join(what) + "."
-        )
+            + (f" ({gone} more measured, then measured again by a later run: kept in the "
+               "JSON's superseded_rows.)" if gone else "")
+        )  # fmt: skip
     return lines
 
 

@@ -84,6 +84,8 @@ def test_merge_keeps_the_earlier_rows_and_says_which_run_each_came_from(tmp_path
     assert set(rows) == {("nonpriv-bias", 16), ("dp-bitfit", 16), ("dp-bitfit", 32),
                          ("dp-bitfit-ckpt", 16), ("dp-bitfit-ckpt", 32)}  # fmt: skip
     assert rows["nonpriv-bias", 16]["run"] == 0 and rows["dp-bitfit", 16]["run"] == 1
+    # the replaced measurement is kept, not rendered
+    assert [(r["arm"], r["run"]) for r in res["superseded_rows"]] == [("dp-bitfit", 0)]
     assert rows["nonpriv-bias", 16]["peak_rss_bytes"] == first["rows"][0]["peak_rss_bytes"]
     assert all(r["status"] == "ok" for r in rows.values())
     assert res["arms"] == ["nonpriv-bias", "dp-bitfit", "dp-bitfit-ckpt"]
@@ -93,7 +95,7 @@ def test_merge_keeps_the_earlier_rows_and_says_which_run_each_came_from(tmp_path
     assert long_context._ratio(res, "dp-bitfit", "nonpriv-bias", 16, 1, "median_cpu_s") is None
     assert long_context._ratio(res, "dp-bitfit-ckpt", "dp-bitfit", 32, 1, "median_cpu_s")
     md = (tmp_path / "second.md").read_text()
-    assert first["command"] in md and "run 2:" in md
+    assert first["command"] in md and "run 2:" in md and "1 more measured" in md
     assert "DP-BiTFiT + activation checkpointing / DP-BiTFiT, memory" in md
     assert "| 32 | 0+1 |" in md and "non-private bias-only)" in md  # not measured at T=32
     # merging the merged result again keeps both runs
