@@ -935,8 +935,9 @@ def plot(res: dict, path: Path) -> None:
             if pts and pred:
                 ax.plot(*zip(*([pts[-1]] + pred), strict=True), ls="--", marker="o",
                         mfc="none", color=colors[arm])  # fmt: skip
-        ax.axhline(res["memory_cap_gib"], color="grey", ls="--", lw=1,
-                   label=f"cap per arm, {res['memory_cap_gib']:g} GiB")  # fmt: skip
+        for i, c in enumerate(sorted({run["memory_cap_gib"] for run in _runs(res)})):
+            ax.axhline(c, color="grey", ls=("--", "-.")[i % 2], lw=1,
+                       label=f"cap per arm, {c:g} GiB")  # fmt: skip
         ax.axhline(24, color="black", ls=":", lw=1, label="machine, 24 GiB")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
