@@ -14,6 +14,9 @@ ids, no padding, loss = mean over examples of each example's mean next-token NLL
   RMSNorm) trained with plain autograd;
 * dp-bitfit: the same biases through dpfit.PrivacyEngine (mode "bias", sigma 1, noise and
   sampling from os.urandom);
+* dp-bitfit-ckpt: dp-bitfit with activation checkpointing (dpfit.activation_checkpointing,
+  transformers' own, non-reentrant; what `dpfit train --activation-checkpointing` turns on):
+  each decoder layer keeps its input only and is recomputed in the backward pass;
 * nonpriv-full, dpfit-full (PrivacyEngine mode "full"), opacus-hooks (Opacus GradSampleModule,
   per-example weight gradients; LlamaRMSNorm has no Opacus grad sampler and runs through its
   functorch fallback), opacus-ghost (Opacus ghost clipping): every weight of the original model
@@ -48,6 +51,11 @@ from its last two lengths, plus its address space beyond its resident set, excee
 (recorded as "predicted not to fit", with the predicted peak; never counted as a measured
 "does not fit"; --run-predicted-oom runs such arms anyway).
 
+--merge RESULT.json keeps an earlier result's rows beside this run's (a new arm measured beside
+the arms it is compared with, without re-running the rest): a row of this run replaces the same
+(arm, T, batch) row, every row records its run (command, cap), and time ratios are only taken
+between rows of one run.
+
 Writes <out>.json, <out>.md, <out>.png (memory vs T, log-log) and the docs page.
 """
 
@@ -75,13 +83,15 @@ GIB = 1024**3
 ARMS = {
     "nonpriv-bias": "non-private bias-only",
     "dp-bitfit": "DP-BiTFiT",
+    "dp-bitfit-ckpt": "DP-BiTFiT + activation checkpointing",
     "nonpriv-full": "non-private full",
     "dpfit-full": "dpfit DP full",
     "opacus-hooks": "Opacus DP full (hooks)",
     "opacus-ghost": "Opacus DP full (ghost)",
     "opacus-ghost-untied": "Opacus DP full (ghost, untied head)",
 }
-BIAS_ARMS = ("nonpriv-bias", "dp-bitfit")
+BIAS_ARMS = ("nonpriv-bias", "dp-bitfit", "dp-bitfit-ckpt")
+BITFIT_ARMS = ("dp-bitfit", "dp-bitfit-ckpt")
 DP_FULL_ARMS = ("dpfit-full", "opacus-hooks", "opacus-ghost", "opacus-ghost-untied")
 # warm-up + timed steps from each length on: a shared 2-core machine affords one step at long T
 DEFAULT_SCHEDULE = "256:1+2,1024:0+1"
@@ -164,6 +174,10 @@ def setup_arm(arm: str, model, batch: int):
     if arm in BIAS_ARMS:
         dpfit.add_biases(model)
         dpfit.make_bias_trainable(model)
+        if arm == "dp-bitfit-ckpt":
+            from dpfit.activation_checkpointing import enable_activation_checkpointing
+
+            enable_activation_checkpointing(model, "bias")
     else:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -179,7 +193,7 @@ def setup_arm(arm: str, model, batch: int):
 
         return step
 
-    if arm in ("dp-bitfit", "dpfit-full"):
+    if arm in (*BITFIT_ARMS, "dpfit-full"):
         engine = dpfit.PrivacyEngine(
             model,
             expected_batch_size=batch,
@@ -187,7 +201,7 @@ def setup_arm(arm: str, model, batch: int):
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             sampling="user-poisson",
-            mode="bias" if arm == "dp-bitfit" else "full",
+            mode="full" if arm == "dpfit-full" else "bias",
             check_gradients=False,  # see the module docstring
         )
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
@@ -450,8 +464,8 @@ def summary(args, rows: list[dict], total_cpu: float) -> dict:
         "memory_cap_gib": args.memory_cap_gib,
         "cap_note": (
             f"each arm's process is capped at {args.memory_cap_gib:g} GiB of address space "
-            "(RLIMIT_AS): the machine has 24 GiB shared with 5 other jobs running at the same "
-            "time, so that is what one process can safely take"
+            "(RLIMIT_AS): the machine has 24 GiB shared with other jobs running at the same time, "
+            "so that is what one process can safely take"
         ),
         "lengths": args.lengths,
         "batches": args.batches,
@@ -463,6 +477,49 @@ def summary(args, rows: list[dict], total_cpu: float) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "rows": rows,
     }
+
+
+def _runs(res: dict) -> list[dict]:
+    """The runs a result's rows come from: its own, or those listed by an earlier merge."""
+    if "runs" in res:
+        return res["runs"]
+    keys = ("command", "memory_cap_gib", "children_cpu_minutes", "schedule")
+    return [{k: res[k] for k in keys}]
+
+
+def merge(old: dict, new: dict, command: str) -> dict:
+    """`old`'s rows with `new`'s: a row of `new` replaces `old`'s for the same (arm, T, batch)
+    unless only the old one was measured; every row keeps the run it came from (its command
+    and memory cap), so a merged result never mixes runs silently. A measured row that is
+    replaced is kept in "superseded_rows" (not rendered)."""
+    shift = len(_runs(old))
+    runs = _runs(old) + _runs(new)
+    rows: dict[tuple, dict] = {}
+    superseded = [{**r, "run": r.get("run", 0)} for r in old.get("superseded_rows", [])]
+    for part, offset in ((old, 0), (new, shift)):
+        for r in part["rows"]:
+            r = {**r, "run": r.get("run", 0) + offset}
+            key = (r["arm"], r["length"], r["batch"])
+            prev = rows.get(key)
+            if prev is None or r.get("ran") or not prev.get("ran"):
+                rows[key] = r
+                if prev is not None and prev.get("ran"):
+                    superseded.append(prev)
+    for r in rows.values():
+        r.setdefault("memory_cap_gib", runs[r["run"]]["memory_cap_gib"])
+    merged = {k: v for k, v in old.items() if k not in ("targets", "cap_note", "schedule")}
+    merged.update(
+        command=command,
+        runs=runs,
+        rows=list(rows.values()),
+        superseded_rows=superseded,
+        arms=[a for a in ARMS if a in old["arms"] or a in new["arms"]],
+        lengths=sorted({*old["lengths"], *new["lengths"]}),
+        batches=sorted({*old["batches"], *new["batches"]}),
+        memory_cap_gib=max(run["memory_cap_gib"] for run in runs),
+        children_cpu_minutes=sum(run["children_cpu_minutes"] for run in runs),
+    )
+    return merged
 
 
 def _progress(row: dict) -> str:
@@ -489,8 +546,12 @@ def _ok(r: dict | None) -> bool:
 
 
 def _ratio(res, num: str, den: str, length: int, batch: int, key: str) -> float | None:
+    """num / den of `key`; a time ratio only between rows of one run (alternated side by side),
+    a memory ratio also across the runs of a merged result."""
     a, b = _find(res, num, length, batch), _find(res, den, length, batch)
     if not (_ok(a) and _ok(b)):
+        return None
+    if key != "peak_rss_bytes" and a.get("run", 0) != b.get("run", 0):
         return None
     return a[key] / b[key]
 
@@ -508,7 +569,7 @@ def _cell_mem(r: dict | None, cap: float) -> str:
         return f"~{r['predicted_peak_bytes'] / GIB:.1f} predicted, not run"
     if r["status"] == "does-not-fit":
         reached = f" (reached {r['peak_rss_bytes'] / GIB:.2f})" if r.get("ran") else ""
-        return f"does not fit in {cap:g} GiB{reached}"
+        return f"does not fit in {r.get('memory_cap_gib', cap):g} GiB{reached}"
     return r["status"]
 
 
@@ -546,42 +607,58 @@ def targets(res: dict) -> dict:
         "worst": worst_t,
         "met": None if worst_t is None else worst_t["ratio"] <= 1.05,
     }
-    longest = []
-    for batch in res["batches"]:
-        for arm in [a for a in res["arms"] if a in DP_FULL_ARMS]:
-            both = [
-                L
-                for L in res["lengths"]
-                if _ok(_find(res, arm, L, batch)) and _ok(_find(res, "dp-bitfit", L, batch))
-            ]
-            if both:
-                L = max(both)
-                r = _ratio(res, arm, "dp-bitfit", L, batch, "peak_rss_bytes")
-                longest.append({"batch": batch, "arm": arm, "length": L, "ratio": r})
-    out["dp_full_vs_bitfit_memory_at_longest_common_T"] = {
-        "target": ">= 3",
-        "per_arm": longest,
-        "met": None if not longest else all(x["ratio"] >= 3 for x in longest),
-    }
+    for bitfit, key in (("dp-bitfit", ""), ("dp-bitfit-ckpt", "_ckpt")):
+        if bitfit not in res["arms"]:
+            continue
+        longest = _longest_common(res, bitfit)
+        out[f"dp_full_vs_bitfit{key}_memory_at_longest_common_T"] = {
+            "target": ">= 3",
+            "per_arm": longest,
+            "met": None if not longest else all(x["ratio"] >= 3 for x in longest),
+        }
     where = []
     for batch in res["batches"]:
         dp_full = [a for a in res["arms"] if a in DP_FULL_ARMS]
-        for length in res["lengths"]:
-            fits = _ok(_find(res, "dp-bitfit", length, batch))
-            rows = [_find(res, a, length, batch) for a in dp_full]
-            # every DP full arm failed (out of memory) or cannot run this model at all
-            none = dp_full and all(
-                r is not None and r["status"] in ("does-not-fit", "unsupported") for r in rows
-            )
-            if fits and none:
-                where.append({"batch": batch, "length": length})
-                break
+        for bitfit in [a for a in res["arms"] if a in BITFIT_ARMS]:
+            for length in res["lengths"]:
+                fit = _find(res, bitfit, length, batch)
+                cap = fit.get("memory_cap_gib", res["memory_cap_gib"]) if _ok(fit) else None
+                rows = [_find(res, a, length, batch) for a in dp_full]
+                # every DP full arm failed (out of memory, under a cap no smaller than the one
+                # DP-BiTFiT fitted in) or cannot run this model at all
+                none = dp_full and all(
+                    r is not None
+                    and (r["status"] == "unsupported" or r["status"] == "does-not-fit"
+                         and cap is not None
+                         and r.get("memory_cap_gib", res["memory_cap_gib"]) >= cap)
+                    for r in rows
+                )  # fmt: skip
+                if cap is not None and none:
+                    where.append({"batch": batch, "arm": bitfit, "length": length, "cap": cap})
+                    break
     out["bitfit_fits_where_no_dp_full_does"] = {
         "target": f"a T where DP-BiTFiT fits in {res['memory_cap_gib']:g} GiB and no DP full arm",
         "first": where,
         "met": bool(where),
     }
     return out
+
+
+def _longest_common(res: dict, bitfit: str) -> list[dict]:
+    """Each DP full arm's peak memory / `bitfit`'s at the longest T both fit, per batch."""
+    longest = []
+    for batch in res["batches"]:
+        for arm in [a for a in res["arms"] if a in DP_FULL_ARMS]:
+            both = [
+                L
+                for L in res["lengths"]
+                if _ok(_find(res, arm, L, batch)) and _ok(_find(res, bitfit, L, batch))
+            ]
+            if both:
+                L = max(both)
+                r = _ratio(res, arm, bitfit, L, batch, "peak_rss_bytes")
+                longest.append({"batch": batch, "arm": arm, "length": L, "ratio": r})
+    return longest
 
 
 def _target_lines(res: dict) -> list[str]:
@@ -605,24 +682,25 @@ def _target_lines(res: dict) -> list[str]:
             f"target <= 1.05x: "
             f"{'met' if m['met'] else 'NOT met'}."
         )
-    m = t["dp_full_vs_bitfit_memory_at_longest_common_T"]
-    for x in m["per_arm"]:
-        lines.append(
-            f"- {ARMS[x['arm']]} / DP-BiTFiT peak memory at the longest T both fit "
-            f"(T={x['length']}, batch {x['batch']}): {x['ratio']:.2f}x; target >= 3x: "
-            f"{'met' if x['ratio'] >= 3 else 'NOT met'}."
-        )
+    for bitfit, key in (("dp-bitfit", ""), ("dp-bitfit-ckpt", "_ckpt")):
+        ratios = t.get(f"dp_full_vs_bitfit{key}_memory_at_longest_common_T", {})
+        for x in ratios.get("per_arm", []):
+            lines.append(
+                f"- {ARMS[x['arm']]} / {ARMS[bitfit]} peak memory at the longest T both fit "
+                f"(T={x['length']}, batch {x['batch']}): {x['ratio']:.2f}x; target >= 3x: "
+                f"{'met' if x['ratio'] >= 3 else 'NOT met'}."
+            )
     m = t["bitfit_fits_where_no_dp_full_does"]
     if m["first"]:
         for x in m["first"]:
             lines.append(
-                f"- Batch {x['batch']}: from T={x['length']} DP-BiTFiT fits in "
-                f"{res['memory_cap_gib']:g} GiB and no DP full arm does."
+                f"- Batch {x['batch']}: from T={x['length']} {ARMS[x.get('arm', 'dp-bitfit')]} "
+                f"fits in {x.get('cap', res['memory_cap_gib']):g} GiB and no DP full arm does."
             )
     else:
         lines.append(
-            f"- No measured T where DP-BiTFiT fits in {res['memory_cap_gib']:g} GiB and every "
-            "DP full arm does not (target NOT met)."
+            f"- No measured T where DP-BiTFiT (with or without activation checkpointing) fits "
+            f"in {res['memory_cap_gib']:g} GiB and every DP full arm does not (target NOT met)."
         )
     for batch in res["batches"]:
         longest = max(res["lengths"])
@@ -644,24 +722,69 @@ def _target_lines(res: dict) -> list[str]:
     return lines
 
 
+def _resumed_note(rows: list[dict]) -> str:
+    n = sum(bool(r.get("resumed")) for r in rows)
+    if not n:
+        return ""
+    return (
+        f" ({n} rows measured by an earlier, stopped run of the same configuration and "
+        "reused through --resume)"
+    )
+
+
+def _runs_lines(res: dict) -> list[str]:
+    """Where each row of a merged result comes from: its run's command, cap and CPU time."""
+    lines = []
+    for i, run in enumerate(res["runs"]):
+        rows = [r for r in res["rows"] if r.get("run", 0) == i and r.get("ran")]
+        what = []
+        for batch in res["batches"]:
+            mine = [r for r in rows if r["batch"] == batch]
+            if mine:
+                arms = ", ".join(ARMS[a] for a in res["arms"] if any(r["arm"] == a for r in mine))
+                ts = ", ".join(str(t) for t in sorted({r["length"] for r in mine}))
+                what.append(f"batch {batch}, T = {ts}: {arms}")
+        gone = sum(r.get("run", 0) == i for r in res.get("superseded_rows", []))
+        lines.append(
+            f"- run {i + 1}: `{run['command']}`; each arm's process capped at "
+            f"{run['memory_cap_gib']:g} GiB of address space; {run['children_cpu_minutes']:.1f} "
+            f"CPU-minutes{_resumed_note(rows)}. Rows: " + "; ".join(what) + "."
+            + (f" ({gone} more measured, then measured again by a later run: kept in the "
+               "JSON's superseded_rows.)" if gone else "")
+        )  # fmt: skip
+    return lines
+
+
 def render(res: dict) -> str:
     cap = res["memory_cap_gib"]
     arms = res["arms"]
+    model = (
+        f"Model: {res['model']} (causal LM, float32, {res['attention']} attention), random "
+        f"token ids, no padding; {res['threads']} torch thread(s) per arm; AdamW in every arm. "
+    )
+    if "runs" in res:
+        head = [
+            model + "Each arm's process is capped (RLIMIT_AS) to what one process can safely "
+            "take of the machine's 24 GiB, shared with other jobs running at the same time. "
+            f"The rows come from {len(res['runs'])} runs merged with --merge, each row from "
+            "one run whose arms alternated within each T; time ratios are only taken between "
+            "rows of one run:",
+            "",
+            *_runs_lines(res),
+        ]
+    else:
+        head = [
+            model + f"{res['cap_note'][0].upper()}{res['cap_note'][1:]}. "
+            f"All arms' processes together used {res['children_cpu_minutes']:.1f} CPU-minutes"
+            + _resumed_note(res["rows"])
+            + "."
+        ]
     out = [
         "# Long-context memory and time: DP-BiTFiT vs DP full fine-tuning",
         "",
         f"Command: `{res['command']}`",
         "",
-        f"Model: {res['model']} (causal LM, float32, {res['attention']} attention), random "
-        f"token ids, no padding; {res['threads']} torch thread(s) per arm; AdamW in every arm. "
-        f"{res['cap_note'][0].upper()}{res['cap_note'][1:]}. "
-        f"All arms' processes together used {res['children_cpu_minutes']:.1f} CPU-minutes"
-        + (
-            f" ({n} rows measured by an earlier, stopped run of the same configuration and "
-            "reused through --resume)."
-            if (n := sum(bool(r.get("resumed")) for r in res["rows"]))
-            else "."
-        ),
+        *head,
         "",
         "## Targets",
         "",
@@ -685,30 +808,33 @@ def render(res: dict) -> str:
             ]
             for length in res["lengths"]:
                 rows = [_find(res, a, length, batch) for a in arms]
-                ran = [r for r in rows if r is not None and r.get("ran")]
-                steps = f"{ran[0]['warmup']}+{ran[0]['timed']}" if ran else "-"
+                steps = _steps_cell(res, [r for r in rows if r is not None and r.get("ran")])
                 out.append(f"| {length} | {steps} | " + " | ".join(cell(r) for r in rows) + " |")
         full = [a for a in arms if a in DP_FULL_ARMS]
+        # (numerator, denominator, what): the ratios of each T's row, left to right
+        cols = [("dp-bitfit", "nonpriv-bias", k) for k in ("peak_rss_bytes", "median_cpu_s",
+                                                            "median_wall_s")]  # fmt: skip
+        heads = ["DP-BiTFiT / non-private bias-only, memory", "same, CPU time", "same, wall time"]
+        if "dp-bitfit-ckpt" in arms:
+            cols += [("dp-bitfit-ckpt", "dp-bitfit", k) for k in ("peak_rss_bytes", "median_cpu_s")]
+            heads += [f"{ARMS['dp-bitfit-ckpt']} / DP-BiTFiT, memory", "same, CPU time"]
+        bitfits = [b for b in BITFIT_ARMS if b in arms]
+        cols += [(a, b, "peak_rss_bytes") for b in bitfits for a in full]
+        heads += [f"{ARMS[a]} / {ARMS[b]}, memory" for b in bitfits for a in full]
         out += [
             "",
             "Ratios (peak memory; time per step: CPU seconds of the arm's one thread, which other "
             "jobs on the machine disturb less, and wall seconds)",
             "",
-            "| T | DP-BiTFiT / non-private bias-only, memory | same, CPU time | same, wall time | "
-            + " | ".join(f"{ARMS[a]} / DP-BiTFiT, memory" for a in full)
-            + " |",
-            "|---" * (len(full) + 4) + "|",
+            "| T | " + " | ".join(heads) + " |",
+            "|---" * (len(heads) + 1) + "|",
         ]
         for length in res["lengths"]:
-            m = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "peak_rss_bytes")
-            t = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "median_cpu_s")
-            w = _ratio(res, "dp-bitfit", "nonpriv-bias", length, batch, "median_wall_s")
-            f = [_ratio(res, a, "dp-bitfit", length, batch, "peak_rss_bytes") for a in full]
-            out.append(
-                f"| {length} | {_fmt(m, '.3f')} | {_fmt(t, '.3f')} | {_fmt(w, '.3f')} | "
-                + " | ".join(_fmt(x, ".2f") for x in f)
-                + " |"
-            )
+            cells = []
+            for num, den, key in cols:
+                x = _ratio(res, num, den, length, batch, key)
+                cells.append(_fmt(x, ".3f" if den == "nonpriv-bias" else ".2f"))
+            out.append(f"| {length} | " + " | ".join(cells) + " |")
     notes = sorted(
         {
             f"{ARMS[r['arm']]}: {r['status']}: {r['reason']}"
@@ -724,15 +850,23 @@ def render(res: dict) -> str:
     missing = {}
     for batch in res["batches"]:
         for length in res["lengths"]:
-            if any(_find(res, a, length, batch) is None for a in arms):
-                missing.setdefault(batch, []).append(str(length))
+            gone = [ARMS[a] for a in arms if _find(res, a, length, batch) is None]
+            if gone:
+                which = "" if len(gone) == len(arms) else f" ({', '.join(gone)})"
+                missing.setdefault(batch, []).append(f"{length}{which}")
     if missing:
+        why = (
+            "No run measured these (a run stopped for its CPU and time budget, or one of fewer "
+            "arms, lengths or batches: see the runs above):"
+            if "runs" in res
+            else "The run was stopped (CPU and time budget) before these; rendered with "
+            "--from-json from its partial result:"
+        )
         out += [
             "",
             "## Not reached",
             "",
-            "The run was stopped (CPU and time budget) before these; rendered with --from-json "
-            "from its partial result:",
+            why,
             "",
             *[f"- batch {b}: T = {', '.join(ts)}" for b, ts in missing.items()],
         ]
@@ -748,6 +882,16 @@ def render(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _steps_cell(res: dict, ran: list[dict]) -> str:
+    """Warm-up+timed steps of the rows of one T; per run where the merged runs differ."""
+    seen = {}
+    for r in ran:
+        seen.setdefault(f"{r['warmup']}+{r['timed']}", set()).add(r.get("run", 0) + 1)
+    if len(seen) <= 1:
+        return next(iter(seen), "-")
+    return "; ".join(f"{k} (run {', '.join(map(str, sorted(v)))})" for k, v in seen.items())
+
+
 def render_docs(res: dict, md: str, png_name: str) -> str:
     return (
         "# Long documents: memory and time against sequence length\n\n"
@@ -758,7 +902,10 @@ def render_docs(res: dict, md: str, png_name: str) -> str:
         "(T x the vocabulary per example). On top of that, DP-BiTFiT keeps nothing per example but the "
         "bias gradients; DP full keeps every weight's gradient and AdamW state, and per-example "
         "gradients (Opacus hooks: materialised; dpfit: per layer, T x T ghost-norm products or "
-        "materialised rows, whichever is smaller).\n\n"
+        "materialised rows, whichever is smaller). DP-BiTFiT + activation checkpointing "
+        "(`dpfit train --activation-checkpointing`) keeps only each decoder layer's input and "
+        "recomputes the layer in the backward pass: what still grows with T is then mostly the "
+        "LM head's logits and the loss's tensors of their size.\n\n"
         f"![peak memory vs T](../benchmarks/results/{png_name})\n\n"
         + md.split("\n", 1)[1].lstrip("\n").replace("## ", "### ")
     )
@@ -788,8 +935,9 @@ def plot(res: dict, path: Path) -> None:
             if pts and pred:
                 ax.plot(*zip(*([pts[-1]] + pred), strict=True), ls="--", marker="o",
                         mfc="none", color=colors[arm])  # fmt: skip
-        ax.axhline(res["memory_cap_gib"], color="grey", ls="--", lw=1,
-                   label=f"cap per arm, {res['memory_cap_gib']:g} GiB")  # fmt: skip
+        for i, c in enumerate(sorted({run["memory_cap_gib"] for run in _runs(res)})):
+            ax.axhline(c, color="grey", ls=("--", "-.")[i % 2], lw=1,
+                       label=f"cap per arm, {c:g} GiB")  # fmt: skip
         ax.axhline(24, color="black", ls=":", lw=1, label="machine, 24 GiB")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -823,6 +971,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", help="only render the .md, .png and docs from this JSON")
     ap.add_argument("--resume", help="a stopped run's partial JSON: reuse the rows it measured")
     ap.add_argument(
+        "--merge",
+        help="a result JSON whose rows to keep beside this run's (or --from-json's): a row of "
+        "this run replaces its (arm, T, batch) row; each row records the run it came from",
+    )
+    ap.add_argument(
         "--run-predicted-oom",
         action="store_true",
         help="run arms whose extrapolated peak exceeds the cap (default: record the prediction)",
@@ -834,6 +987,8 @@ def main(argv: list[str] | None = None) -> int:
         res = child(json.loads(args._child))
         Path(args._out).write_text(json.dumps(res))
         return 0
+    if args.merge and not Path(args.merge).is_file():
+        ap.error(f"--merge {args.merge}: no such file (a result JSON of this script)")
     if args.memory_cap_gib <= 0:
         ap.error("--memory-cap-gib must be positive (GiB of address space per arm's process)")
     args.command = shlex.join(
@@ -848,6 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
         args.partial = str(out.with_suffix(".partial.json"))
         res = measure(args)
         Path(args.partial).unlink(missing_ok=True)
+    if args.merge:
+        res = merge(json.loads(Path(args.merge).read_text()), res, args.command)
     res["targets"] = targets(res)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     md = render(res)

@@ -810,6 +810,20 @@ MUTATIONS += (
 )
 
 
+MUTATIONS += (
+    Mutation(
+        "resume-forgets-spent-steps",
+        "a resumed run starts a fresh privacy ledger: the steps spent before the kill are not "
+        "accounted (here with --privacy-unit document, whose windows span physical batches)",
+        ((ENGINE, "        self.ledger = ledger\n", "        pass\n"),),
+        (
+            "tests/test_long_documents.py::"
+            "test_document_unit_resumes_after_sigkill_as_if_never_killed",
+        ),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

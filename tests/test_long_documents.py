@@ -1,16 +1,27 @@
 """Long documents through the one training loop: windows at a stride, the privacy unit in the
-accounting and the record, refusals of what is not built."""
+accounting and the record, a document-unit run resumed after SIGKILL, refusals of what is not
+built."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_causal_lm import CharTokenizer, tiny_llama
 
+from dpfit import checkpoint as ckpt
 from dpfit.causal_lm import IGNORE, Window, make_collate, windows
+from dpfit.cli import main
 from dpfit.errors import DPFitError
+from dpfit.models import TINY_WORDS, save_tiny_random_model
 from dpfit.tasks.causal_lm import CausalLMTask
 from dpfit.train import TrainConfig, train
 
@@ -167,3 +178,84 @@ def test_bundled_speeches_are_documents_by_name():
     texts, groups, what = read_documents(TrainConfig(task="causal-lm", data="convention-speeches"))
     assert len(texts) == len(convention_speeches()) == 189 and "convention-speeches" in what
     assert len(set(groups)) < len(texts)  # some speakers gave two speeches: one group each
+
+
+# -- the document unit survives a kill ----------------------------------------
+
+
+def _document_run_args(folder, data, out, *extra) -> list[str]:
+    return [
+        "train", "--task", "causal-lm", "--model", str(folder), "--data", str(data),
+        "--max-length", "16", "--stride", "12", "--privacy-unit", "document",
+        "--batch-size", "4", "--physical-batch-size", "3", "--epochs", "2", "--epsilon", "8",
+        "--seed", "5", "--threads", "1", "--quiet", "--json", "--output", str(out),
+        "--insecure-reproducible-noise", *extra,
+    ]  # fmt: skip
+
+
+def test_document_unit_resumes_after_sigkill_as_if_never_killed(tmp_path):
+    """Kill a --privacy-unit document run with SIGKILL at a random moment (possibly with a
+    logical batch's document sums half filled), resume it from its checkpoint: the ledger, the
+    document sampler and the parameters continue as in the uninterrupted run, bit for bit."""
+    folder = save_tiny_random_model(tmp_path / "llama", arch="llama")
+    words = random.Random(0)
+    data = tmp_path / "docs.jsonl"
+    # 60 documents of 6 to 50 words: from one window to four, so most documents span windows
+    # and a sampled document's windows can fall into different physical batches of 3
+    data.write_text(
+        "\n".join(
+            json.dumps({"text": " ".join(words.choices(TINY_WORDS, k=6 + (i * 7) % 45))})
+            for i in range(60)
+        )
+    )
+
+    def final(out):
+        params = load_file(str(out / "model" / "model.safetensors"))
+        return params, json.loads((out / "metrics.json").read_text())
+
+    assert main(_document_run_args(folder, data, tmp_path / "ref")) == 0
+    ref_params, ref = final(tmp_path / "ref")
+    assert ref["privacy_unit"] == "document"
+    total = ref["steps"]
+    assert total >= 20
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    kill_at = rng.randint(1, total - 4)
+    delay = rng.uniform(0, 0.05)
+    ck = tmp_path / "ck"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    argv = _document_run_args(folder, data, tmp_path / "killed", "--checkpoint-dir", str(ck))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpfit.cli", *argv],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = ckpt.list_checkpoints(ck)
+        if found and found[-1][0] >= kill_at:
+            time.sleep(delay)  # land somewhere inside a later step or checkpoint write
+            proc.kill()
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.returncode == -9, f"not killed (rc={proc.returncode}): {err[-2000:]}"
+    killed_at = ckpt.list_checkpoints(ck)[-1][0]
+    assert killed_at < total, "killed after the last step: nothing left to resume"
+
+    resumed_args = _document_run_args(
+        folder, data, tmp_path / "resumed", "--checkpoint-dir", str(ck), "--resume"
+    )
+    assert main(resumed_args) == 0
+    params, m = final(tmp_path / "resumed")
+    msg = f"kill_at={kill_at}, delay={delay:.3f}, last checkpoint before kill={killed_at}"
+    assert m["privacy_unit"] == "document" and m["train_documents"] == ref["train_documents"]
+    assert m["steps"] == total, msg
+    assert m["epsilon"] == ref["epsilon"], msg
+    assert m["perplexity_after"] == ref["perplexity_after"], msg
+    assert set(params) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
+    steps_csv = (tmp_path / "resumed" / "steps.csv").read_text().splitlines()
+    assert len(steps_csv) == total + 1  # no step counted twice or lost

@@ -74,3 +74,36 @@ def test_schedule_takes_the_nearest_listed_length_below():
     assert long_context.steps_for(sched, 512) == (1, 2)
     assert long_context.steps_for(sched, 8192) == (0, 1)
     assert long_context.steps_for(sched, 128) == (1, 2)
+
+
+def test_merge_keeps_the_earlier_rows_and_says_which_run_each_came_from(tmp_path):
+    first = _run(tmp_path, "first", "--lengths", "16", "--arms", "nonpriv-bias", "dp-bitfit")
+    res = _run(tmp_path, "second", "--lengths", "16", "32", "--arms", "dp-bitfit",
+               "dp-bitfit-ckpt", "--merge", str(tmp_path / "first.json"))  # fmt: skip
+    rows = {(r["arm"], r["length"]): r for r in res["rows"]}
+    assert set(rows) == {("nonpriv-bias", 16), ("dp-bitfit", 16), ("dp-bitfit", 32),
+                         ("dp-bitfit-ckpt", 16), ("dp-bitfit-ckpt", 32)}  # fmt: skip
+    assert rows["nonpriv-bias", 16]["run"] == 0 and rows["dp-bitfit", 16]["run"] == 1
+    # the replaced measurement is kept, not rendered
+    assert [(r["arm"], r["run"]) for r in res["superseded_rows"]] == [("dp-bitfit", 0)]
+    assert rows["nonpriv-bias", 16]["peak_rss_bytes"] == first["rows"][0]["peak_rss_bytes"]
+    assert all(r["status"] == "ok" for r in rows.values())
+    assert res["arms"] == ["nonpriv-bias", "dp-bitfit", "dp-bitfit-ckpt"]
+    assert [run["command"] for run in res["runs"]] == [first["command"], res["command"]]
+    # memory compares across runs; time only within one run (alternated side by side)
+    assert long_context._ratio(res, "dp-bitfit", "nonpriv-bias", 16, 1, "peak_rss_bytes")
+    assert long_context._ratio(res, "dp-bitfit", "nonpriv-bias", 16, 1, "median_cpu_s") is None
+    assert long_context._ratio(res, "dp-bitfit-ckpt", "dp-bitfit", 32, 1, "median_cpu_s")
+    md = (tmp_path / "second.md").read_text()
+    assert first["command"] in md and "run 2:" in md and "1 more measured" in md
+    assert "DP-BiTFiT + activation checkpointing / DP-BiTFiT, memory" in md
+    assert "| 32 | 0+1 |" in md and "non-private bias-only)" in md  # not measured at T=32
+    # merging the merged result again keeps both runs
+    again = long_context.merge(res, first, "again")
+    assert len(again["runs"]) == 3 and {r["run"] for r in again["rows"]} == {1, 2}
+
+
+def test_merge_of_a_missing_file_is_refused_early(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        long_context.main(["--merge", str(tmp_path / "none.json"), "--out", str(tmp_path / "x")])
+    assert "--merge" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
