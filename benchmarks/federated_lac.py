@@ -741,8 +741,16 @@ def tuned_line() -> str:
     )
 
 
-def tuning_section(runs: list[dict]) -> list[str]:
-    """Each tuned arm's selection and its cost against DP-LAC's vote at the same epsilon."""
+def at_floor(score: float, floor: float, examples: int) -> bool:
+    """A validation score no better than predicting the majority class (within one example:
+    a stratified sample's class counts are rounded)."""
+    return score <= floor + 1 / examples
+
+
+def tuning_section(runs: list[dict], floor: dict | None = None) -> list[str]:
+    """Each tuned arm's selection and its cost against DP-LAC's vote at the same epsilon;
+    with the validation split's majority-class floor, how many candidates learned nothing
+    (when all did, the selection's pick says nothing about the grid)."""
     tuned = [r for r in runs if r.get("tuned")]
     if not tuned:
         return ["No tuned arm was run.", ""]
@@ -782,6 +790,22 @@ def tuning_section(runs: list[dict]) -> list[str]:
                     f"- {m} (tuned), eps {e:g}: median tuning CPU {statistics.median(cpu):.0f} s "
                     f"= {statistics.median(cpu) / statistics.median(votes[e]):.1f} x DP-LAC's "
                     f"vote ({statistics.median(votes[e]):.0f} s; n={len(cpu)} tuned seeds)"
+                )
+    if floor:
+        lines.append("")
+        vfloor = floor["validation"]["majority_accuracy"]
+        for e in sorted({r["epsilon_target"] for r in tuned}):
+            for m in TUNED:
+                rows = [r for r in tuned if (r["method"], r["epsilon_target"]) == (m, e)]
+                scores = [c["val_accuracy"] for r in rows for c in r["candidate_scores"]]
+                if not scores:
+                    continue
+                low = sum(at_floor(x, vfloor, r["val_examples"]) for x in scores)
+                lines.append(
+                    f"- {m} (tuned), eps {e:g}: {low} of {len(scores)} candidate runs score at or "
+                    f"below the validation split's majority-class floor ({vfloor:.4f}), i.e. learned "
+                    "nothing the score can see"
+                    + (" (every one: the pick is arbitrary)" if low == len(scores) else "")
                 )
     lines += [
         "",
@@ -995,7 +1019,7 @@ def render(
         "cores.",
         "",
         *c_star_section(runs),
-        *tuning_section(runs),
+        *tuning_section(runs, floor),
         *protocol_cost(runs, setup),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",

@@ -196,3 +196,26 @@ def test_c_star_is_the_best_recorded_fixed_clip_norm_paired_by_seed():
     mean, lo, hi = bench.paired_interval([0.02, -0.04])
     assert f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n=2)" in text
     assert bench.c_star_section([r for r in runs if r["method"] == "lac"]) == []
+
+
+def test_tuning_section_counts_candidates_at_the_majority_floor():
+    """Synthetic tuned rows: a candidate within one validation example of the floor (or
+    below it) learned nothing; 'the pick is arbitrary' only when every candidate did."""
+    bench = _benchmark()
+    floor = {"validation": {"majority_accuracy": 0.6717}}
+
+    def tuned(eps, scores):
+        return {"method": "automatic", "tuned": True, "epsilon_target": eps, "seed": 0,
+                "val_examples": 600, "hyperparameters": {"initial_clip": 1.0},
+                "candidate_scores": [{"hyperparameters": {"initial_clip": 1.0},
+                                      "val_accuracy": s} for s in scores],
+                "tuning_runs": len(scores), "tuning_cpu_seconds": 1.0, "tuning_seconds": 1.0,
+                "candidate_noise_multiplier": 1.0, "noise_multiplier": 1.0,
+                "epsilon": eps}  # fmt: skip
+
+    runs = [tuned(2.0, [403 / 600, 0.3]), tuned(8.0, [403 / 600, 0.675, 0.7])]
+    text = "\n".join(bench.tuning_section(runs, floor))
+    assert "eps 2: 2 of 2 candidate runs score at or below" in text
+    assert "eps 2: 2 of 2" in text and "(every one: the pick is arbitrary)" in text
+    assert "eps 8: 1 of 3 candidate runs" in text
+    assert text.count("the pick is arbitrary") == 1
