@@ -41,6 +41,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -575,38 +576,71 @@ def vote_cpu(r: dict) -> float:
     return 2 * c1 - c2
 
 
-def cost_parts(runs: list[dict]) -> list[tuple[str, float, float]] | None:
-    """(component, count, median CPU s each) of the whole protocol (both epsilons, three
-    seeds, six untuned rules, two tuned arms, the non-private reference); None when a
-    component has no recorded run."""
+class CostPart(NamedTuple):
+    """One component of the protocol: how many it has, the median CPU seconds of one recorded
+    instance (the estimate's price), and what was recorded (count, CPU seconds in all)."""
+
+    what: str
+    count: float
+    each: float
+    recorded: float
+    measured: float
+
+
+def _part(what: str, count: float, values: list[float], each: float | None = None) -> CostPart:
+    """A component priced at the median of its recorded values (or at ``each``)."""
+    price = each if each is not None else statistics.median(values) if values else 0.0
+    return CostPart(what, count, price, len(values), sum(values))
+
+
+def cost_parts(runs: list[dict]) -> list[CostPart] | None:
+    """The components of the whole protocol (both epsilons, three seeds, six untuned rules,
+    two tuned arms, the non-private reference), each priced at the median CPU seconds of its
+    recorded runs and with the CPU the recorded ones took; every recorded CPU second falls in
+    exactly one component. None when a component needed for the price has no recorded run."""
     plain_rules = ("adaptive-quantile", "automatic", "dynamic", "fixed")
     timed = [r for r in runs if "cpu_seconds" in r]
     plain = [r["cpu_seconds"] for r in timed if r["method"] in plain_rules and not r.get("tuned")]
+    reference = [r["cpu_seconds"] for r in timed if r["method"] == NON_PRIVATE]
     voted = [r for r in timed if "c_star" in r and len(r["rounds"]) > 1]
-    votes = [vote_cpu(r) for r in voted if not r.get("vote_from_memo")]
-    tuned = [r for r in timed if r.get("tuned") and r["tuning_runs"] > 0]
-    if not (plain and voted and votes and tuned):
+    computed = [vote_cpu(r) for r in voted if not r.get("vote_from_memo")]
+    read = [vote_cpu(r) for r in voted if r.get("vote_from_memo")]
+    tuned = [r for r in timed if r.get("tuned")]
+    tried = [r for r in tuned if r["tuning_runs"] > 0]
+    if not (plain and voted and computed and tried):
         return None
-    med = statistics.median
     cells = len(PROTOCOL_EPS) * PROTOCOL_SEEDS
+    votes = 2 * len(PROTOCOL_EPS)  # one computed vote per rule and epsilon, the rest read back
     k = SELECTION["mean_runs"]
+    candidate = statistics.median([r["tuning_cpu_seconds"] / r["tuning_runs"] for r in tried])
     return [
-        ("untuned run without a vote (quantile, automatic, dynamic, fixed)", 4 * cells,
-         med(plain)),
-        ("non-private reference (priced as one)", 1, med(plain)),
-        ("DP-LAC / DP-CLAC run without its vote", 2 * cells,
-         med([r["cpu_seconds"] - vote_cpu(r) for r in voted])),
-        ("vote computed (once per rule and epsilon with --vote-memo)", 2 * len(PROTOCOL_EPS),
-         med(votes)),
-        (f"tuning candidate run (E[K] = {k:g} per arm)", k * 2 * cells,
-         med([r["tuning_cpu_seconds"] / r["tuning_runs"] for r in tuned])),
-        ("tuned arm's final run", 2 * cells, med([r["cpu_seconds"] for r in tuned])),
+        _part("untuned run without a vote (quantile, automatic, dynamic, fixed)", 4 * cells,
+              plain),
+        _part("non-private reference", 1, reference,
+              None if reference else statistics.median(plain)),
+        _part("DP-LAC / DP-CLAC run without its vote", 2 * cells,
+              [r["cpu_seconds"] - vote_cpu(r) for r in voted]),
+        _part("vote computed (once per rule and epsilon with --vote-memo)", votes, computed),
+        _part("vote read back from the memo", 2 * cells - votes, read),
+        CostPart(f"tuning candidate run (E[K] = {k:g} per arm)", k * 2 * cells, candidate,
+                 sum(r["tuning_runs"] for r in tuned),
+                 sum(r["tuning_cpu_seconds"] for r in tuned)),
+        _part("tuned arm's final run", 2 * cells, [r["cpu_seconds"] for r in tuned]),
     ]  # fmt: skip
 
 
-def protocol_cost(runs: list[dict]) -> list[str]:
-    """The whole protocol's CPU time, estimated from the medians of the recorded runs; and
-    the same from the less loaded half of them (CPU seconds grow with the machine's load)."""
+def protocol_complete(runs: list[dict]) -> bool:
+    """Every rule and tuned arm at both protocol epsilons and three seeds, and the reference."""
+    have = {(arm(r), r.get("epsilon_target"), r.get("seed")) for r in runs}
+    arms = list(METHODS) + [f"{m} (tuned)" for m in TUNED]
+    cells = {(a, e, s) for a in arms for e in PROTOCOL_EPS for s in range(PROTOCOL_SEEDS)}
+    return cells <= have and any(r["method"] == NON_PRIVATE for r in runs)
+
+
+def protocol_cost(runs: list[dict], setup: list[dict] | None = None) -> list[str]:
+    """The whole protocol's CPU time: estimated from the medians of the recorded runs (and
+    from the less loaded half of them: CPU seconds grow with the machine's load), beside what
+    the recorded runs took."""
     parts = cost_parts(runs)
     if parts is None:
         return [
@@ -614,35 +648,52 @@ def protocol_cost(runs: list[dict]) -> list[str]:
             "recorded, one DP-LAC run with its vote computed).",
             "",
         ]
-    cells = len(PROTOCOL_EPS) * PROTOCOL_SEEDS
     lines = [
-        "## The whole protocol's CPU time (estimate from the recorded runs)",
+        "## The whole protocol's CPU time (estimate from the recorded runs, and as measured)",
         "",
-        f"eps {' and '.join(f'{e:g}' for e in PROTOCOL_EPS)}, {PROTOCOL_SEEDS} seeds: each "
-        "component's count times the median CPU seconds of its recorded runs (a vote: the "
-        "first round's cumulative CPU less the second round's own).",
+        f"eps {' and '.join(f'{e:g}' for e in PROTOCOL_EPS)}, {PROTOCOL_SEEDS} seeds. "
+        "Estimate: each component's count in the protocol times the median CPU seconds of its "
+        "recorded runs (a vote: the first round's cumulative CPU less the second round's own). "
+        "Measured: the CPU seconds the recorded ones took, each recorded second in one "
+        "component.",
         "",
-        "| component | count | median CPU s each | CPU-hours |",
-        "|---|---|---|---|",
+        "| component | count | median CPU s each | estimate CPU-hours | recorded | "
+        "measured CPU-hours |",
+        "|---|---|---|---|---|---|",
     ]
-    total = 0.0
-    for what, count, each in parts:
-        total += count * each
-        lines.append(f"| {what} | {count:g} | {each:.0f} | {count * each / 3600:.2f} |")
-    vote = parts[3][2]
-    without = total + (2 * cells - 2 * len(PROTOCOL_EPS)) * vote
+    for p in parts:
+        lines.append(
+            f"| {p.what} | {p.count:g} | {p.each:.0f} | {p.count * p.each / 3600:.2f} | "
+            f"{p.recorded:g} | {p.measured / 3600:.2f} |"
+        )
+    total = sum(p.count * p.each for p in parts)
+    measured = sum(p.measured for p in parts)
+    fill = sum(s["cpu_seconds"] for s in setup or [])
+    vote, read = parts[3].each, parts[4].each
+    without = total + parts[4].count * (vote - read)
     lines += [
-        f"| **total** | | | **{total / 3600:.2f}** |",
+        f"| **total** | | | **{total / 3600:.2f}** | | **{measured / 3600:.2f}** |",
         "",
         f"Without the vote memo (every DP-LAC/DP-CLAC run computing its vote): "
-        f"{without / 3600:.2f} CPU-hours.",
+        f"{without / 3600:.2f} CPU-hours estimated.",
+        f"Measured: {measured / 3600:.2f} CPU-hours in the recorded runs + "
+        f"{fill / 3600:.2f} loading/filling the frozen-layer cache ({len(setup or [])} "
+        f"worker starts) = {(measured + fill) / 3600:.2f} CPU-hours, "
+        + (
+            "the whole protocol (every rule and tuned arm at both epsilons and three seeds, "
+            "and the reference)."
+            if protocol_complete(runs)
+            else "not yet the whole protocol (some of its cells are not recorded)."
+        )
+        + " A recorded count above the protocol's is work the plan avoids (a vote computed "
+        "where the memo would read it back).",
     ]
     loads = [r["load_avg"] for r in runs if "load_avg" in r]
     if loads:
         cut = statistics.median(loads)
         calm = cost_parts([r for r in runs if r.get("load_avg", math.inf) <= cut])
         if calm is not None:
-            calm_total = sum(count * each for _, count, each in calm)
+            calm_total = sum(p.count * p.each for p in calm)
             lines.append(
                 f"The same estimate from the runs recorded at a load average up to {cut:.1f} "
                 f"(the less loaded half): {calm_total / 3600:.2f} CPU-hours."
@@ -690,8 +741,16 @@ def tuned_line() -> str:
     )
 
 
-def tuning_section(runs: list[dict]) -> list[str]:
-    """Each tuned arm's selection and its cost against DP-LAC's vote at the same epsilon."""
+def at_floor(score: float, floor: float, examples: int) -> bool:
+    """A validation score no better than predicting the majority class (within one example:
+    a stratified sample's class counts are rounded)."""
+    return score <= floor + 1 / examples
+
+
+def tuning_section(runs: list[dict], floor: dict | None = None) -> list[str]:
+    """Each tuned arm's selection and its cost against DP-LAC's vote at the same epsilon;
+    with the validation split's majority-class floor, how many candidates learned nothing
+    (when all did, the selection's pick says nothing about the grid)."""
     tuned = [r for r in runs if r.get("tuned")]
     if not tuned:
         return ["No tuned arm was run.", ""]
@@ -721,6 +780,33 @@ def tuning_section(runs: list[dict]) -> list[str]:
             f"| {r['epsilon']:.3f} | {r['tuning_cpu_seconds']:.0f} | "
             f"{r['tuning_seconds']:.0f} | {ratio} |"
         )
+    lines.append("")
+    for e in sorted(votes):
+        for m in TUNED:
+            cpu = [r["tuning_cpu_seconds"] for r in tuned if
+                   (r["method"], r["epsilon_target"]) == (m, e)]  # fmt: skip
+            if cpu:
+                lines.append(
+                    f"- {m} (tuned), eps {e:g}: median tuning CPU {statistics.median(cpu):.0f} s "
+                    f"= {statistics.median(cpu) / statistics.median(votes[e]):.1f} x DP-LAC's "
+                    f"vote ({statistics.median(votes[e]):.0f} s; n={len(cpu)} tuned seeds)"
+                )
+    if floor:
+        lines.append("")
+        vfloor = floor["validation"]["majority_accuracy"]
+        for e in sorted({r["epsilon_target"] for r in tuned}):
+            for m in TUNED:
+                rows = [r for r in tuned if (r["method"], r["epsilon_target"]) == (m, e)]
+                scores = [c["val_accuracy"] for r in rows for c in r["candidate_scores"]]
+                if not scores:
+                    continue
+                low = sum(at_floor(x, vfloor, r["val_examples"]) for x in scores)
+                lines.append(
+                    f"- {m} (tuned), eps {e:g}: {low} of {len(scores)} candidate runs score at or "
+                    f"below the validation split's majority-class floor ({vfloor:.4f}), i.e. learned "
+                    "nothing the score can see"
+                    + (" (every one: the pick is arbitrary)" if low == len(scores) else "")
+                )
     lines += [
         "",
         "DP-LAC vote CPU: the median CPU seconds of the vote (its first round's cumulative "
@@ -731,6 +817,69 @@ def tuning_section(runs: list[dict]) -> list[str]:
         "",
     ]
     return lines
+
+
+def c_star_section(runs: list[dict]) -> list[str]:
+    """DP-LAC's C_hist against C*, the best fixed clip norm in hindsight (highest test
+    accuracy) among the fixed-rule runs recorded at the same epsilon and seed; paired."""
+    lac = sorted(
+        (r for r in runs if arm(r) == "lac" and "c_star" in r),
+        key=lambda r: (r["epsilon_target"], r["seed"]),
+    )
+    fixed_norms = sorted({r["initial_clip"] for r in runs if arm(r) == "fixed"})
+    if not lac or not fixed_norms:
+        return []
+    from dpfit.federated.clipping import ClipConfig
+
+    factors = lac[0].get("vote_factors", ClipConfig.vote_factors)  # older rows: the default
+    grid = ", ".join(f"{f:g}" for f in factors)
+    measured = ", ".join(f"{c:g}" for c in fixed_norms)
+    lines = [
+        "## DP-LAC's C_hist against C*, the best fixed clip norm in hindsight",
+        "",
+        f"C* = the fixed rule's clip norm with the highest test accuracy among the fixed-rule "
+        f"runs recorded at the same epsilon and seed. Fixed clip norms recorded: {{{measured}}}"
+        f", so C* is the best of those only, not of the vote's candidates ({{{grid}}} x "
+        "C_init; no sweep of the fixed rule over them was run): C_hist = C* below says the vote "
+        "picked the one fixed clip norm that was measured, not that it is optimal.",
+        "",
+        "| eps | seed | C_hist | C_loss | C* (of recorded) | DP-LAC accuracy | fixed C* "
+        "accuracy | DP-LAC minus fixed C* |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    diffs: dict[float, list[float]] = {}
+    same = 0
+    for r in lac:
+        e, s = r["epsilon_target"], r["seed"]
+        at = (e, s)
+        fixed = [x for x in runs if arm(x) == "fixed" and (x["epsilon_target"], x["seed"]) == at]
+        if not fixed:
+            lines.append(
+                f"| {e:g} | {s} | {r['initial_clip']:g} | {r['c_star']:g} | not run | "
+                f"{r['test_accuracy']:.4f} | not run | - |"
+            )
+            continue
+        best = max(fixed, key=lambda x: x["test_accuracy"])
+        d = r["test_accuracy"] - best["test_accuracy"]
+        same += r["initial_clip"] == best["initial_clip"]
+        diffs.setdefault(e, []).append(d)
+        lines.append(
+            f"| {e:g} | {s} | {r['initial_clip']:g} | {r['c_star']:g} | "
+            f"{best['initial_clip']:g} | {r['test_accuracy']:.4f} | "
+            f"{best['test_accuracy']:.4f} | {d:+.4f} |"
+        )
+    paired = sum(map(len, diffs.values()))
+    lines += ["", f"C_hist = C* in {same} of the {paired} DP-LAC runs with a fixed run."]
+    for e, d in sorted(diffs.items()):
+        if len(d) < 2:
+            lines.append(f"- eps {e:g}: DP-LAC minus fixed C*: {d[0]:+.4f} (one seed)")
+            continue
+        mean, lo, hi = paired_interval(d)
+        lines.append(
+            f"- eps {e:g}: DP-LAC minus fixed C*, paired by seed: {mean:+.4f} "
+            f"[{lo:+.4f}, {hi:+.4f}] (n={len(d)}): {interval_verdict(lo, hi)} it"
+        )
+    return lines + [""]
 
 
 def render(
@@ -838,8 +987,7 @@ def render(
         "",
         "C_hist = the noised histogram's pick; C_loss = the candidate with the lowest mean "
         "candidate loss over all clients (the vote's objective, recomputed non-privately by the "
-        "benchmark). C* in the sense of the best fixed clip norm is not measured: the fixed rule "
-        "ran at C = 1 only, not at each candidate.",
+        "benchmark). C* (the best fixed clip norm) is in the next section.",
         "",
         "| rule | eps | seed | sigma_h | noised counts | C_hist | C_loss | vote | vote + round 1 "
         "CPU s | run CPU s | vote wall s | run wall s |",
@@ -870,8 +1018,9 @@ def render(
         "CPU seconds are the process's own; wall seconds also count waiting for the shared "
         "cores.",
         "",
-        *tuning_section(runs),
-        *protocol_cost(runs),
+        *c_star_section(runs),
+        *tuning_section(runs, floor),
+        *protocol_cost(runs, setup),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
         "| rule | eps | C_t round 1 -> last | norm round 1 -> last | val loss round 1 -> last "
@@ -890,12 +1039,13 @@ def render(
             f"| {arm(r)} | {eps} | {clip} | {n[0]:.4g} -> {n[-1]:.4g} | "
             f"{v[0]:.3f} -> {v[-1]:.3f} | {_corr(n, v):.2f} |"
         )
-    lines += ["", f"![C_t and update norm per rule]({name}.png)", ""]
+    lines += ["", f"![C_t and update norm per rule and tuned arm]({name}.png)", ""]
     return "\n".join(lines)
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """C_t and the median client update norm per round, one seed (the first), each epsilon."""
+    """C_t and the median client update norm per round of each rule and tuned arm, one seed
+    (the first), each epsilon."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -908,13 +1058,17 @@ def plot(runs: list[dict], path: Path) -> None:
         2, len(eps_list), figsize=(5.5 * len(eps_list), 6.4), squeeze=False, sharex=True
     )
     for col, e in enumerate(eps_list):
-        for i, m in enumerate(METHODS):  # one colour per rule in every panel
-            rows = [r for r in runs if r["method"] == m and r["epsilon_target"] == e]
+        # one colour per rule in every panel; a tuned arm dotted in its rule's colour
+        arms = [(m, m) for m in METHODS] + [(f"{m} (tuned)", m) for m in TUNED]
+        for name, m in arms:
+            rows = [r for r in runs if arm(r) == name and r["epsilon_target"] == e]
             rows = [r for r in rows if r["seed"] == seed and r["rounds"]]
             if not rows:
                 continue
             x = [p["round"] for p in rows[0]["rounds"]]
-            style = {"label": m, "color": f"C{i}"}
+            style = {"label": name, "color": f"C{METHODS.index(m)}"}
+            if name != m:
+                style["linestyle"] = ":"
             axes[0, col].plot(x, [p["clip_norm"] for p in rows[0]["rounds"]], **style)
             axes[1, col].plot(x, [p["median_update_norm"] for p in rows[0]["rounds"]], **style)
         for r in reference:

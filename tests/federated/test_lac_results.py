@@ -134,3 +134,88 @@ def test_vote_grid_rendering_pairs_by_seed():
     mean, lo, hi = bench.paired_interval([0.0, 0.01, 0.02])
     assert f"minus DP-LAC (paper's grid): {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n=3)" in text
     assert "{0.5, 1, 2} x C_init" in text
+
+
+def test_measured_protocol_cpu_is_every_recorded_second():
+    """The cost table's measured total is the recorded runs' CPU (candidate runs included)
+    plus the cache fills, summed here straight from the JSONL files."""
+    bench = _benchmark()
+    name = "federated_lac_full"
+    runs = _jsonl(name)
+    setup = _jsonl(f"{name}_setup")
+    cpu = sum(r["cpu_seconds"] + r.get("tuning_cpu_seconds", 0.0) for r in runs)
+    fill = sum(s["cpu_seconds"] for s in setup)
+    text = (RESULTS / f"{name}.md").read_text()
+    assert f"| **{cpu / 3600:.2f}** |" in text
+    assert f"= {(cpu + fill) / 3600:.2f} CPU-hours" in text
+    parts = bench.cost_parts(runs)
+    assert sum(p.measured for p in parts) == pytest.approx(cpu)
+    assert sum(p.recorded for p in parts if "tuning candidate" in p.what) == sum(
+        r.get("tuning_runs", 0) for r in runs
+    )
+
+
+def test_protocol_is_complete_only_with_every_cell():
+    bench = _benchmark()
+    row = {"seed": 0, "tuned": False}
+    cells = [{**row, "method": bench.NON_PRIVATE, "epsilon_target": None}]
+    for e in bench.PROTOCOL_EPS:
+        for s in range(bench.PROTOCOL_SEEDS):
+            cells += [{**row, "method": m, "epsilon_target": e, "seed": s} for m in bench.METHODS]
+            cells += [
+                {**row, "method": m, "epsilon_target": e, "seed": s, "tuned": True}
+                for m in bench.TUNED
+            ]
+    assert bench.protocol_complete(cells)
+    for i in range(len(cells)):
+        assert not bench.protocol_complete(cells[:i] + cells[i + 1 :])
+
+
+def test_c_star_is_the_best_recorded_fixed_clip_norm_paired_by_seed():
+    """Synthetic rows: fixed C = 0.5 and C = 1 at two seeds; C* is the one with the higher
+    test accuracy at each seed, and DP-LAC is paired with that run."""
+    bench = _benchmark()
+
+    def row(method, clip, seed, acc, **extra):
+        return {"method": method, "epsilon_target": 2.0, "seed": seed, "initial_clip": clip,
+                "test_accuracy": acc, **extra}  # fmt: skip
+
+    runs = [
+        row("lac", 1.0, 0, 0.70, c_star=1.0),
+        row("lac", 1.0, 1, 0.60, c_star=0.5),
+        row("fixed", 1.0, 0, 0.66),
+        row("fixed", 0.5, 0, 0.68),
+        row("fixed", 1.0, 1, 0.64),
+        row("fixed", 0.5, 1, 0.55),
+    ]
+    text = "\n".join(bench.c_star_section(runs))
+    assert "Fixed clip norms recorded: {0.5, 1}" in text
+    assert "| 2 | 0 | 1 | 1 | 0.5 | 0.7000 | 0.6800 | +0.0200 |" in text
+    assert "| 2 | 1 | 1 | 0.5 | 1 | 0.6000 | 0.6400 | -0.0400 |" in text
+    assert "C_hist = C* in 1 of the 2 DP-LAC runs with a fixed run." in text
+    mean, lo, hi = bench.paired_interval([0.02, -0.04])
+    assert f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n=2)" in text
+    assert bench.c_star_section([r for r in runs if r["method"] == "lac"]) == []
+
+
+def test_tuning_section_counts_candidates_at_the_majority_floor():
+    """Synthetic tuned rows: a candidate within one validation example of the floor (or
+    below it) learned nothing; 'the pick is arbitrary' only when every candidate did."""
+    bench = _benchmark()
+    floor = {"validation": {"majority_accuracy": 0.6717}}
+
+    def tuned(eps, scores):
+        return {"method": "automatic", "tuned": True, "epsilon_target": eps, "seed": 0,
+                "val_examples": 600, "hyperparameters": {"initial_clip": 1.0},
+                "candidate_scores": [{"hyperparameters": {"initial_clip": 1.0},
+                                      "val_accuracy": s} for s in scores],
+                "tuning_runs": len(scores), "tuning_cpu_seconds": 1.0, "tuning_seconds": 1.0,
+                "candidate_noise_multiplier": 1.0, "noise_multiplier": 1.0,
+                "epsilon": eps}  # fmt: skip
+
+    runs = [tuned(2.0, [403 / 600, 0.3]), tuned(8.0, [403 / 600, 0.675, 0.7])]
+    text = "\n".join(bench.tuning_section(runs, floor))
+    assert "eps 2: 2 of 2 candidate runs score at or below" in text
+    assert "eps 2: 2 of 2" in text and "(every one: the pick is arbitrary)" in text
+    assert "eps 8: 1 of 3 candidate runs" in text
+    assert text.count("the pick is arbitrary") == 1
