@@ -27,3 +27,16 @@ def _one_thread():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny random BERT and a 200-review sentiment CSV, as paths a user would pass;
+    a test module with other sizes defines its own `tiny`."""
+    from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
+
+    root = tmp_path_factory.mktemp("tiny")
+    return (
+        str(save_tiny_random_model(root / "model")),
+        str(write_tiny_sentiment_csv(root / "data.csv", n=200)),
+    )

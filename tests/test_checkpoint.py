@@ -3,14 +3,12 @@
 import json
 import os
 import random
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from sigkill import kill_after_checkpoint
 
 from dpfit import checkpoint as ckpt
 from dpfit.cli import main
@@ -115,27 +113,9 @@ def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path, extra, first
     kill_at = rng.randint(first_kill, total - 4)
     delay = rng.uniform(0, 0.05)
     ck = tmp_path / "ck"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpfit.cli", *_args(tiny, tmp_path / "killed", "--checkpoint-dir", str(ck)), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = ckpt.list_checkpoints(ck)
-        if found and found[-1][0] >= kill_at:
-            time.sleep(delay)  # land somewhere inside a later step or checkpoint write
-            proc.kill()
-            break
-        time.sleep(0.002)
-    proc.wait(timeout=60)
-    err = proc.stderr.read().decode()
-    proc.stderr.close()
-    assert proc.returncode == -9, (
-        f"run was not killed (rc={proc.returncode}, kill_at={kill_at}): {err[-2000:]}"
-    )
+    argv = [*_args(tiny, tmp_path / "killed", "--checkpoint-dir", str(ck)), *extra]
+    killed_at = kill_after_checkpoint(argv, ck, kill_at, delay, timeout=120)
     assert not (tmp_path / "killed" / "metrics.json").exists()
-    killed_at = ckpt.list_checkpoints(ck)[-1][0]
     assert killed_at < total, "killed after the last step: nothing left to resume"
 
     assert (

@@ -8,16 +8,13 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from sigkill import kill_after_checkpoint
 from test_causal_lm import CharTokenizer, tiny_llama
 
-from dpfit import checkpoint as ckpt
 from dpfit.causal_lm import IGNORE, Window, make_collate, windows
 from dpfit.cli import main
 from dpfit.errors import DPFitError
@@ -223,25 +220,8 @@ def test_document_unit_resumes_after_sigkill_as_if_never_killed(tmp_path):
     kill_at = rng.randint(1, total - 4)
     delay = rng.uniform(0, 0.05)
     ck = tmp_path / "ck"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     argv = _document_run_args(folder, data, tmp_path / "killed", "--checkpoint-dir", str(ck))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpfit.cli", *argv],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = ckpt.list_checkpoints(ck)
-        if found and found[-1][0] >= kill_at:
-            time.sleep(delay)  # land somewhere inside a later step or checkpoint write
-            proc.kill()
-            break
-        time.sleep(0.002)
-    proc.wait(timeout=60)
-    err = proc.stderr.read().decode()
-    proc.stderr.close()
-    assert proc.returncode == -9, f"not killed (rc={proc.returncode}): {err[-2000:]}"
-    killed_at = ckpt.list_checkpoints(ck)[-1][0]
+    killed_at = kill_after_checkpoint(argv, ck, kill_at, delay)
     assert killed_at < total, "killed after the last step: nothing left to resume"
 
     resumed_args = _document_run_args(

@@ -23,7 +23,6 @@ from dpfit.accounting import (
     noise_multiplier_for,
 )
 from dpfit.cli import build_parser, main, summary_rows, train_config_from_args
-from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 from dpfit.train import TrainConfig, train
 
 
@@ -113,15 +112,6 @@ def test_engine_calibrates_to_the_relation_it_is_given_and_reports_both():
     # a checkpoint accounted for one relation does not resume under the other
     with pytest.raises(ValueError, match="neighbouring='replace-one'"):
         small_engine(target_epsilon=1.0, steps=steps).load_state_dict(engine.state_dict())
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return (
-        str(save_tiny_random_model(root / "model")),
-        str(write_tiny_sentiment_csv(root / "data.csv", n=200)),
-    )
 
 
 def test_a_run_calibrated_to_replace_one_reports_both_and_says_which(tiny, tmp_path, capsys):

@@ -12,21 +12,11 @@ import dp_accounting
 import pytest
 import torch
 
-from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 from dpfit.reporting import PRIVATE_STEP_FIELDS
 from dpfit.sampling import PoissonBatchSampler
 from dpfit.train import TrainConfig, train
 
 STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return (
-        str(save_tiny_random_model(root / "model")),
-        str(write_tiny_sentiment_csv(root / "data.csv", n=200)),
-    )
 
 
 def scripted_draws(monkeypatch, sizes: list[int]) -> list[int]:

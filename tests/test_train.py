@@ -12,15 +12,6 @@ from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 from dpfit.train import PhysicalBatchMemoryError, TrainConfig, train
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return (
-        str(save_tiny_random_model(root / "model")),
-        str(write_tiny_sentiment_csv(root / "data.csv", n=200)),
-    )
-
-
 def cfg(tiny, **kw):
     model, data = tiny
     base = dict(model=model, data=data, epochs=2, batch_size=30, physical_batch_size=8, lr=0.05)

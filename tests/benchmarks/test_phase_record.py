@@ -6,22 +6,12 @@ from __future__ import annotations
 import pytest
 from benchmark_scripts import load_benchmark
 
-from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
 from dpfit.train import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
 def phase():
     return load_benchmark("phase_record")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return (
-        str(save_tiny_random_model(root / "model")),
-        str(write_tiny_sentiment_csv(root / "data.csv", n=200)),
-    )
 
 
 def _run(phase, tiny, lr: float):

@@ -7,18 +7,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from image_tasks import patterns, write_npz
 from safetensors.torch import load_file
+from sigkill import kill_after_checkpoint
 
 from dpfit import PrivacyEngine
-from dpfit import checkpoint as ckpt
 from dpfit.accounting import epsilon_for
 from dpfit.cli import main
 from dpfit.errors import DPFitError
@@ -213,24 +210,8 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path, capsys):
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     kill_at = rng.randint(2, total - 3)
     ck = tmp_path / "ck"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpfit.cli", *_args(data, tmp_path / "killed", "--checkpoint-dir", str(ck))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = ckpt.list_checkpoints(ck)
-        if found and found[-1][0] >= kill_at:
-            time.sleep(rng.uniform(0, 0.05))
-            proc.kill()
-            break
-        time.sleep(0.002)
-    proc.wait(timeout=60)
-    err = proc.stderr.read().decode()
-    proc.stderr.close()
-    assert proc.returncode == -9, f"not killed (rc={proc.returncode}): {err[-2000:]}"
-    killed_at = ckpt.list_checkpoints(ck)[-1][0]
+    argv = _args(data, tmp_path / "killed", "--checkpoint-dir", str(ck))
+    killed_at = kill_after_checkpoint(argv, ck, kill_at, rng.uniform(0, 0.05))
     assert killed_at < total
 
     assert main(_args(data, tmp_path / "resumed", "--checkpoint-dir", str(ck), "--resume")) == 0

@@ -1,0 +1,43 @@
+"""Kill a `dpfit` CLI run with SIGKILL once it has checkpointed a given step.
+
+Why one helper: the resume tests of every run kind (text, long documents, images) must kill
+the same way (no cleanup handler runs, the kill lands anywhere inside a later step or
+checkpoint write) for their "resumes as if never killed" claims to mean the same thing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dpfit import checkpoint as ckpt
+
+
+def kill_after_checkpoint(
+    argv: list[str], checkpoint_dir: Path, kill_at: int, delay: float, timeout: float = 180.0
+) -> int:
+    """Run `python -m dpfit.cli argv`, SIGKILL it `delay` seconds after a checkpoint of step
+    >= kill_at appears, and return the last checkpointed step (asserting it was killed)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpfit.cli", *argv],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = ckpt.list_checkpoints(checkpoint_dir)
+        if found and found[-1][0] >= kill_at:
+            time.sleep(delay)  # land somewhere inside a later step or checkpoint write
+            proc.kill()
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.returncode == -9, (
+        f"run was not killed (rc={proc.returncode}, kill_at={kill_at}): {err[-2000:]}"
+    )
+    return ckpt.list_checkpoints(checkpoint_dir)[-1][0]
