@@ -967,6 +967,15 @@ def c_star_section(runs: list[dict], sweep: Sequence[dict] = ()) -> list[str]:
         )
     paired = sum(map(len, diffs.values()))
     lines += ["", f"C_hist = C* in {same} of the {paired} DP-LAC runs with a fixed run."]
+    for e in sorted({r["epsilon_target"] for r in fixed_runs}):
+        at = [r for r in fixed_runs if r["epsilon_target"] == e]
+        norms = sorted({r["initial_clip"] for r in at})
+        if len(norms) > 1:
+            means = ", ".join(
+                f"C = {c:g}: {np.mean([r['test_accuracy'] for r in at if r['initial_clip'] == c]):.4f}"
+                for c in norms
+            )
+            lines.append(f"- eps {e:g}: fixed-rule test accuracy by clip norm (seed mean): {means}")
     for e, d in sorted(diffs.items()):
         if len(d) < 2:
             lines.append(f"- eps {e:g}: DP-LAC minus fixed C*: {d[0]:+.4f} (one seed)")

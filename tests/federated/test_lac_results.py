@@ -249,6 +249,7 @@ def test_c_star_reads_the_fixed_clip_sweep_paired_by_seed_and_setting():
     assert "eps 8: 0.25 (seeds 0 1), 0.5 (seeds 0 1), 1 (seeds 0 1)" in text
     assert "At eps 8 the measured norms cover the vote's candidates" in text
     assert "--methods fixed --fixed-clip 0.25 0.5 --epsilons 8 --seeds 0 1" in text
+    assert "(seed mean): C = 0.25: 0.5950, C = 0.5: 0.6500, C = 1: 0.6500" in text
     assert "| 8 | 0 | 1 | 1 | 0.25 | 0.7000 | 0.6900 | +0.0100 |" in text
     assert "| 8 | 1 | 1 | 1 | 1 | 0.6000 | 0.6400 | -0.0400 |" in text
     assert "C_hist = C* in 1 of the 2 DP-LAC runs with a fixed run." in text
