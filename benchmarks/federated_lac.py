@@ -162,9 +162,9 @@ def stratified(examples: list, k: int, seed: int) -> list:
     return sorted(out, key=lambda e: e.text)
 
 
-def server_config(method: str, eps: float | None, seed: int, args):
-    """The untuned server of one rule at one epsilon and seed (C_init = 1; non-private:
-    the fixed rule with C = 1e6 and no noise)."""
+def server_config(method: str, eps: float | None, seed: int, args, clip: float = 1.0):
+    """The untuned server of one rule at one epsilon and seed (C_init = ``clip``, 1 unless
+    a fixed-rule sweep asks otherwise; non-private: the fixed rule with C = 1e6, no noise)."""
     from dpfit.federated.strategy import ServerConfig
 
     private = method != NON_PRIVATE
@@ -175,7 +175,7 @@ def server_config(method: str, eps: float | None, seed: int, args):
         rounds=args.rounds,
         target_epsilon=eps if private else None,
         noise_multiplier=None if private else 0.0,
-        initial_clip=1.0 if private else 1e6,
+        initial_clip=clip if private else 1e6,
         insecure_seed=seed,
         **(
             {"vote_factors": tuple(args.vote_factors)}
@@ -186,7 +186,16 @@ def server_config(method: str, eps: float | None, seed: int, args):
 
 
 def one_run(
-    method: str, eps: float | None, seed: int, args, task, engine, val, test, cfg=None
+    method: str,
+    eps: float | None,
+    seed: int,
+    args,
+    task,
+    engine,
+    val,
+    test,
+    cfg=None,
+    clip: float = 1.0,
 ) -> dict:
     """One rule at one epsilon and seed; per-round C_t, validation loss, median norm.
 
@@ -197,7 +206,7 @@ def one_run(
     from dpfit.federated.strategy import DPFedAvgServer
 
     private = method != NON_PRIVATE
-    cfg = cfg or server_config(method, eps, seed, args)
+    cfg = cfg or server_config(method, eps, seed, args, clip)
     rounds: list[dict] = []
     t0, c0 = time.perf_counter(), time.process_time()
     server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val))
@@ -416,13 +425,31 @@ def arm(r: dict) -> str:
     return f"{r['method']} (tuned)" if r.get("tuned") else r["method"]
 
 
+def check_fixed_clip(args: argparse.Namespace) -> None:
+    """--fixed-clip sweeps the fixed rule only, into its own --name (one line if not)."""
+    if args.fixed_clip is None:
+        return
+    if args.command != "run" or args.methods != ["fixed"] or args.tune or args.vote_factors:
+        raise SystemExit(
+            "--fixed-clip sweeps the fixed rule only: use it with run --methods fixed "
+            "(no --tune, no --vote-factors)"
+        )
+    if any(not c > 0 for c in args.fixed_clip):
+        raise SystemExit("--fixed-clip: clip norms must be positive, e.g. --fixed-clip 0.25 0.5")
+    if args.name in RENDERED:
+        raise SystemExit(
+            f"--fixed-clip: give the sweep its own --name (e.g. {args.name}_fixed_sweep), "
+            "not a protocol's, so the protocol's per-rule means stay unmixed"
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     path = args.out / f"{args.name}.jsonl"
     done = set()
     if path.exists():
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            done.add((arm(r), r["epsilon_target"], r["seed"]))
+            done.add((arm(r), r["epsilon_target"], r["seed"], r["initial_clip"]))
     task, engine, val, test, setup_cost = setup(args)
     with open(args.out / f"{args.name}_setup.jsonl", "a") as f:  # the cache fill's cost
         f.write(json.dumps({"pid": os.getpid(), **setup_cost}) + "\n")
@@ -431,15 +458,24 @@ def cmd_run(args: argparse.Namespace) -> None:
     # of those baselines instead of the untuned rules
     if args.tune:
         plan = [
-            (f"{m} (tuned)", e, s) for s in args.seeds for e in args.epsilons for m in args.tune
+            (f"{m} (tuned)", e, s, 1.0)
+            for s in args.seeds
+            for e in args.epsilons
+            for m in args.tune
+        ]
+    elif args.fixed_clip is not None:  # the fixed rule at other clip norms: no reference
+        plan = [
+            ("fixed", e, s, c) for s in args.seeds for e in args.epsilons for c in args.fixed_clip
         ]
     else:
         # a variant grid is compared with the default run's rows: no reference of its own
-        plan = [] if args.vote_factors else [(NON_PRIVATE, None, args.seeds[0])]
-        plan += [(m, e, s) for s in args.seeds for e in args.epsilons for m in args.methods]
+        plan = [] if args.vote_factors else [(NON_PRIVATE, None, args.seeds[0], 1e6)]
+        plan += [(m, e, s, 1.0) for s in args.seeds for e in args.epsilons for m in args.methods]
     claims = Path(args.claims) if args.claims else None
-    for name, eps, seed in plan:
-        if (name, eps, seed) in done:
+    for name, eps, seed, clip in plan:
+        if (name, eps, seed, clip) in done or (
+            args.fixed_clip is None and any(d[:3] == (name, eps, seed) for d in done)
+        ):
             continue
         if args.start_before and time.time() >= args.start_before.timestamp():
             print(f"{args.start_before:%H:%M} UTC passed: no new run started", flush=True)
@@ -447,7 +483,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         if claims is not None:  # several workers share one plan: each run is claimed once
             claims.mkdir(parents=True, exist_ok=True)
             try:
-                os.close(os.open(claims / f"{name}_{eps}_{seed}", os.O_CREAT | os.O_EXCL))
+                claim = f"{name}_{eps}_{seed}" + (f"_C{clip:g}" if args.fixed_clip else "")
+                os.close(os.open(claims / claim, os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 continue
         hits = engine.memo_hits
@@ -455,13 +492,13 @@ def cmd_run(args: argparse.Namespace) -> None:
             method = name.removesuffix(" (tuned)")
             row = tuned_run(method, eps, seed, args, task, engine, val, test)
         else:
-            row = one_run(name, eps, seed, args, task, engine, val, test)
+            row = one_run(name, eps, seed, args, task, engine, val, test, clip=clip)
         row["load_avg"] = os.getloadavg()[0]
         row["vote_from_memo"] = engine.memo_hits > hits
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(
-            f"{name} eps={eps} seed={seed}: test acc {row['test_accuracy']:.4f} "
+            f"{name} eps={eps} seed={seed} C_init={clip:g}: test acc {row['test_accuracy']:.4f} "
             f"({row['seconds']:.0f}s, {row['cpu_seconds']:.0f} CPU s)",
             flush=True,
         )
@@ -819,29 +856,89 @@ def tuning_section(runs: list[dict], floor: dict | None = None) -> list[str]:
     return lines
 
 
-def c_star_section(runs: list[dict]) -> list[str]:
+SWEEP_NAME, SWEEP_BASE = "federated_lac_fixed_sweep", "federated_lac_full"
+SETTING = ("rounds_requested", "clients", "clients_per_round", "local_optimizer", "lr",
+           "val_examples", "test_examples")  # fmt: skip
+
+
+def paired_sweep(runs: list[dict], sweep: Sequence[dict]) -> list[dict]:
+    """The sweep's fixed runs recorded in the protocol's setting: at the same epsilon and
+    seed they share its client sampling and noise streams (insecure_seed = seed), so they
+    pair with its runs; a sweep row in another setting is left out."""
+    if not runs:
+        return []
+    return [
+        x for x in sweep if arm(x) == "fixed" and all(x.get(k) == runs[0].get(k) for k in SETTING)
+    ]
+
+
+def c_star_section(runs: list[dict], sweep: Sequence[dict] = ()) -> list[str]:
     """DP-LAC's C_hist against C*, the best fixed clip norm in hindsight (highest test
-    accuracy) among the fixed-rule runs recorded at the same epsilon and seed; paired."""
+    accuracy) among the fixed-rule runs recorded at the same epsilon and seed, the protocol's
+    (C = 1) and the fixed-clip sweep's (``sweep``, other C); paired by seed."""
     lac = sorted(
         (r for r in runs if arm(r) == "lac" and "c_star" in r),
         key=lambda r: (r["epsilon_target"], r["seed"]),
     )
-    fixed_norms = sorted({r["initial_clip"] for r in runs if arm(r) == "fixed"})
-    if not lac or not fixed_norms:
+    swept = paired_sweep(runs, sweep)
+    fixed_runs = [r for r in runs if arm(r) == "fixed" and r["epsilon_target"] is not None]
+    fixed_runs += swept
+    if not lac or not fixed_runs:
         return []
     from dpfit.federated.clipping import ClipConfig
 
     factors = lac[0].get("vote_factors", ClipConfig.vote_factors)  # older rows: the default
     grid = ", ".join(f"{f:g}" for f in factors)
-    measured = ", ".join(f"{c:g}" for c in fixed_norms)
+    per_eps = []
+    covered = []
+    for e in sorted({r["epsilon_target"] for r in fixed_runs}):
+        at = [r for r in fixed_runs if r["epsilon_target"] == e]
+        norms = sorted({r["initial_clip"] for r in at})
+        cells = []
+        for c in norms:
+            seeds = sorted({r["seed"] for r in at if r["initial_clip"] == c})
+            cells.append(f"{c:g} (seed{'s' if len(seeds) > 1 else ''} {' '.join(map(str, seeds))})")
+        per_eps.append(f"eps {e:g}: {', '.join(cells)}")
+        c_init = 1.0  # the protocol's C_init (server_config)
+        if all(any(math.isclose(f * c_init, c) for c in norms) for f in factors):
+            covered.append(f"{e:g}")
+    measured = ", ".join(f"{c:g}" for c in sorted({r["initial_clip"] for r in fixed_runs}))
+    if covered:
+        scope = (
+            f"At eps {', '.join(covered)} the measured norms cover the vote's candidates "
+            f"({{{grid}}} x C_init), so there C* is the best of them; elsewhere C* is the best "
+            "of the measured norms only, and C_hist = C* says the vote picked the one measured, "
+            "not that it is optimal."
+        )
+    else:
+        scope = (
+            f"C* is the best of those only, not of the vote's candidates ({{{grid}}} x C_init; "
+            "no sweep of the fixed rule over them was recorded): C_hist = C* below says the "
+            "vote picked the one fixed clip norm that was measured, not that it is optimal."
+        )
     lines = [
         "## DP-LAC's C_hist against C*, the best fixed clip norm in hindsight",
         "",
         f"C* = the fixed rule's clip norm with the highest test accuracy among the fixed-rule "
         f"runs recorded at the same epsilon and seed. Fixed clip norms recorded: {{{measured}}}"
-        f", so C* is the best of those only, not of the vote's candidates ({{{grid}}} x "
-        "C_init; no sweep of the fixed rule over them was run): C_hist = C* below says the vote "
-        "picked the one fixed clip norm that was measured, not that it is optimal.",
+        f"; measured per epsilon: {'; '.join(per_eps)}. {scope}",
+    ]
+    if swept:
+        sw_eps = " ".join(f"{e:g}" for e in sorted({r["epsilon_target"] for r in swept}))
+        sw_seeds = " ".join(str(s) for s in sorted({r["seed"] for r in swept}))
+        sw_norms = " ".join(f"{c:g}" for c in sorted({r["initial_clip"] for r in swept}))
+        lines += [
+            "",
+            f"The norms other than C = 1 come from the fixed-rule sweep ({SWEEP_NAME}.jsonl), "
+            "recorded in this protocol's setting at the same seeds, so each is paired with "
+            "this protocol's runs at a seed (the same client sampling and noise streams):",
+            "",
+            "```",
+            f"python benchmarks/federated_lac.py run --methods fixed --fixed-clip {sw_norms} "
+            f"--epsilons {sw_eps} --seeds {sw_seeds} {setting_args(swept[0], SWEEP_NAME)}",
+            "```",
+        ]
+    lines += [
         "",
         "| eps | seed | C_hist | C_loss | C* (of recorded) | DP-LAC accuracy | fixed C* "
         "accuracy | DP-LAC minus fixed C* |",
@@ -852,7 +949,7 @@ def c_star_section(runs: list[dict]) -> list[str]:
     for r in lac:
         e, s = r["epsilon_target"], r["seed"]
         at = (e, s)
-        fixed = [x for x in runs if arm(x) == "fixed" and (x["epsilon_target"], x["seed"]) == at]
+        fixed = [x for x in fixed_runs if (x["epsilon_target"], x["seed"]) == at]
         if not fixed:
             lines.append(
                 f"| {e:g} | {s} | {r['initial_clip']:g} | {r['c_star']:g} | not run | "
@@ -870,6 +967,15 @@ def c_star_section(runs: list[dict]) -> list[str]:
         )
     paired = sum(map(len, diffs.values()))
     lines += ["", f"C_hist = C* in {same} of the {paired} DP-LAC runs with a fixed run."]
+    for e in sorted({r["epsilon_target"] for r in fixed_runs}):
+        at = [r for r in fixed_runs if r["epsilon_target"] == e]
+        norms = sorted({r["initial_clip"] for r in at})
+        if len(norms) > 1:
+            means = ", ".join(
+                f"C = {c:g}: {np.mean([r['test_accuracy'] for r in at if r['initial_clip'] == c]):.4f}"
+                for c in norms
+            )
+            lines.append(f"- eps {e:g}: fixed-rule test accuracy by clip norm (seed mean): {means}")
     for e, d in sorted(diffs.items()):
         if len(d) < 2:
             lines.append(f"- eps {e:g}: DP-LAC minus fixed C*: {d[0]:+.4f} (one seed)")
@@ -888,6 +994,7 @@ def render(
     floor: dict | None = None,
     setup: list[dict] | None = None,
     pilot: dict | None = None,
+    sweep: Sequence[dict] = (),
 ) -> str:
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
@@ -1018,7 +1125,7 @@ def render(
         "CPU seconds are the process's own; wall seconds also count waiting for the shared "
         "cores.",
         "",
-        *c_star_section(runs),
+        *c_star_section(runs, sweep),
         *tuning_section(runs, floor),
         *protocol_cost(runs, setup),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
@@ -1190,7 +1297,11 @@ def render_all(out: Path, names: Sequence[str]) -> tuple[str, list[tuple[str, st
         path = out / f"{name}.jsonl"
         if path.exists():
             runs = load_runs(path)
-            text = render(runs, name, load_floor(out), load_setup(out, name), pilot_data)
+            sweep_path = out / f"{SWEEP_NAME}.jsonl"
+            sweep = load_runs(sweep_path) if name == SWEEP_BASE and sweep_path.exists() else []
+            text = render(
+                runs, name, load_floor(out), load_setup(out, name), pilot_data, sweep=sweep
+            )
             protocols.append((name, text))
     return render_pilot(pilot_data), protocols
 
@@ -1254,6 +1365,14 @@ def main(argv: list[str] | None = None) -> None:
         help="run: these baselines privately tuned (1/3 of the budget) instead of the rules",
     )
     p.add_argument(
+        "--fixed-clip",
+        type=float,
+        nargs="+",
+        default=None,
+        help="run: with --methods fixed only, the fixed rule's clip norm(s) (default 1, the "
+        "protocol's); a sweep for C* belongs in its own --name, e.g. federated_lac_fixed_sweep",
+    )
+    p.add_argument(
         "--claims", default=None, help="run: a folder through which workers share the plan"
     )
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -1266,6 +1385,7 @@ def main(argv: list[str] | None = None) -> None:
         help="render: the recorded protocols, in the docs' order",
     )
     args = p.parse_args(argv)
+    check_fixed_clip(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("transformers", "httpx", "dpfit.federated.strategy"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -111,3 +111,27 @@ def test_protocol_cost_counts_every_run_of_the_protocol():
     assert f"**{total / 3600:.2f}**" in text
     assert f"{(total + 8 * 50) / 3600:.2f} CPU-hours" in text
     assert "not made" in "\n".join(bench.protocol_cost(runs[:2]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--fixed-clip", "0.5"],  # every rule, not the fixed one only
+        ["run", "--methods", "fixed", "lac", "--fixed-clip", "0.5"],
+        ["run", "--methods", "fixed", "--tune", "automatic", "--fixed-clip", "0.5"],
+        ["run", "--methods", "fixed", "--fixed-clip", "0.5"],  # the protocol's own --name
+        ["run", "--methods", "fixed", "--fixed-clip", "0", "--name", "sweep"],
+    ],
+)
+def test_fixed_clip_refuses_anything_but_a_fixed_rule_sweep_in_its_own_name(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _benchmark().main(argv)
+    assert "--fixed-clip" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fixed_clip_sets_the_fixed_rules_clip_norm(small):
+    bench, args, task, engine, val, test, _ = small
+    row = bench.one_run("fixed", 8.0, 0, args, task, engine, val, test, clip=0.25)
+    assert row["initial_clip"] == 0.25
+    assert [r["clip_norm"] for r in row["rounds"]] == [0.25] * args.rounds
+    assert bench.server_config("fixed", 8.0, 0, args).initial_clip == 1.0  # the protocol's

@@ -219,3 +219,55 @@ def test_tuning_section_counts_candidates_at_the_majority_floor():
     assert "eps 2: 2 of 2" in text and "(every one: the pick is arbitrary)" in text
     assert "eps 8: 1 of 3 candidate runs" in text
     assert text.count("the pick is arbitrary") == 1
+
+
+def test_c_star_reads_the_fixed_clip_sweep_paired_by_seed_and_setting():
+    """Synthetic rows: the protocol's fixed C = 1 and a sweep at C = 0.25 and 0.5 (one sweep
+    row in another setting, which must not be paired); C* is taken over all paired norms."""
+    bench = _benchmark()
+
+    def row(method, clip, seed, acc, lr=0.5, **extra):
+        return {"method": method, "epsilon_target": 8.0, "seed": seed, "initial_clip": clip,
+                "test_accuracy": acc, "rounds_requested": 30, "clients": 1000,
+                "clients_per_round": 100.0, "local_optimizer": "sgd", "lr": lr, **extra}  # fmt: skip
+
+    runs = [
+        row("lac", 1.0, 0, 0.70, c_star=1.0, vote_factors=[0.25, 0.5, 1.0]),
+        row("lac", 1.0, 1, 0.60, c_star=1.0, vote_factors=[0.25, 0.5, 1.0]),
+        row("fixed", 1.0, 0, 0.66),
+        row("fixed", 1.0, 1, 0.64),
+    ]
+    sweep = [
+        row("fixed", 0.25, 0, 0.69),
+        row("fixed", 0.5, 0, 0.68),
+        row("fixed", 0.25, 1, 0.50),
+        row("fixed", 0.5, 1, 0.62),
+        row("fixed", 0.5, 1, 0.99, lr=0.1),  # another setting: not paired
+    ]
+    text = "\n".join(bench.c_star_section(runs, sweep))
+    assert "Fixed clip norms recorded: {0.25, 0.5, 1}" in text
+    assert "eps 8: 0.25 (seeds 0 1), 0.5 (seeds 0 1), 1 (seeds 0 1)" in text
+    assert "At eps 8 the measured norms cover the vote's candidates" in text
+    assert "--methods fixed --fixed-clip 0.25 0.5 --epsilons 8 --seeds 0 1" in text
+    assert "(seed mean): C = 0.25: 0.5950, C = 0.5: 0.6500, C = 1: 0.6500" in text
+    assert "| 8 | 0 | 1 | 1 | 0.25 | 0.7000 | 0.6900 | +0.0100 |" in text
+    assert "| 8 | 1 | 1 | 1 | 1 | 0.6000 | 0.6400 | -0.0400 |" in text
+    assert "C_hist = C* in 1 of the 2 DP-LAC runs with a fixed run." in text
+    mean, lo, hi = bench.paired_interval([0.70 - 0.69, 0.60 - 0.64])
+    assert f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n=2)" in text
+    # without the sweep, C* is C = 1 at both seeds and the text says no sweep was recorded
+    alone = "\n".join(bench.c_star_section(runs))
+    assert "no sweep of the fixed rule over them was recorded" in alone
+    assert "| 8 | 0 | 1 | 1 | 1 | 0.7000 | 0.6600 | +0.0400 |" in alone
+
+
+def test_sweep_is_rendered_into_the_protocol_it_pairs_with():
+    bench = _benchmark()
+    path = RESULTS / f"{bench.SWEEP_NAME}.jsonl"
+    if not path.exists():
+        pytest.fail(f"{path.name} is not recorded")
+    sweep = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    base = (RESULTS / f"{bench.SWEEP_BASE}.md").read_text()
+    assert sweep and all(r["method"] == "fixed" and r["initial_clip"] != 1.0 for r in sweep)
+    norms = " ".join(f"{c:g}" for c in sorted({r["initial_clip"] for r in sweep}))
+    assert f"--fixed-clip {norms}" in base
