@@ -642,16 +642,15 @@ def _collate_features(items: list[tuple[torch.Tensor, int]]) -> dict:
 def _head_phase(
     model, items, collate, config: TrainConfig, n: int, delta: float, sigma: float, steps: int,
     device, note: Callable[[str], None],
+    casts: FrozenWeightCasts,
     on_abort: Callable[[BaseException, object], None] | None = None,
-    casts: FrozenWeightCasts | None = None,
 ) -> dict | None:  # fmt: skip
     """Train the head alone on frozen features for `steps` logical steps; returns the
     engine state (ledger, generator) to carry into the main phase (None if non-private).
     `on_abort(error, engine)` keeps the record of head steps taken before an error. `casts`:
-    the run's bf16 frozen-weight copies, so the main phase reuses them."""
+    the run's bf16 frozen-weight copies, which the main phase reuses."""
     import dpfit
 
-    casts = casts if casts is not None else FrozenWeightCasts(model, config.precision, device)
     with casts.active(), autocast(config.precision, device):  # bf16 features, float32 out
         feats = frozen_features(model, items, collate, config.physical_batch_size, device)
     data = [(feats[i], int(items[i]["labels"])) for i in range(len(items))]
