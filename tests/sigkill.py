@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from dpfit import checkpoint as ckpt
 
 
@@ -41,3 +43,25 @@ def kill_after_checkpoint(
         f"run was not killed (rc={proc.returncode}, kill_at={kill_at}): {err[-2000:]}"
     )
     return ckpt.list_checkpoints(checkpoint_dir)[-1][0]
+
+
+def assert_resumed_as_uninterrupted(
+    out: Path,
+    params: dict[str, torch.Tensor],
+    metrics: dict,
+    ref_params: dict[str, torch.Tensor],
+    ref_metrics: dict,
+    same: tuple[str, ...],
+    msg: str,
+) -> None:
+    """The resumed run in `out` is the uninterrupted one: its steps, epsilon and `same` metrics,
+    every parameter bit for bit, and one steps.csv row per step (none counted twice or lost)."""
+    total = ref_metrics["steps"]
+    assert metrics["steps"] == total, msg
+    assert metrics["epsilon"] == ref_metrics["epsilon"], msg
+    for key in same:
+        assert metrics[key] == ref_metrics[key], f"{key}: {msg}"
+    assert set(params) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
+    assert len((out / "steps.csv").read_text().splitlines()) == total + 1, msg

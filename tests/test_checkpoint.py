@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from sigkill import kill_after_checkpoint
+from sigkill import assert_resumed_as_uninterrupted, kill_after_checkpoint
 
 from dpfit import checkpoint as ckpt
 from dpfit.cli import main
@@ -124,14 +124,9 @@ def test_resume_after_sigkill_matches_uninterrupted(tiny, tmp_path, extra, first
     )
     params, metrics = _final(tmp_path / "resumed")
     msg = f"kill_at={kill_at}, delay={delay:.3f}, last checkpoint before kill={killed_at}"
-    assert metrics["steps"] == total, msg
-    assert metrics["epsilon"] == ref_metrics["epsilon"], msg
-    assert metrics["accuracy"] == ref_metrics["accuracy"], msg
-    assert set(params) == set(ref_params)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
-    steps_csv = (tmp_path / "resumed" / "steps.csv").read_text().splitlines()
-    assert len(steps_csv) == total + 1  # no step counted twice or lost
+    assert_resumed_as_uninterrupted(
+        tmp_path / "resumed", params, metrics, ref_params, ref_metrics, ("accuracy",), msg
+    )
 
 
 # -- continuations and forks ----------------------------------------------

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from image_tasks import patterns, write_npz
 from safetensors.torch import load_file
-from sigkill import kill_after_checkpoint
+from sigkill import assert_resumed_as_uninterrupted, kill_after_checkpoint
 
 from dpfit import PrivacyEngine
 from dpfit.accounting import epsilon_for
@@ -217,12 +217,9 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path, capsys):
     assert main(_args(data, tmp_path / "resumed", "--checkpoint-dir", str(ck), "--resume")) == 0
     params, metrics = _final(tmp_path / "resumed")
     msg = f"kill_at={kill_at}, last checkpoint={killed_at}"
-    assert metrics["steps"] == total and metrics["epsilon"] == ref_metrics["epsilon"], msg
-    assert metrics["accuracy"] == ref_metrics["accuracy"], msg
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
-    rows = (tmp_path / "resumed" / "steps.csv").read_text().splitlines()
-    assert len(rows) == total + 1
+    assert_resumed_as_uninterrupted(
+        tmp_path / "resumed", params, metrics, ref_params, ref_metrics, ("accuracy",), msg
+    )
 
 
 def test_private_split_follows_the_pretraining_record(tiny_npz):
