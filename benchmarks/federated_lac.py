@@ -48,6 +48,7 @@ import numpy as np
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("lac", "clac", "adaptive-quantile", "automatic", "dynamic", "fixed")
 NON_PRIVATE = "non-private"
+NOVOTE = "lac-c0"  # DP-LAC started at a given C0, no vote (dpfit.federated.clipping.lac_novote)
 LOCAL_LR = {"adamw": 1e-3, "sgd": 0.1}
 # the protocol at its full scale, then the earlier reduced run (N = 500, m = 50, 10 rounds)
 RENDERED = ("federated_lac_full", "federated_lac")
@@ -165,6 +166,7 @@ def stratified(examples: list, k: int, seed: int) -> list:
 def server_config(method: str, eps: float | None, seed: int, args, clip: float = 1.0):
     """The untuned server of one rule at one epsilon and seed (C_init = ``clip``, 1 unless
     a fixed-rule sweep asks otherwise; non-private: the fixed rule with C = 1e6, no noise)."""
+    import dpfit.federated.clipping.lac_novote  # noqa: F401  (registers the no-vote arm)
     from dpfit.federated.strategy import ServerConfig
 
     private = method != NON_PRIVATE
@@ -210,6 +212,10 @@ def one_run(
     rounds: list[dict] = []
     t0, c0 = time.perf_counter(), time.process_time()
     server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val))
+    if method == NOVOTE:  # DP-LAC from the given C0: no vote, v_0 recorded as DP-LAC does
+        from dpfit.federated.clipping.lac_novote import start_without_vote
+
+        start_without_vote(server)
 
     def on_round(rec) -> None:
         rounds.append(
@@ -443,6 +449,25 @@ def check_fixed_clip(args: argparse.Namespace) -> None:
         )
 
 
+def check_lac_c0(args: argparse.Namespace) -> None:
+    """--lac-c0 runs DP-LAC without the vote only, into its own --name (one line if not)."""
+    if args.lac_c0 is None:
+        return
+    if args.command != "run" or args.methods != ["lac"] or args.tune or args.vote_factors \
+            or args.fixed_clip is not None:  # fmt: skip
+        raise SystemExit(
+            "--lac-c0 starts DP-LAC at C0 without the vote: use it with run --methods lac "
+            "only (no --tune, --vote-factors or --fixed-clip)"
+        )
+    if not args.lac_c0 > 0:
+        raise SystemExit("--lac-c0: C0 must be positive, e.g. --lac-c0 1")
+    if args.name in RENDERED:
+        raise SystemExit(
+            f"--lac-c0: give the no-vote runs their own --name (e.g. {NOVOTE_NAME}), not a "
+            "protocol's, so the protocol's DP-LAC rows stay the voted ones"
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     path = args.out / f"{args.name}.jsonl"
     done = set()
@@ -463,6 +488,8 @@ def cmd_run(args: argparse.Namespace) -> None:
             for e in args.epsilons
             for m in args.tune
         ]
+    elif args.lac_c0 is not None:  # DP-LAC without its vote, paired with the protocol's
+        plan = [(NOVOTE, e, s, args.lac_c0) for s in args.seeds for e in args.epsilons]
     elif args.fixed_clip is not None:  # the fixed rule at other clip norms: no reference
         plan = [
             ("fixed", e, s, c) for s in args.seeds for e in args.epsilons for c in args.fixed_clip
@@ -857,6 +884,7 @@ def tuning_section(runs: list[dict], floor: dict | None = None) -> list[str]:
 
 
 SWEEP_NAME, SWEEP_BASE = "federated_lac_fixed_sweep", "federated_lac_full"
+NOVOTE_NAME = "federated_lac_novote"
 SETTING = ("rounds_requested", "clients", "clients_per_round", "local_optimizer", "lr",
            "val_examples", "test_examples")  # fmt: skip
 
@@ -1373,6 +1401,13 @@ def main(argv: list[str] | None = None) -> None:
         "protocol's); a sweep for C* belongs in its own --name, e.g. federated_lac_fixed_sweep",
     )
     p.add_argument(
+        "--lac-c0",
+        type=float,
+        default=None,
+        help="run: with --methods lac only, DP-LAC started at this C0 without the vote (all of "
+        "epsilon to the rounds); in its own --name, e.g. federated_lac_novote",
+    )
+    p.add_argument(
         "--claims", default=None, help="run: a folder through which workers share the plan"
     )
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -1386,6 +1421,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     check_fixed_clip(args)
+    check_lac_c0(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("transformers", "httpx", "dpfit.federated.strategy"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 import pytest
 from accounting_oracle import selected_then_trained_epsilon
 from benchmark_scripts import load_benchmark
@@ -135,3 +136,38 @@ def test_fixed_clip_sets_the_fixed_rules_clip_norm(small):
     assert row["initial_clip"] == 0.25
     assert [r["clip_norm"] for r in row["rounds"]] == [0.25] * args.rounds
     assert bench.server_config("fixed", 8.0, 0, args).initial_clip == 1.0  # the protocol's
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--lac-c0", "1", "--name", "novote"],  # every rule, not DP-LAC only
+        ["run", "--methods", "lac", "clac", "--lac-c0", "1", "--name", "novote"],
+        ["run", "--methods", "lac", "--tune", "automatic", "--lac-c0", "1", "--name", "novote"],
+        ["run", "--methods", "lac", "--lac-c0", "1"],  # the protocol's own --name
+        ["run", "--methods", "lac", "--lac-c0", "0", "--name", "novote"],
+    ],
+)
+def test_lac_c0_refuses_anything_but_dp_lac_in_its_own_name(argv):
+    with pytest.raises(SystemExit) as e:
+        _benchmark().main(argv)
+    assert "--lac-c0" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lac_c0_run_spends_all_of_epsilon_on_the_rounds(small):
+    """No vote: C0 as given, no vote counts, and the recorded epsilon is dp-accounting's for
+    the rounds alone (the protocol's DP-LAC spends part of it on the vote)."""
+    from accounting_oracle import ADD_REMOVE, direct_epsilon
+
+    bench, args, task, engine, val, test, _ = small
+    row = bench.one_run(bench.NOVOTE, 8.0, 0, args, task, engine, val, test, clip=1.0)
+    assert row["method"] == bench.NOVOTE and row["initial_clip"] == 1.0
+    assert row["vote_counts"] == [] and "c_star" not in row
+    q = row["clients_per_round"] / row["clients"]
+    rounds = len(row["rounds"])
+    want = direct_epsilon(row["noise_multiplier"], q, rounds, 1e-5, ADD_REMOVE, kind="rdp")
+    assert row["epsilon"] == pytest.approx(want, rel=1e-6)
+    lac = bench.server_config("lac", 8.0, 0, args)
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    assert row["noise_multiplier"] < DPFedAvgServer(lac, [np.zeros(2)]).noise_multiplier
