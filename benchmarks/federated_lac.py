@@ -885,6 +885,207 @@ def tuning_section(runs: list[dict], floor: dict | None = None) -> list[str]:
 
 SWEEP_NAME, SWEEP_BASE = "federated_lac_fixed_sweep", "federated_lac_full"
 NOVOTE_NAME = "federated_lac_novote"
+RETIMED_NAME = "federated_lac_retimed"  # protocol runs re-timed with a later engine
+ROUND_TIME = Path(__file__).parent / "results" / "federated_round_time.json"
+
+
+def engine_ratio(path: Path = ROUND_TIME) -> dict | None:
+    """The batched engine's CPU per protocol round against its previous version, measured
+    side by side (benchmarks/federated_round_time.py --against-ref), if recorded."""
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("side_by_side")
+
+
+def cell_key(r: dict) -> tuple:
+    return (arm(r), r["epsilon_target"], r["seed"], r["initial_clip"])
+
+
+def retimed_cost(
+    runs: list[dict], retimed: Sequence[dict], novote: Sequence[dict], ratio: dict | None
+) -> list[str]:
+    """The whole protocol's CPU estimate with the current engine: each component priced at
+    the median CPU seconds of its re-timed runs (DP-LAC runs without their vote also from the
+    no-vote arm, the same per-round work), a component with none re-timed at its recorded
+    median times the engine's side-by-side round ratio; beside the recorded runs' accuracy
+    at the same cells."""
+    parts = cost_parts(runs)
+    if not retimed or parts is None:
+        return []
+    plain_rules = ("adaptive-quantile", "automatic", "dynamic", "fixed")
+    plain = [r["cpu_seconds"] for r in retimed if r["method"] in plain_rules]
+    reference = [r["cpu_seconds"] for r in retimed if r["method"] == NON_PRIVATE]
+    voted = [r for r in retimed if "c_star" in r and len(r["rounds"]) > 1]
+    lac_runs = [r["cpu_seconds"] - vote_cpu(r) for r in voted]
+    lac_runs += [r["cpu_seconds"] for r in novote]
+    votes = [vote_cpu(r) for r in voted if not r.get("vote_from_memo")]
+    scale = ratio["ratio"] if ratio else None
+    priced = [plain, reference, lac_runs, votes, None, [], []]
+    rows, total = [], 0.0
+    for part, new in zip(parts, priced, strict=True):
+        if new:
+            each, source = statistics.median(new), f"re-timed (n={len(new)})"
+        elif new is None:  # reading the memo back: no engine work
+            each, source = part.each, "recorded (no engine work)"
+        elif scale is not None:
+            each, source = part.each * scale, f"recorded x {scale:.2f} (not re-timed)"
+        else:
+            return []
+        total += part.count * each
+        rows.append(
+            f"| {part.what} | {part.count:g} | {part.each:.0f} | {each:.0f} | {source} | "
+            f"{part.count * each / 3600:.2f} |"
+        )
+    recorded = sum(p.count * p.each for p in parts)
+    r0 = retimed[0]
+    methods = [m for m in METHODS if any(r["method"] == m for r in retimed)]
+    eps = sorted({r["epsilon_target"] for r in retimed if r["epsilon_target"] is not None})
+    seeds = sorted({r["seed"] for r in retimed})
+    lines = [
+        "### Re-estimated with the current engine (estimate from re-timed runs)",
+        "",
+        "The batched engine now caches the top layer's frozen q/k/v products per text and "
+        "groups examples by exact length (no padding)"
+        + (
+            f"; side by side, a protocol round takes {ratio['ratio']:.2f} x the previous "
+            f"engine's CPU (federated_round_time.md, `{ratio['command']}`)"
+            if ratio
+            else ""
+        )
+        + f". Re-timed: {len(retimed)} protocol runs ({RETIMED_NAME}.jsonl), one thread, "
+        "vote computed (no memo):",
+        "",
+        "```",
+        f"python benchmarks/federated_lac.py run --methods {' '.join(methods)} --epsilons "
+        f"{' '.join(f'{e:g}' for e in eps)} --seeds {' '.join(map(str, seeds))} "
+        f"{setting_args(r0, RETIMED_NAME)}",
+        "```",
+        "",
+        "| component | count | recorded median CPU s | now CPU s each | priced from | "
+        "estimate CPU-hours |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        f"| **total** | | | | | **{total / 3600:.2f}** |",
+        "",
+        f"Estimate with the current engine: {total / 3600:.2f} CPU-hours for the whole "
+        f"protocol, against {recorded / 3600:.2f} estimated and "
+        f"{(sum(p.measured for p in parts)) / 3600:.2f} measured with the previous one (above; "
+        "the previous runs' CPU seconds were recorded on a more loaded machine, which "
+        "inflates them). DP-LAC runs without their vote priced also from the no-vote arm "
+        f"({NOVOTE_NAME}.jsonl, {len(novote)} runs).",
+        "",
+        "Re-timed runs against the recorded ones at the same cell (the same seed: client "
+        "sampling, noise and data order are the same streams, so a difference is the "
+        "engine's float rounding, grown over 30 rounds of training):",
+        "",
+        "| arm | eps | seed | recorded accuracy | re-timed accuracy | difference | recorded "
+        "CPU s | re-timed CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by = {cell_key(r): r for r in runs}
+    for r in retimed:
+        old = by.get(cell_key(r))
+        if old is None:
+            continue
+        e = "-" if r["epsilon_target"] is None else f"{r['epsilon_target']:g}"
+        lines.append(
+            f"| {arm(r)} | {e} | {r['seed']} | {old['test_accuracy']:.4f} | "
+            f"{r['test_accuracy']:.4f} | {r['test_accuracy'] - old['test_accuracy']:+.4f} | "
+            f"{old['cpu_seconds']:.0f} | {r['cpu_seconds']:.0f} |"
+        )
+    return lines + [""]
+
+
+def novote_section(runs: list[dict], novote: Sequence[dict]) -> list[str]:
+    """DP-LAC (the protocol's, with its vote) against DP-LAC started at C0 without the vote
+    (all of epsilon to the rounds), and that against the fixed rule at the same C, paired by
+    epsilon and seed (the same client sampling and noise streams)."""
+    if not novote:
+        return []
+    r0 = novote[0]
+    c0 = r0["initial_clip"]
+    by = {(arm(r), r["epsilon_target"], r["seed"]): r for r in runs}
+    eps_list = sorted({r["epsilon_target"] for r in novote})
+    seeds = sorted({r["seed"] for r in novote})
+    lines = [
+        f"## DP-LAC without its vote (C0 = {c0:g}: all of epsilon to the rounds)",
+        "",
+        f"DP-LAC started at C0 = {c0:g} x C_init with no vote (rule `{NOVOTE}`: the same "
+        "validation-loss shrink from round 1 on, v_0 recorded at the start), so the rounds get "
+        "the vote's share of the budget too (a smaller z); recorded in this protocol's setting "
+        f"at the same seeds ({NOVOTE_NAME}.jsonl), so each run pairs with this protocol's "
+        "DP-LAC and fixed-rule runs at its epsilon and seed:",
+        "",
+        "```",
+        f"python benchmarks/federated_lac.py run --methods lac --lac-c0 {c0:g} --epsilons "
+        f"{' '.join(f'{e:g}' for e in sorted(eps_list, reverse=True))} --seeds "
+        f"{' '.join(map(str, seeds))} {setting_args(r0, NOVOTE_NAME)}",
+        "```",
+        "",
+        f"| eps | seed | DP-LAC C_hist | z DP-LAC | z no vote | epsilon no vote | DP-LAC "
+        f"accuracy | no vote accuracy | fixed C = {c0:g} accuracy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    diffs: dict[str, dict[float, list[float]]] = {"vote": {}, "shrink": {}}
+    same_c0 = 0
+    paired = 0
+    for r in sorted(novote, key=lambda r: (r["epsilon_target"], r["seed"])):
+        e, s = r["epsilon_target"], r["seed"]
+        lac, fixed = by.get(("lac", e, s)), by.get(("fixed", e, s))
+        if fixed is not None and fixed["initial_clip"] != c0:
+            fixed = None
+        if lac is not None:
+            paired += 1
+            same_c0 += lac["initial_clip"] == c0
+            diffs["vote"].setdefault(e, []).append(lac["test_accuracy"] - r["test_accuracy"])
+        if fixed is not None:
+            diffs["shrink"].setdefault(e, []).append(r["test_accuracy"] - fixed["test_accuracy"])
+        lines.append(
+            f"| {e:g} | {s} | "
+            + (f"{lac['initial_clip']:g} | {lac['noise_multiplier']:.3f}" if lac else "- | -")
+            + f" | {r['noise_multiplier']:.3f} | {r['epsilon']:.3f} | "
+            + (f"{lac['test_accuracy']:.4f}" if lac else "not run")
+            + f" | {r['test_accuracy']:.4f} | "
+            + (f"{fixed['test_accuracy']:.4f}" if fixed else "not run")
+            + " |"
+        )
+    lines += ["", "Paired by seed (95% t-interval):", ""]
+    verdicts: dict[str, dict[float, str]] = {"vote": {}, "shrink": {}}
+    titles = {
+        "vote": "DP-LAC (vote) minus no vote",
+        "shrink": f"no vote minus fixed C = {c0:g}",
+    }
+    for e in eps_list:
+        for key in ("vote", "shrink"):
+            d = diffs[key].get(e, [])
+            if len(d) < 2:
+                lines.append(f"- eps {e:g}, {titles[key]}: fewer than two paired seeds")
+                continue
+            mean, lo, hi = paired_interval(d)
+            verdicts[key][e] = f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}], {interval_verdict(lo, hi)} 0"
+            lines.append(
+                f"- eps {e:g}, {titles[key]}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+                f"(n={len(d)}): {interval_verdict(lo, hi)} 0"
+            )
+    lines.append("")
+    if verdicts["vote"] or verdicts["shrink"]:
+        measured = "; ".join(
+            f"eps {e:g}: vote minus no vote {verdicts['vote'][e]}, no vote minus fixed "
+            f"{verdicts['shrink'][e]}"
+            for e in eps_list
+            if e in verdicts["vote"] and e in verdicts["shrink"]
+        )
+        lines += [
+            f"What this separates: the vote picked C0 = {c0:g} in {same_c0} of the {paired} "
+            f"paired DP-LAC runs, so there DP-LAC minus the no-vote arm is the price of the "
+            "vote's budget share alone (same C0, more noise on every round), and the no-vote "
+            f"arm minus fixed C = {c0:g} is what the per-round shrink does alone (same budget, "
+            f"same C0). Measured: {measured} (a positive difference: the first arm is better).",
+            "",
+        ]
+    return lines
+
+
 SETTING = ("rounds_requested", "clients", "clients_per_round", "local_optimizer", "lr",
            "val_examples", "test_examples")  # fmt: skip
 
@@ -1023,6 +1224,9 @@ def render(
     setup: list[dict] | None = None,
     pilot: dict | None = None,
     sweep: Sequence[dict] = (),
+    novote: Sequence[dict] = (),
+    retimed: Sequence[dict] = (),
+    ratio: dict | None = None,
 ) -> str:
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
@@ -1154,8 +1358,10 @@ def render(
         "cores.",
         "",
         *c_star_section(runs, sweep),
+        *novote_section(runs, novote),
         *tuning_section(runs, floor),
         *protocol_cost(runs, setup),
+        *retimed_cost(runs, retimed, novote, ratio),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
         "| rule | eps | C_t round 1 -> last | norm round 1 -> last | val loss round 1 -> last "
@@ -1327,9 +1533,16 @@ def render_all(out: Path, names: Sequence[str]) -> tuple[str, list[tuple[str, st
             runs = load_runs(path)
             sweep_path = out / f"{SWEEP_NAME}.jsonl"
             sweep = load_runs(sweep_path) if name == SWEEP_BASE and sweep_path.exists() else []
+            extra = {}
+            if name == SWEEP_BASE:  # the no-vote arm and the re-timed runs pair with it
+                for key, other in (("novote", NOVOTE_NAME), ("retimed", RETIMED_NAME)):
+                    path = out / f"{other}.jsonl"
+                    extra[key] = load_runs(path) if path.exists() else []
+                extra["ratio"] = engine_ratio(out / ROUND_TIME.name)
             text = render(
-                runs, name, load_floor(out), load_setup(out, name), pilot_data, sweep=sweep
-            )
+                runs, name, load_floor(out), load_setup(out, name), pilot_data, sweep=sweep,
+                **extra,
+            )  # fmt: skip
             protocols.append((name, text))
     return render_pilot(pilot_data), protocols
 

@@ -171,3 +171,58 @@ def test_lac_c0_run_spends_all_of_epsilon_on_the_rounds(small):
     from dpfit.federated.strategy import DPFedAvgServer
 
     assert row["noise_multiplier"] < DPFedAvgServer(lac, [np.zeros(2)]).noise_multiplier
+
+
+SETTING = {"rounds_requested": 30, "clients": 1000, "clients_per_round": 100.0,
+           "local_optimizer": "sgd", "lr": 0.5}  # fmt: skip
+
+
+def _row(method: str, seed: int, acc: float, **kw) -> dict:
+    return {"method": method, "epsilon_target": 8.0, "seed": seed, "initial_clip": 1.0,
+            "test_accuracy": acc, "noise_multiplier": 1.0, "epsilon": 8.0, **SETTING, **kw}  # fmt: skip
+
+
+def test_novote_section_pairs_by_seed_and_states_the_measured_sign():
+    bench = _benchmark()
+    lac = [_row("lac", s, a) for s, a in enumerate((0.70, 0.66, 0.69))]
+    fixed = [_row("fixed", s, a) for s, a in enumerate((0.60, 0.61, 0.62))]
+    novote = [_row(bench.NOVOTE, s, a) for s, a in enumerate((0.65, 0.64, 0.66))]
+    text = "\n".join(bench.novote_section(lac + fixed, novote))
+    for title, d in (
+        ("DP-LAC (vote) minus no vote", [0.05, 0.02, 0.03]),
+        ("no vote minus fixed C = 1", [0.05, 0.03, 0.04]),
+    ):
+        mean, lo, hi = bench.paired_interval(d)
+        verdict = bench.interval_verdict(lo, hi)
+        assert f"eps 8, {title}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n=3): {verdict} 0" in text
+    assert "C0 = 1 in 3 of the 3 paired DP-LAC runs" in text
+    assert "--lac-c0 1 --epsilons 8 --seeds 0 1 2" in text
+
+
+def test_retimed_estimate_prices_each_component_from_its_retimed_runs():
+    """The synthetic protocol of test_protocol_cost...; re-timed: a plain run at 60 s, a
+    DP-LAC run of 130 s whose vote took 30 s (first round 35 s, second 40 s), a reference at
+    50 s and two no-vote runs at 90 s and 110 s; tuning priced at recorded x 0.8."""
+    bench = _benchmark()
+    rounds = [{"cpu_seconds": 55.0}, {"cpu_seconds": 60.0}]
+    runs = [{"method": "fixed", "cpu_seconds": 100.0}]
+    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0, "rounds": rounds}]
+    runs += [
+        {"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "rounds": rounds,
+         "vote_from_memo": True},
+        {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
+         "cpu_seconds": 90.0},
+    ]  # fmt: skip
+    for r in runs:
+        r.update(epsilon_target=8.0, seed=0, initial_clip=1.0, test_accuracy=0.7, **SETTING)
+    retimed = [
+        dict(runs[0], cpu_seconds=60.0),
+        dict(runs[1], cpu_seconds=130.0, rounds=[{"cpu_seconds": 35.0}, {"cpu_seconds": 40.0}]),
+        dict(runs[0], method=bench.NON_PRIVATE, cpu_seconds=50.0),
+    ]
+    novote = [{"cpu_seconds": 90.0}, {"cpu_seconds": 110.0}]
+    text = "\n".join(bench.retimed_cost(runs, retimed, novote, {"ratio": 0.8, "command": "c"}))
+    read = 2 * 55.0 - 60.0  # the recorded read-back vote's price: no engine work
+    total = 24 * 60 + 50 + 12 * 100 + 4 * 30 + 8 * read + 36 * 80 * 0.8 + 12 * 90 * 0.8
+    assert f"**{total / 3600:.2f}**" in text
+    assert "recorded x 0.80 (not re-timed)" in text
