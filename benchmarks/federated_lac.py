@@ -937,10 +937,6 @@ def retimed_cost(
             f"{part.count * each / 3600:.2f} |"
         )
     recorded = sum(p.count * p.each for p in parts)
-    r0 = retimed[0]
-    methods = [m for m in METHODS if any(r["method"] == m for r in retimed)]
-    eps = sorted({r["epsilon_target"] for r in retimed if r["epsilon_target"] is not None})
-    seeds = sorted({r["seed"] for r in retimed})
     lines = [
         "### Re-estimated with the current engine (estimate from re-timed runs)",
         "",
@@ -956,9 +952,7 @@ def retimed_cost(
         "vote computed (no memo):",
         "",
         "```",
-        f"python benchmarks/federated_lac.py run --methods {' '.join(methods)} --epsilons "
-        f"{' '.join(f'{e:g}' for e in eps)} --seeds {' '.join(map(str, seeds))} "
-        f"{setting_args(r0, RETIMED_NAME)}",
+        command_of(list(retimed), RETIMED_NAME),
         "```",
         "",
         "| component | count | recorded median CPU s | now CPU s each | priced from | "
@@ -969,30 +963,41 @@ def retimed_cost(
         "",
         f"Estimate with the current engine: {total / 3600:.2f} CPU-hours for the whole "
         f"protocol, against {recorded / 3600:.2f} estimated and "
-        f"{(sum(p.measured for p in parts)) / 3600:.2f} measured with the previous one (above; "
-        "the previous runs' CPU seconds were recorded on a more loaded machine, which "
-        "inflates them). DP-LAC runs without their vote priced also from the no-vote arm "
-        f"({NOVOTE_NAME}.jsonl, {len(novote)} runs).",
+        f"{(sum(p.measured for p in parts)) / 3600:.2f} measured with the previous one (above). "
+        "DP-LAC runs without their vote are priced also from the no-vote arm "
+        f"({NOVOTE_NAME}.jsonl, {len(novote)} runs). CPU seconds grow with the machine's "
+        "load (load averages below), so a re-timed run's saving is the engine's and the "
+        "load's together; the engine's alone is the side-by-side ratio.",
         "",
         "Re-timed runs against the recorded ones at the same cell (the same seed: client "
         "sampling, noise and data order are the same streams, so a difference is the "
-        "engine's float rounding, grown over 30 rounds of training):",
+        "engine's float rounding, grown over 30 rounds):",
         "",
-        "| arm | eps | seed | recorded accuracy | re-timed accuracy | difference | recorded "
-        "CPU s | re-timed CPU s |",
+        "| arm | eps | seed | recorded accuracy | re-timed accuracy | test loss difference "
+        "| recorded CPU s (load) | re-timed CPU s (load) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     by = {cell_key(r): r for r in runs}
+    diffs = []
     for r in retimed:
         old = by.get(cell_key(r))
         if old is None:
             continue
+        diffs.append(abs(r["test_accuracy"] - old["test_accuracy"]))
         e = "-" if r["epsilon_target"] is None else f"{r['epsilon_target']:g}"
         lines.append(
             f"| {arm(r)} | {e} | {r['seed']} | {old['test_accuracy']:.4f} | "
-            f"{r['test_accuracy']:.4f} | {r['test_accuracy'] - old['test_accuracy']:+.4f} | "
-            f"{old['cpu_seconds']:.0f} | {r['cpu_seconds']:.0f} |"
+            f"{r['test_accuracy']:.4f} | {r['test_loss'] - old['test_loss']:+.2e} | "
+            f"{old['cpu_seconds']:.0f} ({old.get('load_avg', math.nan):.1f}) | "
+            f"{r['cpu_seconds']:.0f} ({r.get('load_avg', math.nan):.1f}) |"
         )
+    if diffs:
+        lines += [
+            "",
+            f"Largest test-accuracy difference over the {len(diffs)} re-timed runs: "
+            f"{max(diffs):.4f} ({round(max(diffs) * runs[0]['test_examples'])} of "
+            f"{runs[0]['test_examples']} test examples).",
+        ]
     return lines + [""]
 
 

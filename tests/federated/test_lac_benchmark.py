@@ -214,7 +214,8 @@ def test_retimed_estimate_prices_each_component_from_its_retimed_runs():
          "cpu_seconds": 90.0},
     ]  # fmt: skip
     for r in runs:
-        r.update(epsilon_target=8.0, seed=0, initial_clip=1.0, test_accuracy=0.7, **SETTING)
+        r.update(epsilon_target=8.0, seed=0, initial_clip=1.0, test_accuracy=0.7, test_loss=0.5,
+                 test_examples=1264, **SETTING)  # fmt: skip
     retimed = [
         dict(runs[0], cpu_seconds=60.0),
         dict(runs[1], cpu_seconds=130.0, rounds=[{"cpu_seconds": 35.0}, {"cpu_seconds": 40.0}]),
