@@ -913,14 +913,17 @@ def retimed_cost(
     if not retimed or parts is None:
         return []
     plain_rules = ("adaptive-quantile", "automatic", "dynamic", "fixed")
-    plain = [r["cpu_seconds"] for r in retimed if r["method"] in plain_rules]
+    plain = [r["cpu_seconds"] for r in retimed if r["method"] in plain_rules and not r.get("tuned")]
     reference = [r["cpu_seconds"] for r in retimed if r["method"] == NON_PRIVATE]
+    tuned = [r for r in retimed if r.get("tuned")]
+    candidates = [r["tuning_cpu_seconds"] / r["tuning_runs"] for r in tuned if r["tuning_runs"]]
+    finals = [r["cpu_seconds"] for r in tuned]
     voted = [r for r in retimed if "c_star" in r and len(r["rounds"]) > 1]
     lac_runs = [r["cpu_seconds"] - vote_cpu(r) for r in voted]
     lac_runs += [r["cpu_seconds"] for r in novote]
     votes = [vote_cpu(r) for r in voted if not r.get("vote_from_memo")]
     scale = ratio["ratio"] if ratio else None
-    priced = [plain, reference, lac_runs, votes, None, [], []]
+    priced = [plain, reference, lac_runs, votes, None, candidates, finals]
     rows, total = [], 0.0
     for part, new in zip(parts, priced, strict=True):
         if new:

@@ -227,3 +227,10 @@ def test_retimed_estimate_prices_each_component_from_its_retimed_runs():
     total = 24 * 60 + 50 + 12 * 100 + 4 * 30 + 8 * read + 36 * 80 * 0.8 + 12 * 90 * 0.8
     assert f"**{total / 3600:.2f}**" in text
     assert "recorded x 0.80 (not re-timed)" in text
+    # a re-timed tuned arm (2 candidates in 100 s, final run 70 s) prices both tuning parts
+    tuned = dict(runs[3], tuning_runs=2, tuning_cpu_seconds=100.0, cpu_seconds=70.0)
+    text = "\n".join(
+        bench.retimed_cost(runs, [*retimed, tuned], novote, {"ratio": 0.8, "command": "c"})
+    )
+    total += 36 * (50 - 80 * 0.8) + 12 * (70 - 90 * 0.8)
+    assert f"**{total / 3600:.2f}**" in text and "not re-timed" not in text
