@@ -71,7 +71,7 @@ class FrozenCache:
     states. ``projected`` keeps, per text, the top layer's frozen query, key and value
     products (x Wq^T, x Wk^T, x Wv^T, no bias): every client and every evaluation shares them,
     only the biases and LoRA terms differ by client (they take three times the memory of the
-    hidden states; the protocol's 12k texts: about 1.5 GB in float32).
+    hidden states).
     """
 
     def __init__(self, lm: LocalModel, max_length: int) -> None:
