@@ -970,7 +970,13 @@ def retimed_cost(
         "DP-LAC runs without their vote are priced also from the no-vote arm "
         f"({NOVOTE_NAME}.jsonl, {len(novote)} runs). CPU seconds grow with the machine's "
         "load (load averages below), so a re-timed run's saving is the engine's and the "
-        "load's together; the engine's alone is the side-by-side ratio.",
+        "load's together; the engine's alone is the side-by-side ratio"
+        + (
+            f": the previous estimate x {scale:.2f} = {recorded * scale / 3600:.2f} CPU-hours "
+            "(the previous runs' load kept)."
+            if scale is not None
+            else "."
+        ),
         "",
         "Re-timed runs against the recorded ones at the same cell (the same seed: client "
         "sampling, noise and data order are the same streams, so a difference is the "
