@@ -48,6 +48,7 @@ import numpy as np
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("lac", "clac", "adaptive-quantile", "automatic", "dynamic", "fixed")
 NON_PRIVATE = "non-private"
+NOVOTE = "lac-c0"  # DP-LAC started at a given C0, no vote (dpfit.federated.clipping.lac_novote)
 LOCAL_LR = {"adamw": 1e-3, "sgd": 0.1}
 # the protocol at its full scale, then the earlier reduced run (N = 500, m = 50, 10 rounds)
 RENDERED = ("federated_lac_full", "federated_lac")
@@ -165,6 +166,7 @@ def stratified(examples: list, k: int, seed: int) -> list:
 def server_config(method: str, eps: float | None, seed: int, args, clip: float = 1.0):
     """The untuned server of one rule at one epsilon and seed (C_init = ``clip``, 1 unless
     a fixed-rule sweep asks otherwise; non-private: the fixed rule with C = 1e6, no noise)."""
+    import dpfit.federated.clipping.lac_novote  # noqa: F401  (registers the no-vote arm)
     from dpfit.federated.strategy import ServerConfig
 
     private = method != NON_PRIVATE
@@ -210,6 +212,10 @@ def one_run(
     rounds: list[dict] = []
     t0, c0 = time.perf_counter(), time.process_time()
     server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val))
+    if method == NOVOTE:  # DP-LAC from the given C0: no vote, v_0 recorded as DP-LAC does
+        from dpfit.federated.clipping.lac_novote import start_without_vote
+
+        start_without_vote(server)
 
     def on_round(rec) -> None:
         rounds.append(
@@ -443,6 +449,25 @@ def check_fixed_clip(args: argparse.Namespace) -> None:
         )
 
 
+def check_lac_c0(args: argparse.Namespace) -> None:
+    """--lac-c0 runs DP-LAC without the vote only, into its own --name (one line if not)."""
+    if args.lac_c0 is None:
+        return
+    if args.command != "run" or args.methods != ["lac"] or args.tune or args.vote_factors \
+            or args.fixed_clip is not None:  # fmt: skip
+        raise SystemExit(
+            "--lac-c0 starts DP-LAC at C0 without the vote: use it with run --methods lac "
+            "only (no --tune, --vote-factors or --fixed-clip)"
+        )
+    if not args.lac_c0 > 0:
+        raise SystemExit("--lac-c0: C0 must be positive, e.g. --lac-c0 1")
+    if args.name in RENDERED:
+        raise SystemExit(
+            f"--lac-c0: give the no-vote runs their own --name (e.g. {NOVOTE_NAME}), not a "
+            "protocol's, so the protocol's DP-LAC rows stay the voted ones"
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     path = args.out / f"{args.name}.jsonl"
     done = set()
@@ -463,6 +488,8 @@ def cmd_run(args: argparse.Namespace) -> None:
             for e in args.epsilons
             for m in args.tune
         ]
+    elif args.lac_c0 is not None:  # DP-LAC without its vote, paired with the protocol's
+        plan = [(NOVOTE, e, s, args.lac_c0) for s in args.seeds for e in args.epsilons]
     elif args.fixed_clip is not None:  # the fixed rule at other clip norms: no reference
         plan = [
             ("fixed", e, s, c) for s in args.seeds for e in args.epsilons for c in args.fixed_clip
@@ -857,6 +884,227 @@ def tuning_section(runs: list[dict], floor: dict | None = None) -> list[str]:
 
 
 SWEEP_NAME, SWEEP_BASE = "federated_lac_fixed_sweep", "federated_lac_full"
+NOVOTE_NAME = "federated_lac_novote"
+RETIMED_NAME = "federated_lac_retimed"  # protocol runs re-timed with a later engine
+ROUND_TIME = Path(__file__).parent / "results" / "federated_round_time.json"
+
+
+def engine_ratio(path: Path = ROUND_TIME) -> dict | None:
+    """The batched engine's CPU per protocol round against its previous version, measured
+    side by side (benchmarks/federated_round_time.py --against-ref), if recorded."""
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("side_by_side")
+
+
+def cell_key(r: dict) -> tuple:
+    return (arm(r), r["epsilon_target"], r["seed"], r["initial_clip"])
+
+
+def retimed_cost(
+    runs: list[dict], retimed: Sequence[dict], novote: Sequence[dict], ratio: dict | None
+) -> list[str]:
+    """The whole protocol's CPU estimate with the current engine: each component priced at
+    the median CPU seconds of its re-timed runs (DP-LAC runs without their vote also from the
+    no-vote arm, the same per-round work), a component with none re-timed at its recorded
+    median times the engine's side-by-side round ratio; beside the recorded runs' accuracy
+    at the same cells."""
+    parts = cost_parts(runs)
+    if not retimed or parts is None:
+        return []
+    plain_rules = ("adaptive-quantile", "automatic", "dynamic", "fixed")
+    plain = [r["cpu_seconds"] for r in retimed if r["method"] in plain_rules and not r.get("tuned")]
+    reference = [r["cpu_seconds"] for r in retimed if r["method"] == NON_PRIVATE]
+    tuned = [r for r in retimed if r.get("tuned")]
+    candidates = [r["tuning_cpu_seconds"] / r["tuning_runs"] for r in tuned if r["tuning_runs"]]
+    finals = [r["cpu_seconds"] for r in tuned]
+    voted = [r for r in retimed if "c_star" in r and len(r["rounds"]) > 1]
+    lac_runs = [r["cpu_seconds"] - vote_cpu(r) for r in voted]
+    lac_runs += [r["cpu_seconds"] for r in novote]
+    votes = [vote_cpu(r) for r in voted if not r.get("vote_from_memo")]
+    scale = ratio["ratio"] if ratio else None
+    priced = [plain, reference, lac_runs, votes, None, candidates, finals]
+    rows, total = [], 0.0
+    for part, new in zip(parts, priced, strict=True):
+        if new:
+            each, source = statistics.median(new), f"re-timed (n={len(new)})"
+        elif new is None:  # reading the memo back: no engine work
+            each, source = part.each, "recorded (no engine work)"
+        elif scale is not None:
+            each, source = part.each * scale, f"recorded x {scale:.2f} (not re-timed)"
+        else:
+            return []
+        total += part.count * each
+        rows.append(
+            f"| {part.what} | {part.count:g} | {part.each:.0f} | {each:.0f} | {source} | "
+            f"{part.count * each / 3600:.2f} |"
+        )
+    recorded = sum(p.count * p.each for p in parts)
+    lines = [
+        "### Re-estimated with the current engine (estimate from re-timed runs)",
+        "",
+        "The batched engine now caches the top layer's frozen q/k/v products per text and "
+        "groups examples by exact length (no padding)"
+        + (
+            f"; side by side, a protocol round takes {ratio['ratio']:.2f} x the previous "
+            f"engine's CPU (federated_round_time.md, `{ratio['command']}`)"
+            if ratio
+            else ""
+        )
+        + f". Re-timed: {len(retimed)} protocol runs ({RETIMED_NAME}.jsonl), one thread, "
+        "vote computed (no memo):",
+        "",
+        "```",
+        command_of(list(retimed), RETIMED_NAME),
+        "```",
+        "",
+        "| component | count | recorded median CPU s | now CPU s each | priced from | "
+        "estimate CPU-hours |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        f"| **total** | | | | | **{total / 3600:.2f}** |",
+        "",
+        f"Estimate with the current engine: {total / 3600:.2f} CPU-hours for the whole "
+        f"protocol, against {recorded / 3600:.2f} estimated and "
+        f"{(sum(p.measured for p in parts)) / 3600:.2f} measured with the previous one (above). "
+        "DP-LAC runs without their vote are priced also from the no-vote arm "
+        f"({NOVOTE_NAME}.jsonl, {len(novote)} runs). CPU seconds grow with the machine's "
+        "load (load averages below), so a re-timed run's saving is the engine's and the "
+        "load's together; the engine's alone is the side-by-side ratio"
+        + (
+            f": the previous estimate x {scale:.2f} = {recorded * scale / 3600:.2f} CPU-hours "
+            "(the previous runs' load kept)."
+            if scale is not None
+            else "."
+        ),
+        "",
+        "Re-timed runs against the recorded ones at the same cell (the same seed: client "
+        "sampling, noise and data order are the same streams, so a difference is the "
+        "engine's float rounding, grown over 30 rounds):",
+        "",
+        "| arm | eps | seed | recorded accuracy | re-timed accuracy | test loss difference "
+        "| recorded CPU s (load) | re-timed CPU s (load) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by = {cell_key(r): r for r in runs}
+    diffs = []
+    for r in retimed:
+        old = by.get(cell_key(r))
+        if old is None:
+            continue
+        diffs.append(abs(r["test_accuracy"] - old["test_accuracy"]))
+        e = "-" if r["epsilon_target"] is None else f"{r['epsilon_target']:g}"
+        lines.append(
+            f"| {arm(r)} | {e} | {r['seed']} | {old['test_accuracy']:.4f} | "
+            f"{r['test_accuracy']:.4f} | {r['test_loss'] - old['test_loss']:+.2e} | "
+            f"{old['cpu_seconds']:.0f} ({old.get('load_avg', math.nan):.1f}) | "
+            f"{r['cpu_seconds']:.0f} ({r.get('load_avg', math.nan):.1f}) |"
+        )
+    if diffs:
+        lines += [
+            "",
+            f"Largest test-accuracy difference over the {len(diffs)} re-timed runs: "
+            f"{max(diffs):.4f} ({round(max(diffs) * runs[0]['test_examples'])} of "
+            f"{runs[0]['test_examples']} test examples).",
+        ]
+    return lines + [""]
+
+
+def novote_section(runs: list[dict], novote: Sequence[dict]) -> list[str]:
+    """DP-LAC (the protocol's, with its vote) against DP-LAC started at C0 without the vote
+    (all of epsilon to the rounds), and that against the fixed rule at the same C, paired by
+    epsilon and seed (the same client sampling and noise streams)."""
+    if not novote:
+        return []
+    r0 = novote[0]
+    c0 = r0["initial_clip"]
+    by = {(arm(r), r["epsilon_target"], r["seed"]): r for r in runs}
+    eps_list = sorted({r["epsilon_target"] for r in novote})
+    seeds = sorted({r["seed"] for r in novote})
+    lines = [
+        f"## DP-LAC without its vote (C0 = {c0:g}: all of epsilon to the rounds)",
+        "",
+        f"DP-LAC started at C0 = {c0:g} x C_init with no vote (rule `{NOVOTE}`: the same "
+        "validation-loss shrink from round 1 on, v_0 recorded at the start), so the rounds get "
+        "the vote's share of the budget too (a smaller z); recorded in this protocol's setting "
+        f"at the same seeds ({NOVOTE_NAME}.jsonl), so each run pairs with this protocol's "
+        "DP-LAC and fixed-rule runs at its epsilon and seed:",
+        "",
+        "```",
+        f"python benchmarks/federated_lac.py run --methods lac --lac-c0 {c0:g} --epsilons "
+        f"{' '.join(f'{e:g}' for e in sorted(eps_list, reverse=True))} --seeds "
+        f"{' '.join(map(str, seeds))} {setting_args(r0, NOVOTE_NAME)}",
+        "```",
+        "",
+        f"| eps | seed | DP-LAC C_hist | z DP-LAC | z no vote | epsilon no vote | DP-LAC "
+        f"accuracy | no vote accuracy | fixed C = {c0:g} accuracy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    diffs: dict[str, dict[float, list[float]]] = {"vote": {}, "shrink": {}}
+    z_up: dict[float, float] = {}  # how much more noise DP-LAC's rounds carry, per epsilon
+    same_c0 = 0
+    paired = 0
+    for r in sorted(novote, key=lambda r: (r["epsilon_target"], r["seed"])):
+        e, s = r["epsilon_target"], r["seed"]
+        lac, fixed = by.get(("lac", e, s)), by.get(("fixed", e, s))
+        if fixed is not None and fixed["initial_clip"] != c0:
+            fixed = None
+        if lac is not None:
+            paired += 1
+            same_c0 += lac["initial_clip"] == c0
+            diffs["vote"].setdefault(e, []).append(lac["test_accuracy"] - r["test_accuracy"])
+            z_up[e] = lac["noise_multiplier"] / r["noise_multiplier"] - 1
+        if fixed is not None:
+            diffs["shrink"].setdefault(e, []).append(r["test_accuracy"] - fixed["test_accuracy"])
+        lines.append(
+            f"| {e:g} | {s} | "
+            + (f"{lac['initial_clip']:g} | {lac['noise_multiplier']:.3f}" if lac else "- | -")
+            + f" | {r['noise_multiplier']:.3f} | {r['epsilon']:.3f} | "
+            + (f"{lac['test_accuracy']:.4f}" if lac else "not run")
+            + f" | {r['test_accuracy']:.4f} | "
+            + (f"{fixed['test_accuracy']:.4f}" if fixed else "not run")
+            + " |"
+        )
+    lines += ["", "Paired by seed (95% t-interval):", ""]
+    verdicts: dict[str, dict[float, str]] = {"vote": {}, "shrink": {}}
+    titles = {
+        "vote": "DP-LAC (vote) minus no vote",
+        "shrink": f"no vote minus fixed C = {c0:g}",
+    }
+    for e in eps_list:
+        for key in ("vote", "shrink"):
+            d = diffs[key].get(e, [])
+            if len(d) < 2:
+                lines.append(f"- eps {e:g}, {titles[key]}: fewer than two paired seeds")
+                continue
+            mean, lo, hi = paired_interval(d)
+            verdicts[key][e] = f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}], {interval_verdict(lo, hi)} 0"
+            lines.append(
+                f"- eps {e:g}, {titles[key]}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+                f"(n={len(d)}): {interval_verdict(lo, hi)} 0"
+            )
+    lines.append("")
+    if verdicts["vote"] or verdicts["shrink"]:
+        measured = "; ".join(
+            f"eps {e:g}: vote minus no vote {verdicts['vote'][e]}, no vote minus fixed "
+            f"{verdicts['shrink'][e]}"
+            for e in eps_list
+            if e in verdicts["vote"] and e in verdicts["shrink"]
+        )
+        lines += [
+            f"What this separates: the vote picked C0 = {c0:g} in {same_c0} of the {paired} "
+            f"paired DP-LAC runs, so there DP-LAC minus the no-vote arm is the price of the "
+            "vote's budget share alone (same C0, more noise on every round), and the no-vote "
+            f"arm minus fixed C = {c0:g} is what the per-round shrink does alone (same budget, "
+            f"same C0). In noise, the vote's share makes DP-LAC's rounds' z "
+            + ", ".join(f"{z_up[e]:+.1%} (eps {e:g})" for e in sorted(z_up))
+            + f" against the no-vote arm's. Measured: {measured} (a positive difference: the "
+            "first arm is better).",
+            "",
+        ]
+    return lines
+
+
 SETTING = ("rounds_requested", "clients", "clients_per_round", "local_optimizer", "lr",
            "val_examples", "test_examples")  # fmt: skip
 
@@ -995,6 +1243,9 @@ def render(
     setup: list[dict] | None = None,
     pilot: dict | None = None,
     sweep: Sequence[dict] = (),
+    novote: Sequence[dict] = (),
+    retimed: Sequence[dict] = (),
+    ratio: dict | None = None,
 ) -> str:
     r0 = runs[0]
     eps_list = sorted({r["epsilon_target"] for r in runs if r["epsilon_target"] is not None})
@@ -1126,8 +1377,10 @@ def render(
         "cores.",
         "",
         *c_star_section(runs, sweep),
+        *novote_section(runs, novote),
         *tuning_section(runs, floor),
         *protocol_cost(runs, setup),
+        *retimed_cost(runs, retimed, novote, ratio),
         f"## Clip norm, median client update norm and validation loss (seed {seeds[0]})",
         "",
         "| rule | eps | C_t round 1 -> last | norm round 1 -> last | val loss round 1 -> last "
@@ -1299,9 +1552,16 @@ def render_all(out: Path, names: Sequence[str]) -> tuple[str, list[tuple[str, st
             runs = load_runs(path)
             sweep_path = out / f"{SWEEP_NAME}.jsonl"
             sweep = load_runs(sweep_path) if name == SWEEP_BASE and sweep_path.exists() else []
+            extra = {}
+            if name == SWEEP_BASE:  # the no-vote arm and the re-timed runs pair with it
+                for key, other in (("novote", NOVOTE_NAME), ("retimed", RETIMED_NAME)):
+                    path = out / f"{other}.jsonl"
+                    extra[key] = load_runs(path) if path.exists() else []
+                extra["ratio"] = engine_ratio(out / ROUND_TIME.name)
             text = render(
-                runs, name, load_floor(out), load_setup(out, name), pilot_data, sweep=sweep
-            )
+                runs, name, load_floor(out), load_setup(out, name), pilot_data, sweep=sweep,
+                **extra,
+            )  # fmt: skip
             protocols.append((name, text))
     return render_pilot(pilot_data), protocols
 
@@ -1373,6 +1633,13 @@ def main(argv: list[str] | None = None) -> None:
         "protocol's); a sweep for C* belongs in its own --name, e.g. federated_lac_fixed_sweep",
     )
     p.add_argument(
+        "--lac-c0",
+        type=float,
+        default=None,
+        help="run: with --methods lac only, DP-LAC started at this C0 without the vote (all of "
+        "epsilon to the rounds); in its own --name, e.g. federated_lac_novote",
+    )
+    p.add_argument(
         "--claims", default=None, help="run: a folder through which workers share the plan"
     )
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -1386,6 +1653,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     check_fixed_clip(args)
+    check_lac_c0(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("transformers", "httpx", "dpfit.federated.strategy"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -12,6 +12,8 @@ round 1 in which every client trains once and evaluates three candidates).
 
     python benchmarks/federated_round_time.py                      # all four rows, ~30 min
     python benchmarks/federated_round_time.py --rows minilm-bias-local --rounds 2
+    # the batched engine against its version at a git commit, alternated in one process
+    python benchmarks/federated_round_time.py --against-ref bf92cf1 --rounds 5
 
 Client sampling is seeded (``--insecure-reproducible-noise``) so that every row samples the
 same clients: times compare the same work. The machine's load average is recorded next to
@@ -29,6 +31,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +117,103 @@ def run_row(name: str, args: argparse.Namespace) -> dict:
     }
 
 
+def engine_at(ref: str):
+    """``dpfit.federated.batched`` as it was at git commit ``ref`` (the previous engine),
+    loaded as its own module beside the current one."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(
+        ["git", "show", f"{ref}:src/dpfit/federated/batched.py"],
+        cwd=root, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / "batched_at_ref.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("batched_at_ref", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+def side_by_side(args: argparse.Namespace) -> dict:
+    """CPU seconds of a protocol round (the sampled clients' local training, then the
+    server's validation loss) with the current batched engine and the one at ``--against-ref``,
+    the two arms alternated round by round on the same sampled clients, in this process."""
+    import numpy as np
+    import torch
+
+    from dpfit.federated import batched
+    from dpfit.federated.app import client_examples, eval_split, initial_arrays
+    from dpfit.federated.cli import add_arguments, configs
+    from dpfit.federated.client import load_local_model
+
+    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--model", "minilm", "--local-mode", "lora-top", "--engine", "batched",
+            *PROTOCOL, "--eval-examples", str(args.eval_examples)]  # fmt: skip
+    server_cfg, task = configs(parser.parse_args(argv))
+    lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
+    data = lambda p: client_examples(task, p)  # noqa: E731
+    arms = {"current": batched.BatchedClients(lm, task, data)}
+    arms[args.against_ref] = engine_at(args.against_ref).BatchedClients(lm, task, data)
+    rng = np.random.default_rng(0)
+    sampled = [
+        np.flatnonzero(rng.random(task.num_clients) < server_cfg.sample_rate).tolist()
+        for _ in range(args.rounds)
+    ]
+    store = arms["current"].cache.store
+    arms["current"].cache.fill([e.text for pids in sampled for p in pids for e in data(p)])
+    arms[args.against_ref].cache.store = store  # the same frozen-layer output for both
+    val = eval_split(task, "validation")
+    evals = {name: engine.evaluate_fn(*val) for name, engine in arms.items()}
+    start = initial_arrays(task)
+    cpu: dict[str, list[float]] = {name: [] for name in arms}
+    for r, pids in enumerate(sampled):
+        for name in arms if r % 2 == 0 else reversed(list(arms)):
+            c0 = time.process_time()
+            arms[name].round_replies(start, pids, r + 1)
+            evals[name](start)
+            cpu[name].append(time.process_time() - c0)
+    ref = statistics.median(cpu[args.against_ref])
+    return {
+        "against_ref": args.against_ref,
+        "rounds": args.rounds,
+        "eval_examples": len(val[0]),
+        "argv": argv,
+        "cpu_s": cpu,
+        "median_cpu_s": {name: statistics.median(v) for name, v in cpu.items()},
+        "ratio": statistics.median(cpu["current"]) / ref,
+        "command": f"python benchmarks/federated_round_time.py --against-ref {args.against_ref} "
+        f"--rounds {args.rounds} --eval-examples {args.eval_examples}",
+    }
+
+
+def render_side_by_side(sbs: dict) -> list[str]:
+    med = sbs["median_cpu_s"]
+    lines = [
+        "",
+        f"## The batched engine against its version at {sbs['against_ref']} (protocol round)",
+        "",
+        f"One DP-LAC protocol round (`{' '.join(PROTOCOL)}`, lora-top MiniLM): the sampled "
+        f"clients' local training, then the server's loss on {sbs['eval_examples']} validation "
+        f"examples; the two engines alternated round by round on the same sampled clients, in "
+        f"one process, one thread, {sbs['rounds']} rounds each. Command: `{sbs['command']}`.",
+        "",
+        "| engine | CPU s per round, median | CPU s per round, each |",
+        "|---|---|---|",
+    ]
+    for name, values in sbs["cpu_s"].items():
+        label = "current" if name == "current" else f"at {name}"
+        each = ", ".join(f"{v:.2f}" for v in values)
+        lines.append(f"| {label} | {med[name]:.2f} | {each} |")
+    lines += ["", f"Current / previous: {sbs['ratio']:.2f} (ratio of the medians)."]
+    return lines
+
+
 def cpu_seconds() -> float:
     """CPU time (user + system) of this process and every live descendant (Ray's workers)."""
     import psutil
@@ -189,6 +289,8 @@ def render(data: dict) -> str:
         "examples. Command(s): `" + s["command"] + "`.",
         "",
     ]
+    if "side_by_side" in data:
+        lines += render_side_by_side(data["side_by_side"]) + [""]
     return "\n".join(lines)
 
 
@@ -197,6 +299,13 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument(
+        "--against-ref",
+        default=None,
+        help="time the batched engine against its version at this git commit instead (kept "
+        "beside the recorded rows)",
+    )
+    p.add_argument("--eval-examples", type=int, default=600, help="--against-ref only")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more CLI flags")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
@@ -207,7 +316,12 @@ def main() -> None:
     )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if args.from_json:
+    if args.against_ref:
+        path = args.out / "federated_round_time.json"
+        data = json.loads(path.read_text())
+        data["side_by_side"] = side_by_side(args)
+        path.write_text(json.dumps(data, indent=2))
+    elif args.from_json:
         runs = [json.loads(f.read_text()) for f in args.from_json]
         data = {
             "setup": dict(

@@ -824,6 +824,31 @@ MUTATIONS += (
 )
 
 
+# DP-LAC without its vote (the benchmark's --lac-c0 arm): the vote's budget goes to the rounds
+_NOVOTE = "dpfit/federated/clipping/lac_novote.py"
+MUTATIONS += (
+    Mutation(
+        "lac-c0-budget-not-given-back",
+        "the no-vote arm is calibrated as if a vote (sigma_h = 5) were still released: its rounds "
+        "get less than the whole target epsilon",
+        ((_NOVOTE, "        return ()  # no vote", "        return (5.0,)  # no vote"),),
+        ("tests/federated/test_lac_novote.py",),
+    ),
+    Mutation(
+        "lac-c0-vote-spent-anyway",
+        "the no-vote arm's ledger records a vote (sigma_h = 5) that was never released",
+        (
+            (
+                _NOVOTE,
+                "    server.initialise(None)  # no vote",
+                "    server.initialise(None); server.accountant.record_one_off(5.0)  # no vote",
+            ),
+        ),
+        ("tests/federated/test_lac_novote.py",),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

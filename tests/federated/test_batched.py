@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dpfit.data.bundled import TextExample
 from dpfit.federated.app import initial_arrays, run_local
@@ -132,3 +133,33 @@ def test_a_whole_run_equals_the_in_process_flower_run(bert, method):
         # rounding where a gradient is near zero
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=3e-4)
     assert any(not np.allclose(a, s) for a, s in zip(batched.params, start, strict=True))
+
+
+def test_cached_qkv_products_give_each_clients_own_model(bert):
+    """The frozen x Wq^T, x Wk^T, x Wv^T are cached per text and shared by every client; each
+    client's own q/k/v biases (different here, the key's included) and LoRA terms are added
+    on top: its losses equal its own full model's, and the logits equal the uncached ones."""
+    lm = load_local_model(bert, "lora-top", 4, 0, "float64")
+    task = _task(bert, "sgd")
+    data = _clients([5, 4, 6], seed=5)
+    engine = BatchedClients(lm, task, lambda p: data[p])
+    engine.cache.fill([e.text for d in data for e in d])
+    clients = [_start(lm, seed=10 + p) for p in range(len(data))]
+    stacked = [torch.as_tensor(np.stack(arrs)) for arrs in zip(*clients, strict=True)]
+    named = dict(zip(lm.trainable, stacked, strict=True))
+    for part in ("query", "key", "value"):
+        bias = next(v for n, v in named.items() if f"self.{part}." in n and n.endswith("bias"))
+        assert not torch.equal(bias[0], bias[1]), f"the clients' {part} biases must differ"
+    mine = engine.mean_losses(stacked, data)
+    texts = [e.text for d in data for e in d]
+    assert set(texts) <= set(engine.cache.projected)  # the cached path was the one taken
+    for p, d in enumerate(data):
+        lm.set_arrays(clients[p])
+        ref = evaluate(lm, [e.text for e in d], [e.label for e in d], 16)[0]
+        assert mine[p] == pytest.approx(ref, abs=TOL)
+    text = data[0][0].text
+    hidden = engine.cache.store[text][None, None].expand(len(data), 1, -1, -1)
+    projected = engine.cache.projected[text][None, None].expand(len(data), 1, -1, -1)
+    cached = engine.top.logits(hidden, None, named, projected)
+    direct = engine.top.logits(hidden, None, named)
+    torch.testing.assert_close(cached, direct, rtol=0, atol=1e-10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 import pytest
 from accounting_oracle import selected_then_trained_epsilon
 from benchmark_scripts import load_benchmark
@@ -135,3 +136,101 @@ def test_fixed_clip_sets_the_fixed_rules_clip_norm(small):
     assert row["initial_clip"] == 0.25
     assert [r["clip_norm"] for r in row["rounds"]] == [0.25] * args.rounds
     assert bench.server_config("fixed", 8.0, 0, args).initial_clip == 1.0  # the protocol's
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--lac-c0", "1", "--name", "novote"],  # every rule, not DP-LAC only
+        ["run", "--methods", "lac", "clac", "--lac-c0", "1", "--name", "novote"],
+        ["run", "--methods", "lac", "--tune", "automatic", "--lac-c0", "1", "--name", "novote"],
+        ["run", "--methods", "lac", "--lac-c0", "1"],  # the protocol's own --name
+        ["run", "--methods", "lac", "--lac-c0", "0", "--name", "novote"],
+    ],
+)
+def test_lac_c0_refuses_anything_but_dp_lac_in_its_own_name(argv):
+    with pytest.raises(SystemExit) as e:
+        _benchmark().main(argv)
+    assert "--lac-c0" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lac_c0_run_spends_all_of_epsilon_on_the_rounds(small):
+    """No vote: C0 as given, no vote counts, and the recorded epsilon is dp-accounting's for
+    the rounds alone (the protocol's DP-LAC spends part of it on the vote)."""
+    from accounting_oracle import ADD_REMOVE, direct_epsilon
+
+    bench, args, task, engine, val, test, _ = small
+    row = bench.one_run(bench.NOVOTE, 8.0, 0, args, task, engine, val, test, clip=1.0)
+    assert row["method"] == bench.NOVOTE and row["initial_clip"] == 1.0
+    assert row["vote_counts"] == [] and "c_star" not in row
+    q = row["clients_per_round"] / row["clients"]
+    rounds = len(row["rounds"])
+    want = direct_epsilon(row["noise_multiplier"], q, rounds, 1e-5, ADD_REMOVE, kind="rdp")
+    assert row["epsilon"] == pytest.approx(want, rel=1e-6)
+    lac = bench.server_config("lac", 8.0, 0, args)
+    from dpfit.federated.strategy import DPFedAvgServer
+
+    assert row["noise_multiplier"] < DPFedAvgServer(lac, [np.zeros(2)]).noise_multiplier
+
+
+SETTING = {"rounds_requested": 30, "clients": 1000, "clients_per_round": 100.0,
+           "local_optimizer": "sgd", "lr": 0.5}  # fmt: skip
+
+
+def _row(method: str, seed: int, acc: float, **kw) -> dict:
+    return {"method": method, "epsilon_target": 8.0, "seed": seed, "initial_clip": 1.0,
+            "test_accuracy": acc, "noise_multiplier": 1.0, "epsilon": 8.0, **SETTING, **kw}  # fmt: skip
+
+
+def test_novote_section_pairs_by_seed_and_states_the_measured_sign():
+    bench = _benchmark()
+    lac = [_row("lac", s, a) for s, a in enumerate((0.70, 0.66, 0.69))]
+    fixed = [_row("fixed", s, a) for s, a in enumerate((0.60, 0.61, 0.62))]
+    novote = [_row(bench.NOVOTE, s, a) for s, a in enumerate((0.65, 0.64, 0.66))]
+    text = "\n".join(bench.novote_section(lac + fixed, novote))
+    for title, d in (
+        ("DP-LAC (vote) minus no vote", [0.05, 0.02, 0.03]),
+        ("no vote minus fixed C = 1", [0.05, 0.03, 0.04]),
+    ):
+        mean, lo, hi = bench.paired_interval(d)
+        verdict = bench.interval_verdict(lo, hi)
+        assert f"eps 8, {title}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (n=3): {verdict} 0" in text
+    assert "C0 = 1 in 3 of the 3 paired DP-LAC runs" in text
+    assert "--lac-c0 1 --epsilons 8 --seeds 0 1 2" in text
+
+
+def test_retimed_estimate_prices_each_component_from_its_retimed_runs():
+    """The synthetic protocol of test_protocol_cost...; re-timed: a plain run at 60 s, a
+    DP-LAC run of 130 s whose vote took 30 s (first round 35 s, second 40 s), a reference at
+    50 s and two no-vote runs at 90 s and 110 s; tuning priced at recorded x 0.8."""
+    bench = _benchmark()
+    rounds = [{"cpu_seconds": 55.0}, {"cpu_seconds": 60.0}]
+    runs = [{"method": "fixed", "cpu_seconds": 100.0}]
+    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0, "rounds": rounds}]
+    runs += [
+        {"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "rounds": rounds,
+         "vote_from_memo": True},
+        {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
+         "cpu_seconds": 90.0},
+    ]  # fmt: skip
+    for r in runs:
+        r.update(epsilon_target=8.0, seed=0, initial_clip=1.0, test_accuracy=0.7, test_loss=0.5,
+                 test_examples=1264, **SETTING)  # fmt: skip
+    retimed = [
+        dict(runs[0], cpu_seconds=60.0),
+        dict(runs[1], cpu_seconds=130.0, rounds=[{"cpu_seconds": 35.0}, {"cpu_seconds": 40.0}]),
+        dict(runs[0], method=bench.NON_PRIVATE, cpu_seconds=50.0),
+    ]
+    novote = [{"cpu_seconds": 90.0}, {"cpu_seconds": 110.0}]
+    text = "\n".join(bench.retimed_cost(runs, retimed, novote, {"ratio": 0.8, "command": "c"}))
+    read = 2 * 55.0 - 60.0  # the recorded read-back vote's price: no engine work
+    total = 24 * 60 + 50 + 12 * 100 + 4 * 30 + 8 * read + 36 * 80 * 0.8 + 12 * 90 * 0.8
+    assert f"**{total / 3600:.2f}**" in text
+    assert "recorded x 0.80 (not re-timed)" in text
+    # a re-timed tuned arm (2 candidates in 100 s, final run 70 s) prices both tuning parts
+    tuned = dict(runs[3], tuning_runs=2, tuning_cpu_seconds=100.0, cpu_seconds=70.0)
+    text = "\n".join(
+        bench.retimed_cost(runs, [*retimed, tuned], novote, {"ratio": 0.8, "command": "c"})
+    )
+    total += 36 * (50 - 80 * 0.8) + 12 * (70 - 90 * 0.8)
+    assert f"**{total / 3600:.2f}**" in text and "not re-timed" not in text

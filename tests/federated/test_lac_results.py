@@ -271,3 +271,21 @@ def test_sweep_is_rendered_into_the_protocol_it_pairs_with():
     assert sweep and all(r["method"] == "fixed" and r["initial_clip"] != 1.0 for r in sweep)
     norms = " ".join(f"{c:g}" for c in sorted({r["initial_clip"] for r in sweep}))
     assert f"--fixed-clip {norms}" in base
+
+
+def test_recorded_no_vote_runs_spend_their_whole_target_on_the_rounds():
+    """DP-LAC without the vote: the recorded epsilon is dp-accounting's for the rounds alone
+    (no vote in the ledger), and it is the target (the vote's share went to the rounds)."""
+    from accounting_oracle import ADD_REMOVE, direct_epsilon
+
+    bench = _benchmark()
+    path = RESULTS / f"{bench.NOVOTE_NAME}.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    assert rows and all(r["method"] == bench.NOVOTE for r in rows)
+    for r in rows:
+        q = r["clients_per_round"] / r["clients"]
+        rounds = len(r["rounds"])
+        want = direct_epsilon(r["noise_multiplier"], q, rounds, 1e-5, ADD_REMOVE, kind="rdp")
+        assert r["epsilon"] == pytest.approx(want, rel=1e-3)
+        assert r["epsilon"] == pytest.approx(r["epsilon_target"], rel=2e-3)
+        assert r["vote_counts"] == []

@@ -13,6 +13,11 @@ element-wise updates with a per-client step count) steps each client as its own 
 would. Each client's data order comes from the same generator as on the per-client path, so
 the updates are the per-client path's (checked to 1e-6 in float64 by the tests).
 
+Within the top layer, the frozen query, key and value products x W^T of each text are cached
+too (``FrozenCache.project``): only their biases and LoRA terms depend on the client. Examples
+are grouped by exact length (``length_buckets``), so nothing is padded, and a training step's
+backward runs chunk by chunk (the gradients add up) so only one chunk's graph is held.
+
 ``run_batched`` drives the SAME server core as Flower (``DPFedAvgServer``: Poisson sampling,
 reply validation, clip rules, one noise draw, accountant, checkpoints), so only the transport
 differs: replies are built in-process instead of crossing a Grid.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +41,6 @@ from dpfit.federated.client import (
     LocalModel,
     TaskConfig,
     _batches,
-    _length_chunks,
     clamp_loss,
     task_model,
     top_layer_prefix,
@@ -50,6 +54,7 @@ NODE_OFFSET = 1000  # node ids as LocalGrid.for_app numbers them: the same Poiss
 CLIENT_CHUNK = 100  # clients per computation (memory bound; results do not depend on it)
 EVAL_CHUNK = 128
 FLAT_CHUNK = 256  # (client, example) pairs per top-layer computation
+PROJECT_CHUNK = 512  # texts per frozen q/k/v product
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 
@@ -63,13 +68,17 @@ class FrozenCache:
 
     Keyed by text; each entry is the unpadded (length, width) hidden states. Computed in
     length-sorted chunks with the attention mask, so padding does not change a real token's
-    states.
+    states. ``projected`` keeps, per text, the top layer's frozen query, key and value
+    products (x Wq^T, x Wk^T, x Wv^T, no bias): every client and every evaluation shares them,
+    only the biases and LoRA terms differ by client (they take three times the memory of the
+    hidden states).
     """
 
     def __init__(self, lm: LocalModel, max_length: int) -> None:
         self.lm = lm
         self.max_length = max_length
         self.store: dict[str, torch.Tensor] = {}
+        self.projected: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def fill(self, texts: Sequence[str]) -> None:
@@ -93,22 +102,37 @@ class FrozenCache:
         finally:
             backbone.encoder.layer = layers
 
-    def gather(self, texts: Sequence[Sequence[str | None]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, B) texts (None = empty slot) -> hidden (K, B, L, H) and mask (K, B, L)."""
-        k, b = len(texts), max(len(row) for row in texts)
-        length = max(len(self.store[t]) for row in texts for t in row if t is not None)
-        ref = next(iter(self.store.values()))
-        hidden = torch.zeros(k, b, length, ref.shape[-1], dtype=ref.dtype)
-        mask = torch.zeros(k, b, length, dtype=ref.dtype)
-        for i, row in enumerate(texts):
-            for j, t in enumerate(row):
-                if t is None:
-                    mask[i, j, 0] = 1.0  # an empty slot: one zero token, weight 0 in the loss
-                    continue
-                h = self.store[t]
-                hidden[i, j, : len(h)] = h
-                mask[i, j, : len(h)] = 1.0
-        return hidden, mask
+    @torch.no_grad()
+    def project(self, texts: Sequence[str], weight: torch.Tensor) -> None:
+        """Cache x W^T for these texts (``weight``: the frozen q, k, v weights stacked)."""
+        missing = [t for t in dict.fromkeys(texts) if t not in self.projected]
+        for i in range(0, len(missing), PROJECT_CHUNK):
+            part = missing[i : i + PROJECT_CHUNK]
+            rows = [self.store[t] for t in part]
+            out = torch.cat(rows) @ weight.transpose(0, 1)
+            for t, y in zip(part, torch.split(out, [len(r) for r in rows]), strict=True):
+                self.projected[t] = y
+
+    def stacked(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Texts of ONE length -> hidden (N, L, H) and, if cached, their projections
+        (N, L, 3H): no padding, so no mask."""
+        hidden = torch.stack([self.store[t] for t in texts])
+        if not all(t in self.projected for t in texts):
+            return hidden, None
+        return hidden, torch.stack([self.projected[t] for t in texts])
+
+
+def length_buckets(lengths: Sequence[int], cap: int) -> list[np.ndarray]:
+    """Indices grouped by exact length (at most ``cap`` each), shortest first: every group
+    is computed without padding."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    out: list[np.ndarray] = []
+    start = 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or lengths[order[i]] != lengths[order[start]] or i - start == cap:
+            out.append(order[start:i])
+            start = i
+    return out
 
 
 @dataclass(frozen=True)
@@ -161,6 +185,13 @@ class TopLayer:
         self.o2 = self._linear("output.dense", layer.output.dense)
         self.ln2 = (self._name("output.LayerNorm.weight"), self._name("output.LayerNorm.bias"))
         self.head = _Linear("head.weight", "head.bias")
+        qkv = (self.q.weight, self.k.weight, self.v.weight)
+        # the frozen q, k, v weights stacked (FrozenCache.project); None if any of them trains
+        self.qkv_weight = (
+            None
+            if any(n in self.trainable for n in qkv)
+            else torch.cat([self.named[n].detach() for n in qkv])
+        )
 
     def _name(self, suffix: str) -> str:
         name = self.prefix + suffix
@@ -183,10 +214,20 @@ class TopLayer:
     def _get(self, name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
         return params[name] if name in params else self.named[name].detach()
 
-    def _apply(self, lin: _Linear, x: torch.Tensor, params: dict[str, torch.Tensor]):
-        """x (K, N, in) -> (K, N, out); stacked (K, ...) tensors are per client."""
+    def _apply(
+        self,
+        lin: _Linear,
+        x: torch.Tensor,
+        params: dict[str, torch.Tensor],
+        base: torch.Tensor | None = None,
+    ):
+        """x (K, N, in) -> (K, N, out); stacked (K, ...) tensors are per client. ``base``: the
+        cached x W^T of a frozen W (then only the bias and LoRA terms are computed)."""
         w, b = self._get(lin.weight, params), self._get(lin.bias, params)
-        y = x @ w.transpose(-1, -2) if w.dim() == 2 else torch.bmm(x, w.transpose(1, 2))
+        if base is not None:
+            y = base
+        else:
+            y = x @ w.transpose(-1, -2) if w.dim() == 2 else torch.bmm(x, w.transpose(1, 2))
         y = y + (b if b.dim() == 1 else b[:, None, :])
         if lin.lora_a is not None:
             a, bb = self._get(lin.lora_a, params), self._get(lin.lora_b, params)
@@ -202,9 +243,16 @@ class TopLayer:
         return y + (b if b.dim() == 1 else b[:, None, :])
 
     def logits(
-        self, hidden: torch.Tensor, mask: torch.Tensor, params: dict[str, torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        projected: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden (K, B, L, H), mask (K, B, L) -> logits (K, B, classes)."""
+        """hidden (K, B, L, H), mask (K, B, L) or None (no padding) -> logits (K, B, classes).
+
+        ``projected`` (K, B, L, 3H): the cached frozen q, k, v products of ``hidden``.
+        """
         k, b, length, width = hidden.shape
         x = hidden.reshape(k, b * length, width)
         nh, dh = self.heads, width // self.heads
@@ -212,17 +260,28 @@ class TopLayer:
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.reshape(k * b, length, nh, dh).transpose(1, 2)
 
-        q, kk, v = (split(self._apply(lin, x, params)) for lin in (self.q, self.k, self.v))
+        bases = (
+            projected.reshape(k, b * length, 3 * width).split(width, dim=-1)
+            if projected is not None
+            else (None, None, None)
+        )
+        q, kk, v = (
+            split(self._apply(lin, x, params, base))
+            for lin, base in zip((self.q, self.k, self.v), bases, strict=True)
+        )
         scores = q @ kk.transpose(-1, -2) / math.sqrt(dh)
-        key_mask = mask.reshape(k * b, 1, 1, length)
-        scores = scores + (1.0 - key_mask) * torch.finfo(scores.dtype).min
+        if mask is not None:
+            key_mask = mask.reshape(k * b, 1, 1, length)
+            scores = scores + (1.0 - key_mask) * torch.finfo(scores.dtype).min
         ctx = torch.softmax(scores, dim=-1) @ v
         ctx = ctx.transpose(1, 2).reshape(k, b * length, width)
         a = self._norm(self._apply(self.o, ctx, params) + x, self.ln1, params)
         inter = F.gelu(self._apply(self.i, a, params))
         out = self._norm(self._apply(self.o2, inter, params) + a, self.ln2, params)
         out = out.reshape(k, b, length, width)
-        if self.pooling == "mean":
+        if self.pooling == "mean" and mask is None:
+            pooled = out.mean(2)
+        elif self.pooling == "mean":
             m = mask.unsqueeze(-1)
             pooled = (out * m).sum(2) / m.sum(2).clamp(min=1.0)
         elif self.pooling == "cls":
@@ -294,37 +353,50 @@ class BatchedClients:
 
     # -- forward pieces -----------------------------------------------------------------
 
+    def _project(self, texts: Sequence[str]) -> None:
+        """Cache the frozen q/k/v products of these texts (no-op if a q/k/v weight trains)."""
+        if self.top.qkv_weight is not None:
+            self.cache.project(texts, self.top.qkv_weight.to(self.dtype))
+
+    def _chunk_losses(
+        self,
+        stacked: Sequence[torch.Tensor],
+        rows: list[list[tuple[str, int] | None]],
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(client index, cross-entropy) of each (client, example) pair, chunk by chunk.
+
+        All pairs are flattened and grouped by exact length (``length_buckets``: no padding,
+        so no mask); each example reads its own client's parameters (gathered by client
+        index), so clients still train apart.
+        """
+        flat = [
+            (k, t, y) for k, row in enumerate(rows) for s in row if s is not None for t, y in [s]
+        ]
+        if not flat:
+            return
+        self._project([t for _, t, _ in flat])
+        params = self._params(stacked)
+        lengths = [len(self.cache.store[t]) for _, t, _ in flat]
+        for part in length_buckets(lengths, FLAT_CHUNK):
+            items = [flat[i] for i in part]
+            hidden, projected = self.cache.stacked([t for _, t, _ in items])
+            if projected is not None:
+                projected = projected.unsqueeze(1)
+            kidx = torch.as_tensor([k for k, _, _ in items])
+            per_example = {n: v.index_select(0, kidx) for n, v in params.items()}
+            logits = self.top.logits(hidden.unsqueeze(1), None, per_example, projected)[:, 0]
+            labels = torch.as_tensor([y for _, _, y in items])
+            yield kidx, F.cross_entropy(logits, labels, reduction="none")
+
     def _losses(
         self,
         stacked: Sequence[torch.Tensor],
         rows: list[list[tuple[str, int] | None]],
     ) -> torch.Tensor:
-        """Each client's SUM of cross-entropies over its row (K,); empty slots add nothing.
-
-        All (client, example) pairs are flattened, sorted by length and cut into chunks
-        padded to at most ``PAD_SLACK`` x their real tokens; each example reads its own
-        client's parameters (gathered by client index), so clients still train apart.
-        """
-        flat = [
-            (k, t, y) for k, row in enumerate(rows) for s in row if s is not None for t, y in [s]
-        ]
-        dtype = stacked[0].dtype
-        total = torch.zeros(len(rows), dtype=dtype)
-        if not flat:
-            return total
-        lengths = [len(self.cache.store[t]) for _, t, _ in flat]
-        chunks = _length_chunks([[0] * n for n in lengths], np.arange(len(flat)))
-        params = self._params(stacked)
-        for chunk in chunks:
-            for part in np.array_split(chunk, max(1, math.ceil(len(chunk) / FLAT_CHUNK))):
-                items = [flat[i] for i in part]
-                hidden, mask = self.cache.gather([[t] for _, t, _ in items])
-                kidx = torch.as_tensor([k for k, _, _ in items])
-                per_example = {n: v.index_select(0, kidx) for n, v in params.items()}
-                logits = self.top.logits(hidden, mask, per_example)[:, 0]
-                labels = torch.as_tensor([y for _, _, y in items])
-                ce = F.cross_entropy(logits, labels, reduction="none")
-                total = total.index_add(0, kidx, ce)
+        """Each client's SUM of cross-entropies over its row (K,); empty slots add nothing."""
+        total = torch.zeros(len(rows), dtype=stacked[0].dtype)
+        for kidx, ce in self._chunk_losses(stacked, rows):
+            total = total.index_add(0, kidx, ce)
         return total
 
     @torch.no_grad()
@@ -365,10 +437,12 @@ class BatchedClients:
                 rows = [r + [None] * (width - len(r)) for r in rows]
                 active = torch.tensor([n > 0 for n in sizes])
                 denom = torch.tensor([max(n, 1) for n in sizes], dtype=self.dtype)
-                loss = (self._losses(stacked, rows) / denom).sum()
                 for t in stacked:
                     t.grad = None
-                loss.backward()
+                # the sum over clients of each one's batch-mean loss, backward chunk by chunk
+                # (gradients add up): only one chunk's graph is held at a time
+                for kidx, ce in self._chunk_losses(stacked, rows):
+                    (ce / denom.index_select(0, kidx)).sum().backward()
                 opt.step(active)
         out = []
         for i in range(k):
@@ -460,9 +534,9 @@ class BatchedClients:
     ) -> Callable[[Sequence[np.ndarray]], tuple[float, float]]:
         """(loss, accuracy) on a fixed split through the cache: the full model's results."""
         self.cache.fill(texts)
+        self._project(texts)
         y = torch.as_tensor(list(labels))
-        order = np.argsort([len(self.cache.store[t]) for t in texts], kind="stable")
-        chunks = [order[i : i + EVAL_CHUNK] for i in range(0, len(order), EVAL_CHUNK)]
+        chunks = length_buckets([len(self.cache.store[t]) for t in texts], EVAL_CHUNK)
 
         @torch.no_grad()
         def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
@@ -470,9 +544,12 @@ class BatchedClients:
                 return math.nan, math.nan
             stacked = self._stack(params, 1)
             loss_sum, correct = 0.0, 0
-            for idx in chunks:  # similar lengths together: little padding
-                hidden, mask = self.cache.gather([[texts[i] for i in idx]])
-                logits = self.top.logits(hidden, mask, self._params(stacked))[0]
+            for idx in chunks:  # one length each: no padding
+                hidden, projected = self.cache.stacked([texts[i] for i in idx])
+                if projected is not None:
+                    projected = projected.unsqueeze(0)
+                named = self._params(stacked)
+                logits = self.top.logits(hidden.unsqueeze(0), None, named, projected)[0]
                 yy = y[torch.as_tensor(idx)]
                 loss_sum += float(F.cross_entropy(logits, yy, reduction="sum"))
                 correct += int((logits.argmax(-1) == yy).sum())
@@ -535,7 +612,7 @@ def drive(
             )
             from dpfit.federated.clipping import one_hot_vote
 
-            votes = [one_hot_vote(row) for row in losses]
+            votes = [one_hot_vote(row.tolist()) for row in losses]
             progress.report("clip vote", num_clients, num_clients)
         server.initialise(votes)
     rule = type(server.rule)
