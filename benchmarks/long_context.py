@@ -31,6 +31,16 @@ example) and every step compares the per-example rows' sum with autograd's gradi
 tokens the probe alone would cost more CPU than this benchmark can spend; it is a one-time
 self-test, not part of the mechanism whose memory and time are measured here.
 
+Memory safety: each arm's process sets its oom_score_adj to 1000 before it loads the model, so
+that if the machine runs out the kernel kills that arm, never another job; an arm that may take
+over 12 GiB (its predicted peak, or its cap where there is no prediction) starts only once the
+machine has that much + 0.5 GiB available (waiting at most --wait-for-memory-s, else "skipped").
+An arm killed by the kernel's OOM killer (a SIGKILL this script did not send, while the kernel's
+oom_kill count in /proc/vmstat went up) is recorded as "killed-by-oom-killer", with its RSS and
+the memory the other processes held at the last sample before: the machine ran out before the
+arm reached its cap, so that is never a measured "does not fit", which only an allocation
+failure under the cap is.
+
 Each (T, batch, arm) runs in its own subprocess (one thread by default: on a loaded 2-core
 machine two OpenMP threads spent 5-8x the CPU time of one on the same step), batch 1 at every
 length first, the arms in a rotating order within each T. The child caps its address space with RLIMIT_AS at
@@ -618,6 +628,7 @@ def merge(old: dict, new: dict, command: str) -> dict:
         r.setdefault("memory_cap_gib", runs[r["run"]]["memory_cap_gib"])
     merged = {k: v for k, v in old.items() if k not in ("targets", "cap_note", "schedule")}
     merged.update(
+        machine={**old.get("machine", {}), **new.get("machine", {})},
         command=command,
         runs=runs,
         rows=list(rows.values()),
@@ -933,11 +944,26 @@ def _runs_lines(res: dict) -> list[str]:
         lines.append(
             f"- run {i + 1}: `{run['command']}`; each arm's process capped at "
             f"{run['memory_cap_gib']:g} GiB of address space; {run['children_cpu_minutes']:.1f} "
-            f"CPU-minutes{_resumed_note(rows)}. Rows: " + "; ".join(what) + "."
+            f"CPU-minutes{_resumed_note(rows)}{_memory_note(rows)}. Rows: "
+            + "; ".join(what) + "."
             + (f" ({gone} more measured, then measured again by a later run: kept in the "
                "JSON's superseded_rows.)" if gone else "")
         )  # fmt: skip
     return lines
+
+
+def _memory_note(rows: list[dict]) -> str:
+    """How much memory the machine had free when a run's arms started (recorded since arms
+    that may take over BIG_ARM wait for it), so that a reader can judge the cap."""
+    avail = [r["mem_available_at_start_bytes"] for r in rows if "mem_available_at_start_bytes" in r]
+    if not avail:
+        return ""
+    return (
+        f"; an arm that might take over {BIG_ARM / GIB:g} GiB (its predicted peak, or its cap "
+        f"where none) started only once the machine had that + {MEMORY_MARGIN / GIB:g} GiB "
+        f"available (available at its arms' starts: {min(avail) / GIB:.1f}-"
+        f"{max(avail) / GIB:.1f} GiB)"
+    )
 
 
 def render(res: dict) -> str:
@@ -947,6 +973,9 @@ def render(res: dict) -> str:
         f"Model: {res['model']} (causal LM, float32, {res['attention']} attention), random "
         f"token ids, no padding; {res['threads']} torch thread(s) per arm; AdamW in every arm. "
     )
+    total = res.get("machine", {}).get("mem_total_bytes")
+    if total:
+        model += f"The machine has {total / GIB:.1f} GiB of memory in all (MemTotal), no swap. "
     if "runs" in res:
         head = [
             model + "Each arm's process is capped (RLIMIT_AS) to what one process can safely "
