@@ -466,17 +466,17 @@ def predict_peak(done: list[tuple[int, float]], length: int) -> float | None:
     return m2 + max(0.0, (m2 - m1) / (t2 - t1)) * (length - t2)
 
 
-def wait_for_memory(need: float, wait_s: float, poll_s: float = 10.0) -> int:
+def wait_for_memory(need: float, wait_s: float, poll_s: float = 10.0) -> tuple[bool, int]:
     """Before an arm that may take more than BIG_ARM: wait (at most wait_s) until the machine
     has `need` + MEMORY_MARGIN bytes available, so that the arm reaches its cap (or its peak)
-    instead of pushing other jobs' memory out. Returns the bytes available at the end."""
+    instead of pushing other jobs' memory out. Returns (whether it may start, bytes available)."""
     t0 = time.perf_counter()
     while True:
         avail = _meminfo_bytes("MemAvailable")
         if need <= BIG_ARM or avail >= need + MEMORY_MARGIN:
-            return avail
+            return True, avail
         if time.perf_counter() - t0 >= wait_s:
-            return avail
+            return False, avail
         print(f"waiting: {avail / GIB:.1f} GiB available, the next arm may take "
               f"{need / GIB:.1f} (+{MEMORY_MARGIN / GIB:g})", flush=True)  # fmt: skip
         time.sleep(poll_s)
@@ -537,8 +537,8 @@ def measure(args) -> dict:
                 if res is None or (res["warmup"], res["timed"]) != (warmup, timed):
                     # what the arm may take: its predicted peak, or its whole cap where unknown
                     need = cap if peak is None else min(cap, peak + overhead[(batch, arm)])
-                    avail = wait_for_memory(need, args.wait_for_memory_s)
-                    if avail < need + MEMORY_MARGIN:
+                    enough, avail = wait_for_memory(need, args.wait_for_memory_s)
+                    if not enough:
                         row.update(status="skipped", ran=False,
                                    reason=f"waited {args.wait_for_memory_s:.0f} s for "
                                    f"{(need + MEMORY_MARGIN) / GIB:.1f} GiB of available memory; "
