@@ -813,9 +813,20 @@ def _longest_common(res: dict, bitfit: str) -> list[dict]:
             if both:
                 L = max(both)
                 r = _ratio(res, arm, bitfit, L, batch, "peak_rss_bytes")
+                d, b = _find(res, arm, L, batch), _find(res, bitfit, L, batch)
                 x = {"batch": batch, "arm": arm, "length": L, "ratio": r,
-                     "peak_gib": _find(res, arm, L, batch)["peak_rss_bytes"] / GIB,
-                     "bitfit_peak_gib": _find(res, bitfit, L, batch)["peak_rss_bytes"] / GIB}  # fmt: skip
+                     "peak_gib": d["peak_rss_bytes"] / GIB,
+                     "bitfit_peak_gib": b["peak_rss_bytes"] / GIB}  # fmt: skip
+                if (d.get("run", 0), d["warmup"], d["timed"]) != (
+                    b.get("run", 0),
+                    b["warmup"],
+                    b["timed"],
+                ):  # a peak after more steps can be higher: say so beside the ratio
+                    x["rows_differ"] = (
+                        f"{ARMS[bitfit]}: run {b.get('run', 0) + 1}, {b['warmup']}+{b['timed']} "
+                        f"steps; {ARMS[arm]}: run {d.get('run', 0) + 1}, "
+                        f"{d['warmup']}+{d['timed']} steps"
+                    )
                 for L2 in [t for t in res["lengths"] if t > L]:
                     d, b = _find(res, arm, L2, batch), _find(res, bitfit, L2, batch)
                     if _ok(b) and d is not None and d["status"] == "does-not-fit" and d.get("ran"):
@@ -864,10 +875,11 @@ def _target_lines(res: dict) -> list[str]:
                     f"bounds its ratio there below by {beyond['ratio_at_least']:.2f}x (the RSS it "
                     "reached before failing; a bound, not counted toward the target)"
                 )
+            differ = f"; {x['rows_differ']}" if x.get("rows_differ") else ""
             lines.append(
                 f"- {ARMS[x['arm']]} / {ARMS[bitfit]} peak memory at the longest T both fit "
-                f"(T={x['length']}, batch {x['batch']}): {x['ratio']:.2f}x; target >= 3x: "
-                f"{verdict}."
+                f"(T={x['length']}, batch {x['batch']}{differ}): {x['ratio']:.2f}x; "
+                f"target >= 3x: {verdict}."
             )
     m = t["bitfit_fits_where_no_dp_full_does"]
     for x in [*m["first"], *m.get("missed", [])]:
@@ -876,7 +888,7 @@ def _target_lines(res: dict) -> list[str]:
             lines.append(
                 f"- Batch {x['batch']}: from T={x['length']} {ARMS[x['arm']]} fits "
                 f"({x['peak_gib']:.2f} GiB peak RSS, under a {x['cap']:g} GiB cap) and no DP full "
-                f"arm does ({arms}): met."
+                f"arm does ({arms}): met{_below_machine(x, res)}."
             )
         else:
             lines.append(
@@ -916,6 +928,22 @@ def _target_lines(res: dict) -> list[str]:
                 + "."
             )
     return lines
+
+
+def _below_machine(met: dict, res: dict) -> str:
+    """Where DP full ran out of a cap smaller than the machine: what that does not show."""
+    caps = [
+        r.get("memory_cap_gib", res["memory_cap_gib"])
+        for a in met["dp_full"]
+        if (r := _find(res, a, met["length"], met["batch"])) and r["status"] == "does-not-fit"
+    ]
+    if not caps or min(caps) >= 24:
+        return ""
+    return (
+        f" for a {min(caps):g} GiB cap, not for the machine's 24 GiB: {min(caps):g} GiB was the "
+        "most one arm could take beside the other jobs running, so whether DP full fits in 24 GiB "
+        "here is not measured"
+    )
 
 
 def _resumed_note(rows: list[dict]) -> str:
