@@ -199,3 +199,20 @@ def test_only_allocation_failures_under_a_cap_as_large_count_as_dp_full_not_fitt
     ]
     assert t["met"] and (t["first"][0]["batch"], t["first"][0]["length"]) == (4, 2048)
     assert t["first"][0]["arm"] == "dp-bitfit-ckpt"
+    # a cap below the machine's memory is said to show nothing about the machine's 24 GiB
+    assert "whether DP full fits in 24 GiB here is not measured" in "\n".join(
+        long_context._target_lines({**_result([fits, ghost, hooks, same]), "targets": {
+            "bitfit_memory_vs_nonpriv_bias": {"worst": None},
+            "bitfit_time_vs_nonpriv_bias": {"worst": None},
+            "bitfit_fits_where_no_dp_full_does": t}})
+    )  # fmt: skip
+
+
+def test_a_ratio_between_rows_of_different_steps_says_so():
+    rows = [_row("dp-bitfit-ckpt", "ok", 16, 4.0, warmup=1, timed=2),
+            _row("dpfit-full", "ok", 16, 10.0)]  # fmt: skip
+    (x,) = long_context._longest_common(_result(rows), "dp-bitfit-ckpt")
+    assert x["ratio"] == pytest.approx(2.5) and "1+2 steps" in x["rows_differ"]
+    rows[0].update(warmup=0, timed=1)
+    (x,) = long_context._longest_common(_result(rows), "dp-bitfit-ckpt")
+    assert "rows_differ" not in x
