@@ -798,6 +798,10 @@ def _fits_where_no_dp_full_does(res: dict, bitfit: str, batch: int) -> dict | No
     return last
 
 
+def _steps(r: dict) -> tuple[int, int]:
+    return r["warmup"], r["timed"]
+
+
 def _longest_common(res: dict, bitfit: str) -> list[dict]:
     """Each DP full arm's peak memory / `bitfit`'s at the longest T both fit, per batch; and,
     where the DP full arm then ran out of its cap at a longer T where `bitfit` fits, the lower
@@ -817,11 +821,7 @@ def _longest_common(res: dict, bitfit: str) -> list[dict]:
                 x = {"batch": batch, "arm": arm, "length": L, "ratio": r,
                      "peak_gib": d["peak_rss_bytes"] / GIB,
                      "bitfit_peak_gib": b["peak_rss_bytes"] / GIB}  # fmt: skip
-                if (d.get("run", 0), d["warmup"], d["timed"]) != (
-                    b.get("run", 0),
-                    b["warmup"],
-                    b["timed"],
-                ):  # a peak after more steps can be higher: say so beside the ratio
+                if _steps(d) != _steps(b):  # a peak after more steps can be higher: say so
                     x["rows_differ"] = (
                         f"{ARMS[bitfit]}: run {b.get('run', 0) + 1}, {b['warmup']}+{b['timed']} "
                         f"steps; {ARMS[arm]}: run {d.get('run', 0) + 1}, "
@@ -916,10 +916,13 @@ def _target_lines(res: dict) -> list[str]:
                 seen.append(f"{ARMS[arm]} {r['peak_rss_bytes'] / GIB:.1f} (measured)")
             elif r["status"] == "predicted-not-to-fit":
                 seen.append(f"{ARMS[arm]} ~{r['predicted_peak_bytes'] / GIB:.1f} (predicted)")
-            elif r["status"] == "does-not-fit" and r.get("ran"):
+            elif r["status"] == "does-not-fit":
+                rcap = r.get("memory_cap_gib", res["memory_cap_gib"])
                 seen.append(
-                    f"{ARMS[arm]} over {r['peak_rss_bytes'] / GIB:.1f} (does not fit in "
-                    f"{r.get('memory_cap_gib', res['memory_cap_gib']):g} GiB)"
+                    f"{ARMS[arm]} over {r['peak_rss_bytes'] / GIB:.1f} (does not fit in {rcap:g} "
+                    "GiB)"
+                    if r.get("ran")
+                    else f"{ARMS[arm]} does not fit in {rcap:g} GiB ({r['reason']})"
                 )
         if seen:
             lines.append(
@@ -1071,12 +1074,24 @@ def render(res: dict) -> str:
             "| T | " + " | ".join(heads) + " |",
             "|---" * (len(heads) + 1) + "|",
         ]
+        mixed = False
         for length in res["lengths"]:
             cells = []
             for num, den, key in cols:
                 x = _ratio(res, num, den, length, batch, key)
-                cells.append(_fmt(x, ".3f" if den == "nonpriv-bias" else ".2f"))
+                cell = _fmt(x, ".3f" if den == "nonpriv-bias" else ".2f")
+                if x is not None and _steps(_find(res, num, length, batch)) != _steps(
+                    _find(res, den, length, batch)
+                ):
+                    cell, mixed = cell + " \\*", True
+                cells.append(cell)
             out.append(f"| {length} | " + " | ".join(cells) + " |")
+        if mixed:
+            out += [
+                "",
+                "\\* between rows of different runs with different step counts (warm-up+timed): "
+                "a peak after more steps can be higher.",
+            ]
     notes = sorted(
         {
             f"{ARMS[r['arm']]}: {r['status']}: {r['reason']}"
