@@ -31,6 +31,16 @@ example) and every step compares the per-example rows' sum with autograd's gradi
 tokens the probe alone would cost more CPU than this benchmark can spend; it is a one-time
 self-test, not part of the mechanism whose memory and time are measured here.
 
+Memory safety: each arm's process sets its oom_score_adj to 1000 before it loads the model, so
+that if the machine runs out the kernel kills that arm, never another job; an arm that may take
+over 12 GiB (its predicted peak, or its cap where there is no prediction) starts only once the
+machine has that much + 0.5 GiB available (waiting at most --wait-for-memory-s, else "skipped").
+An arm killed by the kernel's OOM killer (a SIGKILL this script did not send, while the kernel's
+oom_kill count in /proc/vmstat went up) is recorded as "killed-by-oom-killer", with its RSS and
+the memory the other processes held at the last sample before: the machine ran out before the
+arm reached its cap, so that is never a measured "does not fit", which only an allocation
+failure under the cap is.
+
 Each (T, batch, arm) runs in its own subprocess (one thread by default: on a loaded 2-core
 machine two OpenMP threads spent 5-8x the CPU time of one on the same step), batch 1 at every
 length first, the arms in a rotating order within each T. The child caps its address space with RLIMIT_AS at
@@ -96,6 +106,8 @@ DP_FULL_ARMS = ("dpfit-full", "opacus-hooks", "opacus-ghost", "opacus-ghost-unti
 # warm-up + timed steps from each length on: a shared 2-core machine affords one step at long T
 DEFAULT_SCHEDULE = "256:1+2,1024:0+1"
 DEFAULT_ARMS = [a for a in ARMS if a != "opacus-ghost-untied"]
+BIG_ARM = 12 * GIB  # an arm that may take more than this waits for the memory to be free
+MEMORY_MARGIN = GIB // 2  # kept free beside such an arm (the driver, the kernel's own needs)
 OOM_MARKERS = ("can't allocate", "cannot allocate", "out of memory", "bad_alloc", "allocate")
 
 
@@ -254,11 +266,21 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or any(m in str(e).lower() for m in OOM_MARKERS)
 
 
+def make_expendable() -> int:
+    """Make this process the kernel's first choice if it must kill one for memory (so that an
+    arm is killed, never another job on the machine); returns the score now in force."""
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    with open("/proc/self/oom_score_adj") as f:
+        return int(f.read())
+
+
 def child(spec: dict) -> dict:
     """One arm at one (T, batch): set up, warm up, time; every failure becomes a record."""
+    adj = make_expendable()  # before the model takes any memory
     cap = int(spec["cap_gib"] * GIB)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    res: dict = {"status": "ok"}
+    res: dict = {"status": "ok", "oom_score_adj": adj}
     try:
         import torch
 
@@ -299,14 +321,77 @@ def child(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the driver
-def run_child(spec: dict, timeout_s: float) -> dict:
-    """Run one arm in a fresh interpreter; its peak RSS from os.wait4 (also after a crash)."""
+def _meminfo_bytes(field: str) -> int:
+    """A /proc/meminfo field (MemTotal, MemAvailable) in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/meminfo has no {field}: this benchmark needs Linux")
+
+
+def _rss_of(pid: int) -> int:
+    """VmRSS of a live process in bytes; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def oom_kills() -> int:
+    """How many processes the kernel's OOM killer has killed since boot (/proc/vmstat)."""
+    with open("/proc/vmstat") as f:
+        for line in f:
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    return 0
+
+
+def classify_death(
+    returncode: int, timed_out: bool, timeout_s: float, new_oom_kills: int,
+    last: dict | None, peak_rss: int, stderr_tail: str,
+) -> dict:  # fmt: skip
+    """The record of a child that wrote no result. A SIGKILL this script did not send, while the
+    kernel's OOM-kill count went up, is the OOM killer: machine memory ran out before the arm
+    reached its cap, so it is its own status, never a measured "does not fit"; only an
+    allocation failure under the cap is that."""
+    if timed_out:
+        return {"status": "timeout", "reason": f"over {timeout_s:.0f} s"}
+    if returncode == -signal.SIGKILL:
+        if new_oom_kills > 0 and last is not None:
+            others = max(0, last["used_bytes"] - last["child_rss_bytes"])
+            return {
+                "status": "killed-by-oom-killer",
+                "others_used_bytes": others,
+                "reason": f"killed by the kernel's OOM killer at {peak_rss / GIB:.1f} GiB RSS, "
+                f"with {others / GIB:.1f} GiB used by other processes",
+            }
+        return {"status": "error", "reason": "killed by a SIGKILL from outside this script, "
+                "not by the OOM killer (the kernel's OOM-kill count did not change)"}  # fmt: skip
+    if _is_oom(RuntimeError(stderr_tail)):
+        return {"status": "does-not-fit", "reason": f"died: {stderr_tail}"}
+    return {"status": "error", "reason": f"died ({returncode}): {stderr_tail}"}
+
+
+def run_child(spec: dict, timeout_s: float, cmd: list[str] | None = None) -> dict:
+    """Run one arm in a fresh interpreter; its peak RSS from os.wait4 (also after a crash).
+    While it runs, the machine's used memory and the child's RSS are sampled, so that a kill by
+    the OOM killer can say how much the other processes held. `cmd` replaces the child's
+    command (tests: a fake child)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "res.json"
         err = Path(tmp) / "stderr"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps(spec)]
-        cmd += ["--_out", str(out)]
+        if cmd is None:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps(spec)]
+            cmd += ["--_out", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+        kills0 = oom_kills()
+        total = _meminfo_bytes("MemTotal")
+        last = None
         t0 = time.perf_counter()
         with open(err, "w") as ferr:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=ferr, env=env)
@@ -320,18 +405,20 @@ def run_child(spec: dict, timeout_s: float) -> dict:
                     os.kill(proc.pid, signal.SIGKILL)
                     pid, status, ru = os.wait4(proc.pid, 0)
                     break
+                rss = _rss_of(proc.pid)
+                if rss:
+                    used = total - _meminfo_bytes("MemAvailable")
+                    last = {"used_bytes": used, "child_rss_bytes": rss}
                 time.sleep(0.2)
             proc.returncode = os.waitstatus_to_exitcode(status)
         res = json.loads(out.read_text()) if out.exists() else {}
         if not res:
             tail = [ln for ln in err.read_text().splitlines() if ln.strip()][-1:]
             reason = tail[0][:300] if tail else f"exit code {proc.returncode}"
-            if timed_out:
-                res = {"status": "timeout", "reason": f"over {timeout_s:.0f} s"}
-            elif proc.returncode == -signal.SIGKILL or _is_oom(RuntimeError(reason)):
-                res = {"status": "does-not-fit", "reason": f"died: {reason}"}
-            else:
-                res = {"status": "error", "reason": f"died ({proc.returncode}): {reason}"}
+            res = classify_death(
+                proc.returncode, timed_out, timeout_s, oom_kills() - kills0, last,
+                ru.ru_maxrss * 1024, reason,
+            )  # fmt: skip
     res["peak_rss_bytes"] = ru.ru_maxrss * 1024
     res["child_cpu_s"] = ru.ru_utime + ru.ru_stime
     res["child_wall_s"] = time.perf_counter() - t0
@@ -377,6 +464,22 @@ def predict_peak(done: list[tuple[int, float]], length: int) -> float | None:
         return None
     (t1, m1), (t2, m2) = done[-2:]
     return m2 + max(0.0, (m2 - m1) / (t2 - t1)) * (length - t2)
+
+
+def wait_for_memory(need: float, wait_s: float, poll_s: float = 10.0) -> tuple[bool, int]:
+    """Before an arm that may take more than BIG_ARM: wait (at most wait_s) until the machine
+    has `need` + MEMORY_MARGIN bytes available, so that the arm reaches its cap (or its peak)
+    instead of pushing other jobs' memory out. Returns (whether it may start, bytes available)."""
+    t0 = time.perf_counter()
+    while True:
+        avail = _meminfo_bytes("MemAvailable")
+        if need <= BIG_ARM or avail >= need + MEMORY_MARGIN:
+            return True, avail
+        if time.perf_counter() - t0 >= wait_s:
+            return False, avail
+        print(f"waiting: {avail / GIB:.1f} GiB available, the next arm may take "
+              f"{need / GIB:.1f} (+{MEMORY_MARGIN / GIB:g})", flush=True)  # fmt: skip
+        time.sleep(poll_s)
 
 
 def measure(args) -> dict:
@@ -432,7 +535,19 @@ def measure(args) -> dict:
                 }  # fmt: skip
                 res = prior.get((arm, length, batch))
                 if res is None or (res["warmup"], res["timed"]) != (warmup, timed):
+                    # what the arm may take: its predicted peak, or its whole cap where unknown
+                    need = cap if peak is None else min(cap, peak + overhead[(batch, arm)])
+                    enough, avail = wait_for_memory(need, args.wait_for_memory_s)
+                    if not enough:
+                        row.update(status="skipped", ran=False,
+                                   reason=f"waited {args.wait_for_memory_s:.0f} s for "
+                                   f"{(need + MEMORY_MARGIN) / GIB:.1f} GiB of available memory; "
+                                   f"had {avail / GIB:.1f}")  # fmt: skip
+                        rows.append(row)
+                        print(f"T={length:5d} b={batch} {arm:20s} skipped: {row['reason']}")
+                        continue
                     res = run_child(spec, args.timeout_s)
+                    res["mem_available_at_start_bytes"] = avail
                 total_cpu += res["child_cpu_s"]
                 row.update(res, warmup=warmup, timed=timed, ran=True)
                 if row["status"] == "ok":
@@ -474,7 +589,11 @@ def summary(args, rows: list[dict], total_cpu: float) -> dict:
         "max_step_s": args.max_step_s,
         "arm_budget_s": args.arm_budget_s,
         "children_cpu_minutes": total_cpu / 60,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "mem_total_bytes": _meminfo_bytes("MemTotal"),
+        },
         "rows": rows,
     }
 
@@ -509,6 +628,7 @@ def merge(old: dict, new: dict, command: str) -> dict:
         r.setdefault("memory_cap_gib", runs[r["run"]]["memory_cap_gib"])
     merged = {k: v for k, v in old.items() if k not in ("targets", "cap_note", "schedule")}
     merged.update(
+        machine={**old.get("machine", {}), **new.get("machine", {})},
         command=command,
         runs=runs,
         rows=list(rows.values()),
@@ -570,6 +690,11 @@ def _cell_mem(r: dict | None, cap: float) -> str:
     if r["status"] == "does-not-fit":
         reached = f" (reached {r['peak_rss_bytes'] / GIB:.2f})" if r.get("ran") else ""
         return f"does not fit in {r.get('memory_cap_gib', cap):g} GiB{reached}"
+    if r["status"] == "killed-by-oom-killer" and r.get("ran"):
+        return (
+            f"killed by the OOM killer at {r['peak_rss_bytes'] / GIB:.2f} (others held "
+            f"{r['others_used_bytes'] / GIB:.1f}; not a measurement)"
+        )
     return r["status"]
 
 
@@ -616,36 +741,71 @@ def targets(res: dict) -> dict:
             "per_arm": longest,
             "met": None if not longest else all(x["ratio"] >= 3 for x in longest),
         }
-    where = []
+    met, missed = [], []
     for batch in res["batches"]:
-        dp_full = [a for a in res["arms"] if a in DP_FULL_ARMS]
         for bitfit in [a for a in res["arms"] if a in BITFIT_ARMS]:
-            for length in res["lengths"]:
-                fit = _find(res, bitfit, length, batch)
-                cap = fit.get("memory_cap_gib", res["memory_cap_gib"]) if _ok(fit) else None
-                rows = [_find(res, a, length, batch) for a in dp_full]
-                # every DP full arm failed (out of memory, under a cap no smaller than the one
-                # DP-BiTFiT fitted in) or cannot run this model at all
-                none = dp_full and all(
-                    r is not None
-                    and (r["status"] == "unsupported" or r["status"] == "does-not-fit"
-                         and cap is not None
-                         and r.get("memory_cap_gib", res["memory_cap_gib"]) >= cap)
-                    for r in rows
-                )  # fmt: skip
-                if cap is not None and none:
-                    where.append({"batch": batch, "arm": bitfit, "length": length, "cap": cap})
-                    break
+            found = _fits_where_no_dp_full_does(res, bitfit, batch)
+            if found is not None:
+                (met if found["met"] else missed).append(found)
     out["bitfit_fits_where_no_dp_full_does"] = {
-        "target": f"a T where DP-BiTFiT fits in {res['memory_cap_gib']:g} GiB and no DP full arm",
-        "first": where,
-        "met": bool(where),
+        "target": "a T where DP-BiTFiT (with or without activation checkpointing) fits and "
+        "every DP full arm does not fit under a cap at least as large, or cannot run the model",
+        "first": met,
+        "missed": missed,
+        "met": bool(met),
     }
     return out
 
 
+def _dp_full_state(r: dict | None, cap: float, res: dict) -> tuple[bool, str]:
+    """(counts as "does not fit", what it is) for a DP full arm's row beside a DP-BiTFiT row
+    that fitted under `cap`: only an allocation failure under a cap no smaller than `cap`, or
+    no support for the model, counts; a kill by the OOM killer or a prediction does not."""
+    if r is None:
+        return False, "not measured"
+    rcap = r.get("memory_cap_gib", res["memory_cap_gib"])
+    if r["status"] == "unsupported":
+        return True, "unsupported"
+    if r["status"] == "does-not-fit":
+        reached = f", reached {r['peak_rss_bytes'] / GIB:.1f}" if r.get("ran") else ""
+        return rcap >= cap, f"does not fit in {rcap:g} GiB{reached}"
+    if r["status"] == "ok":
+        return False, f"fits ({r['peak_rss_bytes'] / GIB:.2f} GiB)"
+    if r["status"] == "predicted-not-to-fit":
+        return False, f"not run (predicted ~{r['predicted_peak_bytes'] / GIB:.1f} GiB)"
+    return False, r["status"] if r.get("ran") else f"not run ({r['status']})"
+
+
+def _fits_where_no_dp_full_does(res: dict, bitfit: str, batch: int) -> dict | None:
+    """The first T at `batch` where `bitfit` fits and every DP full arm does not (met), else
+    the longest T where `bitfit` fits, with what each DP full arm did there (missed)."""
+    dp_full = [a for a in res["arms"] if a in DP_FULL_ARMS]
+    last = None
+    for length in res["lengths"]:
+        fit = _find(res, bitfit, length, batch)
+        if not _ok(fit) or not dp_full:
+            continue
+        cap = fit.get("memory_cap_gib", res["memory_cap_gib"])
+        states = [_dp_full_state(_find(res, a, length, batch), cap, res) for a in dp_full]
+        last = {
+            "batch": batch, "arm": bitfit, "length": length, "cap": cap,
+            "peak_gib": fit["peak_rss_bytes"] / GIB,
+            "dp_full": {a: what for a, (_, what) in zip(dp_full, states, strict=True)},
+            "met": all(counts for counts, _ in states),
+        }  # fmt: skip
+        if last["met"]:
+            return last
+    return last
+
+
+def _steps(r: dict) -> tuple[int, int]:
+    return r["warmup"], r["timed"]
+
+
 def _longest_common(res: dict, bitfit: str) -> list[dict]:
-    """Each DP full arm's peak memory / `bitfit`'s at the longest T both fit, per batch."""
+    """Each DP full arm's peak memory / `bitfit`'s at the longest T both fit, per batch; and,
+    where the DP full arm then ran out of its cap at a longer T where `bitfit` fits, the lower
+    bound that the RSS it reached gives there (not counted toward the target)."""
     longest = []
     for batch in res["batches"]:
         for arm in [a for a in res["arms"] if a in DP_FULL_ARMS]:
@@ -657,7 +817,24 @@ def _longest_common(res: dict, bitfit: str) -> list[dict]:
             if both:
                 L = max(both)
                 r = _ratio(res, arm, bitfit, L, batch, "peak_rss_bytes")
-                longest.append({"batch": batch, "arm": arm, "length": L, "ratio": r})
+                d, b = _find(res, arm, L, batch), _find(res, bitfit, L, batch)
+                x = {"batch": batch, "arm": arm, "length": L, "ratio": r,
+                     "peak_gib": d["peak_rss_bytes"] / GIB,
+                     "bitfit_peak_gib": b["peak_rss_bytes"] / GIB}  # fmt: skip
+                if _steps(d) != _steps(b):  # a peak after more steps can be higher: say so
+                    x["rows_differ"] = (
+                        f"{ARMS[bitfit]}: run {b.get('run', 0) + 1}, {b['warmup']}+{b['timed']} "
+                        f"steps; {ARMS[arm]}: run {d.get('run', 0) + 1}, "
+                        f"{d['warmup']}+{d['timed']} steps"
+                    )
+                for L2 in [t for t in res["lengths"] if t > L]:
+                    d, b = _find(res, arm, L2, batch), _find(res, bitfit, L2, batch)
+                    if _ok(b) and d is not None and d["status"] == "does-not-fit" and d.get("ran"):
+                        x["beyond"] = {"length": L2, "ratio_at_least": d["peak_rss_bytes"]
+                                       / b["peak_rss_bytes"],
+                                       "cap": d.get("memory_cap_gib", res["memory_cap_gib"])}  # fmt: skip
+                        break
+                longest.append(x)
     return longest
 
 
@@ -685,25 +862,51 @@ def _target_lines(res: dict) -> list[str]:
     for bitfit, key in (("dp-bitfit", ""), ("dp-bitfit-ckpt", "_ckpt")):
         ratios = t.get(f"dp_full_vs_bitfit{key}_memory_at_longest_common_T", {})
         for x in ratios.get("per_arm", []):
+            verdict = "met" if x["ratio"] >= 3 else "NOT met"
+            if x["ratio"] < 3 and "peak_gib" in x:
+                verdict += (
+                    f", short by {3 - x['ratio']:.2f}x ({ARMS[x['arm']]} would need "
+                    f"{3 * x['bitfit_peak_gib']:.1f} GiB; measured {x['peak_gib']:.2f})"
+                )
+            beyond = x.get("beyond")
+            if beyond:
+                verdict += (
+                    f"; at T={beyond['length']} it does not fit in {beyond['cap']:g} GiB, which "
+                    f"bounds its ratio there below by {beyond['ratio_at_least']:.2f}x (the RSS it "
+                    "reached before failing; a bound, not counted toward the target)"
+                )
+            differ = f"; {x['rows_differ']}" if x.get("rows_differ") else ""
             lines.append(
                 f"- {ARMS[x['arm']]} / {ARMS[bitfit]} peak memory at the longest T both fit "
-                f"(T={x['length']}, batch {x['batch']}): {x['ratio']:.2f}x; target >= 3x: "
-                f"{'met' if x['ratio'] >= 3 else 'NOT met'}."
+                f"(T={x['length']}, batch {x['batch']}{differ}): {x['ratio']:.2f}x; "
+                f"target >= 3x: {verdict}."
             )
     m = t["bitfit_fits_where_no_dp_full_does"]
-    if m["first"]:
-        for x in m["first"]:
+    for x in [*m["first"], *m.get("missed", [])]:
+        arms = "; ".join(f"{ARMS[a]}: {what}" for a, what in x["dp_full"].items())
+        if x["met"]:
             lines.append(
-                f"- Batch {x['batch']}: from T={x['length']} {ARMS[x.get('arm', 'dp-bitfit')]} "
-                f"fits in {x.get('cap', res['memory_cap_gib']):g} GiB and no DP full arm does."
+                f"- Batch {x['batch']}: from T={x['length']} {ARMS[x['arm']]} fits "
+                f"({x['peak_gib']:.2f} GiB peak RSS, under a {x['cap']:g} GiB cap) and no DP full "
+                f"arm does ({arms}): met{_below_machine(x, res)}."
             )
-    else:
+        else:
+            lines.append(
+                f"- Batch {x['batch']}: at T={x['length']}, the longest T where {ARMS[x['arm']]} "
+                f"fits ({x['peak_gib']:.2f} GiB peak RSS), DP full: {arms}: NOT met at this batch."
+            )
+    if not m["met"]:
         lines.append(
-            f"- No measured T where DP-BiTFiT (with or without activation checkpointing) fits "
-            f"in {res['memory_cap_gib']:g} GiB and every DP full arm does not (target NOT met)."
+            "- No measured T where DP-BiTFiT (with or without activation checkpointing) fits "
+            "and every DP full arm does not (target NOT met)."
         )
     for batch in res["batches"]:
-        longest = max(res["lengths"])
+        shown = [L for L in res["lengths"] if any(
+            r["batch"] == batch and r["length"] == L
+            and r["status"] in ("ok", "predicted-not-to-fit") for r in res["rows"])]  # fmt: skip
+        if not shown:
+            continue
+        longest = max(shown)
         seen = []
         for arm in res["arms"]:
             r = _find(res, arm, longest, batch)
@@ -713,6 +916,14 @@ def _target_lines(res: dict) -> list[str]:
                 seen.append(f"{ARMS[arm]} {r['peak_rss_bytes'] / GIB:.1f} (measured)")
             elif r["status"] == "predicted-not-to-fit":
                 seen.append(f"{ARMS[arm]} ~{r['predicted_peak_bytes'] / GIB:.1f} (predicted)")
+            elif r["status"] == "does-not-fit":
+                rcap = r.get("memory_cap_gib", res["memory_cap_gib"])
+                seen.append(
+                    f"{ARMS[arm]} over {r['peak_rss_bytes'] / GIB:.1f} (does not fit in {rcap:g} "
+                    "GiB)"
+                    if r.get("ran")
+                    else f"{ARMS[arm]} does not fit in {rcap:g} GiB ({r['reason']})"
+                )
         if seen:
             lines.append(
                 f"- Against the machine's 24 GiB, peak RSS at T={longest}, batch {batch}, GiB: "
@@ -720,6 +931,22 @@ def _target_lines(res: dict) -> list[str]:
                 + "."
             )
     return lines
+
+
+def _below_machine(met: dict, res: dict) -> str:
+    """Where DP full ran out of a cap smaller than the machine: what that does not show."""
+    caps = [
+        r.get("memory_cap_gib", res["memory_cap_gib"])
+        for a in met["dp_full"]
+        if (r := _find(res, a, met["length"], met["batch"])) and r["status"] == "does-not-fit"
+    ]
+    if not caps or min(caps) >= 24:
+        return ""
+    return (
+        f" for a {min(caps):g} GiB cap, not for the machine's 24 GiB: {min(caps):g} GiB was the "
+        "most one arm could take beside the other jobs running, so whether DP full fits in 24 GiB "
+        "here is not measured"
+    )
 
 
 def _resumed_note(rows: list[dict]) -> str:
@@ -748,11 +975,26 @@ def _runs_lines(res: dict) -> list[str]:
         lines.append(
             f"- run {i + 1}: `{run['command']}`; each arm's process capped at "
             f"{run['memory_cap_gib']:g} GiB of address space; {run['children_cpu_minutes']:.1f} "
-            f"CPU-minutes{_resumed_note(rows)}. Rows: " + "; ".join(what) + "."
+            f"CPU-minutes{_resumed_note(rows)}{_memory_note(rows)}. Rows: "
+            + "; ".join(what) + "."
             + (f" ({gone} more measured, then measured again by a later run: kept in the "
                "JSON's superseded_rows.)" if gone else "")
         )  # fmt: skip
     return lines
+
+
+def _memory_note(rows: list[dict]) -> str:
+    """How much memory the machine had free when a run's arms started (recorded since arms
+    that may take over BIG_ARM wait for it), so that a reader can judge the cap."""
+    avail = [r["mem_available_at_start_bytes"] for r in rows if "mem_available_at_start_bytes" in r]
+    if not avail:
+        return ""
+    return (
+        f"; an arm that might take over {BIG_ARM / GIB:g} GiB (its predicted peak, or its cap "
+        f"where none) started only once the machine had that + {MEMORY_MARGIN / GIB:g} GiB "
+        f"available (available at its arms' starts: {min(avail) / GIB:.1f}-"
+        f"{max(avail) / GIB:.1f} GiB)"
+    )
 
 
 def render(res: dict) -> str:
@@ -762,6 +1004,9 @@ def render(res: dict) -> str:
         f"Model: {res['model']} (causal LM, float32, {res['attention']} attention), random "
         f"token ids, no padding; {res['threads']} torch thread(s) per arm; AdamW in every arm. "
     )
+    total = res.get("machine", {}).get("mem_total_bytes")
+    if total:
+        model += f"The machine has {total / GIB:.1f} GiB of memory in all (MemTotal), no swap. "
     if "runs" in res:
         head = [
             model + "Each arm's process is capped (RLIMIT_AS) to what one process can safely "
@@ -829,12 +1074,24 @@ def render(res: dict) -> str:
             "| T | " + " | ".join(heads) + " |",
             "|---" * (len(heads) + 1) + "|",
         ]
+        mixed = False
         for length in res["lengths"]:
             cells = []
             for num, den, key in cols:
                 x = _ratio(res, num, den, length, batch, key)
-                cells.append(_fmt(x, ".3f" if den == "nonpriv-bias" else ".2f"))
+                cell = _fmt(x, ".3f" if den == "nonpriv-bias" else ".2f")
+                if x is not None and _steps(_find(res, num, length, batch)) != _steps(
+                    _find(res, den, length, batch)
+                ):
+                    cell, mixed = cell + " \\*", True
+                cells.append(cell)
             out.append(f"| {length} | " + " | ".join(cells) + " |")
+        if mixed:
+            out += [
+                "",
+                "\\* between rows of different runs with different step counts (warm-up+timed): "
+                "a peak after more steps can be higher.",
+            ]
     notes = sorted(
         {
             f"{ARMS[r['arm']]}: {r['status']}: {r['reason']}"
@@ -966,6 +1223,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-step-s", type=float, default=60.0, help="CPU-s; batches > 1 only")
     ap.add_argument("--arm-budget-s", type=float, default=600.0, help="CPU-s per arm and T")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument(
+        "--wait-for-memory-s",
+        type=float,
+        default=1800.0,
+        help="how long an arm that may take over 12 GiB waits for that much memory to be "
+        "available before it is skipped",
+    )
     ap.add_argument("--out", default=str(RESULTS / "long_context"))
     ap.add_argument("--docs", default=str(DOCS), help="'' to write no docs page")
     ap.add_argument("--from-json", help="only render the .md, .png and docs from this JSON")

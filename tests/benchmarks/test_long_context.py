@@ -29,7 +29,7 @@ def test_smallest_run_and_forced_out_of_memory(tmp_path):
     rows = {(r["arm"], r["length"]): r for r in res["rows"]}
     assert set(rows) == {("nonpriv-bias", 16), ("dp-bitfit", 16)}
     for r in rows.values():
-        assert r["status"] == "ok", r
+        assert r["status"] == "ok" and r["oom_score_adj"] == 1000, r
         assert r["ran"] and len(r["wall_s"]) == r["timed"] == 1 and r["warmup"] == 0
         assert 0 < r["base_rss_bytes"] <= r["peak_rss_bytes"] < res["memory_cap_gib"] * GIB
         assert r["s_per_example"] > 0
@@ -107,3 +107,112 @@ def test_merge_of_a_missing_file_is_refused_early(tmp_path, capsys):
     with pytest.raises(SystemExit):
         long_context.main(["--merge", str(tmp_path / "none.json"), "--out", str(tmp_path / "x")])
     assert "--merge" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+# ------------------------------------------------------------------ a child killed from outside
+FAKE_CHILD = (  # holds ~64 MiB, then dies the way the OOM killer kills: SIGKILL
+    "import os, signal, time; x = bytearray(64 << 20); x[::4096] = b'1' * len(x[::4096]); "
+    "time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)"
+)
+SPEC = {"threads": 1}
+
+
+def test_a_sigkill_with_the_oom_kill_count_up_is_the_oom_killer_not_a_measurement(monkeypatch):
+    counts = iter([7, 8])  # before the child, after it: the kernel killed one process
+    monkeypatch.setattr(long_context, "oom_kills", lambda: next(counts))
+    res = long_context.run_child(SPEC, 60, cmd=[sys.executable, "-c", FAKE_CHILD])
+    assert res["status"] == "killed-by-oom-killer", res
+    assert res["peak_rss_bytes"] >= 64 << 20
+    assert 0 <= res["others_used_bytes"] < 64 * GIB
+    assert res["reason"].startswith("killed by the kernel's OOM killer at ")
+    assert "GiB RSS, with" in res["reason"] and "GiB used by other processes" in res["reason"]
+
+
+def test_a_sigkill_without_an_oom_kill_is_an_error(monkeypatch):
+    monkeypatch.setattr(long_context, "oom_kills", lambda: 3)
+    res = long_context.run_child(SPEC, 60, cmd=[sys.executable, "-c", FAKE_CHILD])
+    assert res["status"] == "error" and "not by the OOM killer" in res["reason"], res
+
+
+def test_classify_death_keeps_timeouts_and_allocation_failures_apart():
+    last = {"used_bytes": 10 * GIB, "child_rss_bytes": 4 * GIB}
+    kw = dict(timeout_s=5, last=last, peak_rss=4 * GIB)
+    sigkill = -long_context.signal.SIGKILL
+    # this script's own SIGKILL at the timeout is a timeout, whatever the kernel did meanwhile
+    assert long_context.classify_death(sigkill, True, new_oom_kills=1, stderr_tail="",
+                                       **kw)["status"] == "timeout"  # fmt: skip
+    r = long_context.classify_death(sigkill, False, new_oom_kills=1, stderr_tail="", **kw)
+    assert r["status"] == "killed-by-oom-killer" and r["others_used_bytes"] == 6 * GIB
+    assert "at 4.0 GiB RSS, with 6.0 GiB used by other processes" in r["reason"]
+    # an allocation failure under the cap that took the interpreter down: does not fit
+    tail = "terminate called after throwing an instance of 'std::bad_alloc'"
+    assert long_context.classify_death(-6, False, new_oom_kills=0, stderr_tail=tail,
+                                       **kw)["status"] == "does-not-fit"  # fmt: skip
+    assert long_context.classify_death(1, False, new_oom_kills=0, stderr_tail="KeyError: 'x'",
+                                       **kw)["status"] == "error"  # fmt: skip
+
+
+def test_big_arms_wait_for_memory_and_small_ones_do_not():
+    # an arm of at most 12 GiB starts at once, whatever is available
+    enough, avail = long_context.wait_for_memory(long_context.BIG_ARM, wait_s=0)
+    assert enough and avail > 0
+    # more than the machine has: gives up after wait_s, and says what was available
+    enough, avail = long_context.wait_for_memory(1024 * GIB, wait_s=0)
+    assert not enough and 0 < avail < 1024 * GIB
+
+
+def _row(arm, status, cap, peak_gib=1.0, ran=True, **kw):
+    return {"arm": arm, "length": 2048, "batch": 4, "status": status, "ran": ran, "run": 0,
+            "memory_cap_gib": cap, "peak_rss_bytes": int(peak_gib * GIB), "warmup": 0,
+            "timed": 1, "base_rss_bytes": GIB // 2, "s_per_example": 1.0, "median_cpu_s": 4.0,
+            "median_wall_s": 4.0, **kw}  # fmt: skip
+
+
+def _result(rows):
+    return {"batches": [4], "lengths": [2048], "memory_cap_gib": 16, "rows": rows,
+            "arms": ["dp-bitfit-ckpt", "dpfit-full", "opacus-hooks", "opacus-ghost"]}  # fmt: skip
+
+
+def test_only_allocation_failures_under_a_cap_as_large_count_as_dp_full_not_fitting():
+    fits = _row("dp-bitfit-ckpt", "ok", 16, 7.2)
+    ghost = _row("opacus-ghost", "unsupported", 16)
+    hooks = _row("opacus-hooks", "does-not-fit", 16, 15.5)
+    killed = _row("dpfit-full", "killed-by-oom-killer", 16, 9.0, others_used_bytes=8 * GIB,
+                  reason="killed by the kernel's OOM killer at 9.0 GiB RSS, with 8.0 GiB ...")  # fmt: skip
+    res = _result([fits, ghost, hooks, killed])
+    t = long_context.targets(res)["bitfit_fits_where_no_dp_full_does"]
+    assert not t["met"] and t["missed"][0]["length"] == 2048
+    assert "killed-by-oom-killer" in t["missed"][0]["dp_full"]["dpfit-full"]
+    res["targets"] = long_context.targets(res)
+    md = long_context.render(res | {"command": "x", "cap_note": "c", "children_cpu_minutes": 1,
+                                    "model": "m", "attention": "sdpa", "threads": 1})  # fmt: skip
+    assert "killed by the OOM killer at 9.00 (others held 8.0; not a measurement)" in md
+    assert "NOT met at this batch" in md
+    # failed under a smaller cap than the one DP-BiTFiT fitted in: proves nothing
+    small = _row("dpfit-full", "does-not-fit", 12, 11.5)
+    t = long_context.targets(_result([fits, ghost, hooks, small]))
+    assert not t["bitfit_fits_where_no_dp_full_does"]["met"]
+    # out of the same cap: met, at this (T, batch), with the ratio's lower bound left out
+    same = _row("dpfit-full", "does-not-fit", 16, 15.4)
+    t = long_context.targets(_result([fits, ghost, hooks, same]))[
+        "bitfit_fits_where_no_dp_full_does"
+    ]
+    assert t["met"] and (t["first"][0]["batch"], t["first"][0]["length"]) == (4, 2048)
+    assert t["first"][0]["arm"] == "dp-bitfit-ckpt"
+    # a cap below the machine's memory is said to show nothing about the machine's 24 GiB
+    assert "whether DP full fits in 24 GiB here is not measured" in "\n".join(
+        long_context._target_lines({**_result([fits, ghost, hooks, same]), "targets": {
+            "bitfit_memory_vs_nonpriv_bias": {"worst": None},
+            "bitfit_time_vs_nonpriv_bias": {"worst": None},
+            "bitfit_fits_where_no_dp_full_does": t}})
+    )  # fmt: skip
+
+
+def test_a_ratio_between_rows_of_different_steps_says_so():
+    rows = [_row("dp-bitfit-ckpt", "ok", 16, 4.0, warmup=1, timed=2),
+            _row("dpfit-full", "ok", 16, 10.0)]  # fmt: skip
+    (x,) = long_context._longest_common(_result(rows), "dp-bitfit-ckpt")
+    assert x["ratio"] == pytest.approx(2.5) and "1+2 steps" in x["rows_differ"]
+    rows[0].update(warmup=0, timed=1)
+    (x,) = long_context._longest_common(_result(rows), "dp-bitfit-ckpt")
+    assert "rows_differ" not in x
