@@ -47,8 +47,13 @@ RESULTS = HERE / "results"
 RUNS = RESULTS / "checkpoint_recipe.jsonl"
 TASKS = ("fmnist-5k", "fmnist-500", "digits-500")
 ROWS = ("dp-full", "1+bitfit")
-VARIANTS = ("default", "before", "walk/3", "walk/10")
-WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10}  # the rule's walks divided
+VARIANTS = ("default", "before", "walk/3", "walk/10", "walk/30")
+# walk/k: REF_WALK / k. REF_WALK is fixed (the rule's first constants), so a variant names
+# the same walks whatever TRAINED_WALK is now, and seeds added later join their group.
+REF_WALK = {"full": 1e-3, "bias": 1e-2}
+WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10, "walk/30": 1 / 30}
+CANDIDATES = ("walk/3", "walk/10", "walk/30")  # the rule's constant is chosen among these
+MIN_SEEDS = 3  # a validation row takes part in the choice with at least this many seeds
 EPS = 8.0
 FMNIST_PRETRAIN_EPOCHS = 10  # CPU budget: dpfit pretrain's own rule would take 40 here
 # the fresh-start rates (dpfit.recipe.PRIVATE_LR): what a trained start got before
@@ -128,17 +133,36 @@ def run_spec(task: str, row: str, variant: str, seed: int, split: str, work: Pat
         train["full_epochs"] = 1
     if variant == "before":
         train.update(BEFORE[row])
-    if variant in WALK_SCALE:  # the rule's own rates, scaled
-        from dpfit.recipe import default_delta, resolve_recipe
+    if variant in WALK_SCALE:  # the rule's own rates, at walks REF_WALK / k
+        from dpfit.recipe import TRAINED_WALK
 
-        n = _private_n(task)
-        r = resolve_recipe(n, 10, EPS, default_delta(n), 0, train.get("mode", "bias"),
-                           start="trained", full_epochs=train.get("full_epochs", 0),
-                           tokens=False)  # fmt: skip
-        train["lr"] = r.lr * WALK_SCALE[variant]
+        r = _recipe(task, row)
+        mode = train.get("mode", "bias")
+        train["lr"] = r.lr * REF_WALK[mode] / TRAINED_WALK[mode] * WALK_SCALE[variant]
         if r.full_lr is not None:
-            train["full_lr"] = r.full_lr * WALK_SCALE[variant]
+            train["full_lr"] = r.full_lr * REF_WALK["full"] / TRAINED_WALK["full"]
+            train["full_lr"] *= WALK_SCALE[variant]
     return {"kind": "train", "train": train, "image": {}}
+
+
+def _recipe(task: str, row: str):
+    """What the recipe gives a row from a trained start (the worker's train resolves the same)."""
+    from dpfit.recipe import default_delta, resolve_recipe
+
+    n = _private_n(task)
+    mode, full_epochs = ("full", 0) if row == "dp-full" else ("bias", 1)
+    return resolve_recipe(n, 10, EPS, default_delta(n), 0, mode, start="trained",
+                          full_epochs=full_epochs, tokens=False)  # fmt: skip
+
+
+def _planned_walks(task: str, row: str, variant: str, spec: dict) -> str:
+    """The walks a run will take, as :func:`_walks` reads them off a recorded run."""
+    r = _recipe(task, row)
+    t = spec["train"]
+    planned = dict(row=row, lr=t.get("lr", r.lr), full_lr=t.get("full_lr", r.full_lr),
+                   steps=r.epochs * max(1, round(_private_n(task) / r.batch_size)),
+                   train_examples=_private_n(task), batch_size=r.batch_size)  # fmt: skip
+    return _walks(planned)
 
 
 def _spawn(spec: dict) -> dict:
@@ -200,25 +224,32 @@ def _append(row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _key(r: dict) -> tuple:
-    return (r.get("task"), r.get("row"), r.get("variant"), r.get("seed"), r.get("split"))
+def _key(r: dict, walks: str) -> tuple:
+    """A run is done when one of the same task, row, variant, seed and split took the same
+    walks: a `default` run recorded under other constants does not count."""
+    return (r.get("task"), r.get("row"), r.get("variant"), r.get("seed"), r.get("split"), walks)
 
 
 def cmd_run(args) -> None:
     work = Path(args.work)
     build_data(work)
-    done = {_key(r) for r in _read() if r.get("kind") == "train"}
+    from dpfit.recipe import TRAINED_WALK
+
+    done = {_key(r, _walks(r)) for r in _read() if r.get("kind") == "train"}
     for split in args.split:
         for seed in args.seeds:
             for task in args.tasks:
                 for row in args.rows:
                     for variant in args.variants:
                         key = dict(task=task, row=row, variant=variant, seed=seed, split=split)
-                        if _key(key) in done:
+                        spec = run_spec(task, row, variant, seed, split, work)
+                        if _key(key, _planned_walks(task, row, variant, spec)) in done:
                             continue
                         print(f"run {key}", flush=True)
-                        res = _spawn(run_spec(task, row, variant, seed, split, work))
-                        _append({"kind": "train", **key, "command": args.command_line, **res})
+                        res = _spawn(spec)
+                        _append({"kind": "train", **key, "command": args.command_line,
+                                 "trained_walk": {k: TRAINED_WALK[k] for k in ("full", "bias")},
+                                 **res})  # fmt: skip
                         print(f"  start {res['start_accuracy']:.4f} -> {res['accuracy']:.4f}, "
                               f"{res['train_cpu_s']:.0f} CPU s", flush=True)  # fmt: skip
 
