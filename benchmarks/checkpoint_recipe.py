@@ -54,6 +54,7 @@ REF_WALK = {"full": 1e-3, "bias": 1e-2}
 WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10, "walk/30": 1 / 30}
 CANDIDATES = ("walk/3", "walk/10", "walk/30")  # the rule's constant is chosen among these
 MIN_SEEDS = 3  # a validation row takes part in the choice with at least this many seeds
+DOC_MARKERS = ("<!-- checkpoint_recipe:begin -->", "<!-- checkpoint_recipe:end -->")
 EPS = 8.0
 FMNIST_PRETRAIN_EPOCHS = 10  # CPU budget: dpfit pretrain's own rule would take 40 here
 # the fresh-start rates (dpfit.recipe.PRIVATE_LR): what a trained start got before
@@ -272,7 +273,64 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
 
 
+def _gap(rs: list[dict]) -> tuple[float, float]:
+    """Mean end - start over seeds and the seed sd of the end (0 with one seed)."""
+    end = [r["accuracy"] for r in rs]
+    gap = statistics.mean(r["accuracy"] - r["start_accuracy"] for r in rs)
+    return gap, statistics.stdev(end) if len(end) > 1 else 0.0
+
+
+def _met(rs: list[dict]) -> bool:
+    """The target and the choice's criterion: mean end - start >= -(seed sd of the end)."""
+    gap, spread = _gap(rs)
+    return gap >= -spread
+
+
+def _ref_walks(variant: str) -> str:
+    k = WALK_SCALE[variant]
+    return f"{REF_WALK['full'] * k:.2g}, {REF_WALK['bias'] * k:.2g}"
+
+
+def _choice(train: list[dict]) -> tuple[list[str], str | None]:
+    """The rule's constant from the validation split alone, by a criterion fixed before the
+    test split ran with it: the largest candidate walk that, on every task and row with at
+    least MIN_SEEDS seeds, ends at or above its start within the seed spread. A larger
+    candidate that is not yet decided (too few seeds and no row missed) leaves no choice."""
+    val = [r for r in train if r["split"] == "val"]
+    lines = [
+        "| candidate | walk (weights, biases) | task | row | seeds | end - start (mean) | "
+        "seed sd of the end | criterion |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    chosen, decided = None, True
+    for variant in CANDIDATES:
+        statuses = []
+        for task in TASKS:
+            for row in ROWS:
+                rs = [r for r in val if (r["task"], r["row"], r["variant"]) == (task, row, variant)]
+                if len(rs) < MIN_SEEDS:
+                    statuses.append("open")
+                    lines.append(f"| {variant} | {_ref_walks(variant)} | {task} | {row} | "
+                                 f"{len(rs)} | - | - | too few seeds |")  # fmt: skip
+                    continue
+                gap, spread = _gap(rs)
+                statuses.append("met" if _met(rs) else "missed")
+                lines.append(f"| {variant} | {_ref_walks(variant)} | {task} | {row} | {len(rs)} | "
+                             f"{gap:+.3f} | {spread:.3f} | {statuses[-1]} |")  # fmt: skip
+        if not decided or chosen:
+            continue
+        if "missed" in statuses:
+            continue
+        if "open" in statuses:
+            decided = False
+            continue
+        chosen = variant
+    return lines, chosen
+
+
 def cmd_report(args) -> None:
+    from dpfit.recipe import TRAINED_WALK
+
     runs = _read()
     pre = [r for r in runs if r.get("kind") == "pretrain"]
     train = [r for r in runs if r.get("kind") == "train"]
@@ -280,13 +338,16 @@ def cmd_report(args) -> None:
         "# From a trained checkpoint: private runs with the defaults against their start",
         "",
         "Produced by `benchmarks/checkpoint_recipe.py` (raw rows, each with its command: "
-        "`checkpoint_recipe.jsonl`). resnet-gn, eps 8, one torch thread per run, under "
+        "`checkpoint_recipe.jsonl`; rows run since the walks were recorded also carry the "
+        "recipe's `trained_walk`). resnet-gn, eps 8, one torch thread per run, under "
         "`nice -n 10` on a 2-core machine shared with other jobs. *start*: the checkpoint's "
         "accuracy on the same evaluation images, scored by `dpfit train` before training. "
-        "Target: end >= start within the seed spread. *walk*: lr sqrt(phase steps), the "
-        "distance the noise alone moves a coordinate under DP-Adam (dpfit.recipe); validation "
-        "rows labelled `default` that ran before the rule's constants were fixed show their "
-        "own walks (1e-3, 1e-2), and their `walk/3`, `walk/10` rows a third and a tenth of those.",
+        "Target: end >= start within the seed spread (mean end - start >= -(seed sd of the "
+        "end)). *walk*: lr sqrt(phase steps), the distance the noise alone moves a coordinate "
+        "under DP-Adam (dpfit.recipe), read off each run's recorded rates. `walk/k`: "
+        f"({REF_WALK['full']:g}, {REF_WALK['bias']:g}) / k, the rule's first constants divided; "
+        "`default`: the recipe's `TRAINED_WALK` when the row ran (validation `default` rows "
+        "ran with the first constants, test rows marked *superseded* with an earlier choice).",
         "",
         "## Public checkpoints",
         "",
@@ -296,7 +357,8 @@ def cmd_report(args) -> None:
     for r in pre:
         lines.append(f"| {r['source']} | {r['train_examples']} | {r['epochs']} | "
                      f"{r['accuracy']:.3f} | {r['train_cpu_s']:.0f} |")  # fmt: skip
-    verdicts = []
+    now = {(t, w): _planned_walks(t, w, "default", {"train": {}}) for t in TASKS for w in ROWS}
+    verdicts, superseded, doc = [], [], []
     for split in ("val", "test"):
         rows = [r for r in train if r["split"] == split]
         if not rows:
@@ -316,21 +378,41 @@ def cmd_report(args) -> None:
             diff = [e - s for s, e in zip(start, end, strict=True)]
             lr = f"{rs[0]['lr']:.3g}" + (f" ({rs[0]['full_lr']:.3g})" if rs[0]["full_lr"] else "")
             cpu = statistics.mean(r["train_cpu_s"] for r in rs)
+            old = split == "test" and variant == "default" and walks != now[(task, row)]
+            label = "default (superseded)" if old else variant
+            per_seed = ", ".join(f"{d:+.3f}" for d in diff)
             lines.append(
-                f"| {task} | {rs[0]['train_examples']} | {row} | {variant} | {walks} | {len(rs)} | "
-                f"{lr} | "
-                f"{_ms(start)} | {_ms(end)} | {', '.join(f'{d:+.3f}' for d in diff)} | {cpu:.0f} |"
+                f"| {task} | {rs[0]['train_examples']} | {row} | {label} | {walks} | {len(rs)} | "
+                f"{lr} | {_ms(start)} | {_ms(end)} | {per_seed} | {cpu:.0f} |"
             )
             if split == "test" and variant == "default":
-                spread = statistics.stdev(end) if len(end) > 1 else 0.0
-                gap = statistics.mean(diff)
-                ok = gap >= -spread
-                verdicts.append(
-                    f"- {task} {row}: end - start {gap:+.3f} (mean), seed sd of the end "
-                    f"{spread:.3f}: {'met' if ok else 'missed'}"
-                )
+                gap, spread = _gap(rs)
+                verdict = (f"- {task} {row} (walks {walks}, {len(rs)} seed{'s' if len(rs) > 1 else ''}): end - start "
+                           f"{gap:+.3f} (mean), seed sd of the end {spread:.3f}: "
+                           f"{'met' if _met(rs) else 'missed'}")  # fmt: skip
+                (superseded if old else verdicts).append(verdict)
+                if not old:
+                    doc.append(f"| {task} | {row} | {walks} | {len(rs)} | {_ms(start)} | "
+                               f"{_ms(end)} | {per_seed} | {'met' if _met(rs) else 'missed'} |")  # fmt: skip
+    table, chosen = _choice(train)
+    current = f"{TRAINED_WALK['full']:g}, {TRAINED_WALK['bias']:g}"
+    if chosen is None:
+        pick = "no candidate chosen yet (a larger candidate is undecided or none met it)"
+    else:
+        match = _ref_walks(chosen) == f"{TRAINED_WALK['full']:.2g}, {TRAINED_WALK['bias']:.2g}"
+        pick = (f"chosen: {chosen}, walks ({_ref_walks(chosen)}); `dpfit.recipe.TRAINED_WALK` "
+                f"is ({current}): {'the choice' if match else 'NOT the choice'}")  # fmt: skip
+    lines += ["", "## The rule's constant, chosen on the validation split", "",
+              f"Criterion (fixed before the test split ran with the choice): of the candidates "
+              f"{', '.join(CANDIDATES)}, the largest walk that on every task and row, with at "
+              f"least {MIN_SEEDS} validation seeds, meets the target (mean end - start >= -(seed "
+              "sd of the end)). The test split plays no part in it.", "", *table, "",
+              f"Result: {pick}."]  # fmt: skip
     if verdicts:
-        lines += ["", "Target (test split, defaults):", "", *verdicts]
+        lines += ["", f"Target (test split, defaults: walks {current}):", "", *verdicts]
+    if superseded:
+        lines += ["", "Superseded (test split, the defaults of an earlier choice):", "",
+                  *superseded]  # fmt: skip
     commands = sorted({r["command"] for r in train if r.get("command")})
     lines += ["", "Commands (each under `nice -n 10`; a run already recorded is skipped, so a "
               "command stopped part-way and rerun adds only the missing rows):", "",
@@ -341,6 +423,23 @@ def cmd_report(args) -> None:
               "and the two evaluations come on top).", ""]  # fmt: skip
     (RESULTS / "checkpoint_recipe.md").write_text("\n".join(lines))
     print("\n".join(lines))
+    _render_doc(doc, pick, current)
+
+
+def _render_doc(doc: list[str], pick: str, current: str) -> None:
+    """The test rows of the current defaults into docs/vision.md, between its markers."""
+    path = HERE.parent / "docs" / "vision.md"
+    body = path.read_text()
+    begin, end = DOC_MARKERS
+    if begin not in body or end not in body:
+        raise SystemExit(f"{path} has no {begin} ... {end} markers")
+    block = [f"Test images, the defaults (walks {current}; mean ± sd over seeds):", "",
+             "| task | row | walk (weights, biases) | seeds | start | end | "
+             "end - start per seed | target |", "|---|---|---|---|---|---|---|---|",
+             *doc, "", f"Validation (checkpoint_recipe.md): {pick}."]  # fmt: skip
+    head, rest = body.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n" + "\n".join(block) + f"\n{end}{tail}")
 
 
 def main() -> None:
