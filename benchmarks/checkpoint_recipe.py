@@ -17,16 +17,20 @@ Tasks (npz files built here from data on this machine; nothing is downloaded):
 
 Rows: ``dp-full`` (--mode full) and ``1+bitfit`` (--full-epochs 1: one epoch of every
 weight, then biases + head), eps 8. Variants: ``default`` (no recipe field set: the rule
-for a trained start) and ``before`` (the fresh-start rates the recipe gave before it knew
-the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases, every weight included) and
-``walk/3``, ``walk/10`` (the rule's rates divided by 3 or 10: a smaller noise walk). The
-rule is checked on the validation split (``--split val``); the test split is scored once
-with the defaults (``--split test``). Each run is one fresh worker process (one torch
-thread), appended to ``results/checkpoint_recipe.jsonl``; runs already there are skipped.
+for a trained start, walks dpfit.recipe.TRAINED_WALK) and ``before`` (the fresh-start rates
+the recipe gave before it knew the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases,
+every weight included) and ``walk/k`` (k = 3, 10, 30, 100: the rule's rates at walks
+REF_WALK / k, REF_WALK the rule's first constants, 1e-3 for every weight and 1e-2 for
+biases + head). TRAINED_WALK is chosen on the validation split (``--split val``, 3 seeds)
+by the criterion of :func:`_choice`, fixed before the test split ran with it; the test
+split is then scored with the defaults (``--split test``). Each run is one fresh worker
+process (one torch thread), appended to ``results/checkpoint_recipe.jsonl`` with the
+TRAINED_WALK it ran under; a run already there with the same walks is skipped.
 
-    nice -n 10 python benchmarks/checkpoint_recipe.py run --split val --variants default before
+    nice -n 10 python benchmarks/checkpoint_recipe.py run --split val --seeds 0 1 2 \
+        --variants walk/3 walk/10 walk/30
     nice -n 10 python benchmarks/checkpoint_recipe.py run --split test --seeds 0 1 2
-    python benchmarks/checkpoint_recipe.py report   # writes results/checkpoint_recipe.md
+    python benchmarks/checkpoint_recipe.py report   # results/checkpoint_recipe.md, docs/vision.md
 """
 
 from __future__ import annotations
@@ -47,12 +51,12 @@ RESULTS = HERE / "results"
 RUNS = RESULTS / "checkpoint_recipe.jsonl"
 TASKS = ("fmnist-5k", "fmnist-500", "digits-500")
 ROWS = ("dp-full", "1+bitfit")
-VARIANTS = ("default", "before", "walk/3", "walk/10", "walk/30")
+VARIANTS = ("default", "before", "walk/3", "walk/10", "walk/30", "walk/100")
 # walk/k: REF_WALK / k. REF_WALK is fixed (the rule's first constants), so a variant names
 # the same walks whatever TRAINED_WALK is now, and seeds added later join their group.
 REF_WALK = {"full": 1e-3, "bias": 1e-2}
-WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10, "walk/30": 1 / 30}
-CANDIDATES = ("walk/3", "walk/10", "walk/30")  # the rule's constant is chosen among these
+WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10, "walk/30": 1 / 30, "walk/100": 1 / 100}
+CANDIDATES = ("walk/3", "walk/10", "walk/30", "walk/100")  # the rule's constant is chosen among these
 MIN_SEEDS = 3  # a validation row takes part in the choice with at least this many seeds
 DOC_MARKERS = ("<!-- checkpoint_recipe:begin -->", "<!-- checkpoint_recipe:end -->")
 EPS = 8.0
