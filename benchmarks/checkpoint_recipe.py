@@ -56,7 +56,8 @@ VARIANTS = ("default", "before", "walk/3", "walk/10", "walk/30", "walk/100")
 # the same walks whatever TRAINED_WALK is now, and seeds added later join their group.
 REF_WALK = {"full": 1e-3, "bias": 1e-2}
 WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10, "walk/30": 1 / 30, "walk/100": 1 / 100}
-CANDIDATES = ("walk/3", "walk/10", "walk/30", "walk/100")  # the rule's constant is chosen among these
+# the rule's constant is chosen among these (_choice)
+CANDIDATES = ("walk/3", "walk/10", "walk/30", "walk/100")
 MIN_SEEDS = 3  # a validation row takes part in the choice with at least this many seeds
 DOC_MARKERS = ("<!-- checkpoint_recipe:begin -->", "<!-- checkpoint_recipe:end -->")
 EPS = 8.0
