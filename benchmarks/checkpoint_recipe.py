@@ -296,7 +296,7 @@ def _ref_walks(variant: str) -> str:
     return f"{REF_WALK['full'] * k:.2g}, {REF_WALK['bias'] * k:.2g}"
 
 
-def _choice(train: list[dict]) -> tuple[list[str], str | None]:
+def _choice(train: list[dict]) -> tuple[list[str], str | None, list[str]]:
     """The rule's constant from the validation split alone, by a criterion fixed before the
     test split ran with it: the largest candidate walk that, on every task and row with at
     least MIN_SEEDS seeds, ends at or above its start within the seed spread. A larger
@@ -307,9 +307,9 @@ def _choice(train: list[dict]) -> tuple[list[str], str | None]:
         "seed sd of the end | criterion |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    chosen, decided = None, True
+    chosen, decided, summary = None, True, []
     for variant in CANDIDATES:
-        statuses = []
+        statuses, gaps = [], []
         for task in TASKS:
             for row in ROWS:
                 rs = [r for r in val if (r["task"], r["row"], r["variant"]) == (task, row, variant)]
@@ -320,8 +320,13 @@ def _choice(train: list[dict]) -> tuple[list[str], str | None]:
                     continue
                 gap, spread = _gap(rs)
                 statuses.append("met" if _met(rs) else "missed")
+                gaps.append((gap, f"{task} {row}"))
                 lines.append(f"| {variant} | {_ref_walks(variant)} | {task} | {row} | {len(rs)} | "
                              f"{gap:+.3f} | {spread:.3f} | {statuses[-1]} |")  # fmt: skip
+        worst = f"{min(gaps)[1]} {min(gaps)[0]:+.3f}" if gaps else "-"
+        met, ran = statuses.count("met"), len(statuses) - statuses.count("open")
+        rows = f"{met} of {ran}" + (f" ({len(statuses) - ran} not yet run)" if ran < len(statuses) else "")
+        summary.append(f"| {variant} | {_ref_walks(variant)} | {rows} | {worst} |")
         if not decided or chosen:
             continue
         if "missed" in statuses:
@@ -330,7 +335,7 @@ def _choice(train: list[dict]) -> tuple[list[str], str | None]:
             decided = False
             continue
         chosen = variant
-    return lines, chosen
+    return lines, chosen, summary
 
 
 def cmd_report(args) -> None:
@@ -399,7 +404,7 @@ def cmd_report(args) -> None:
                 if not old:
                     doc.append(f"| {task} | {row} | {walks} | {len(rs)} | {_ms(start)} | "
                                f"{_ms(end)} | {per_seed} | {'met' if _met(rs) else 'missed'} |")  # fmt: skip
-    table, chosen = _choice(train)
+    table, chosen, summary = _choice(train)
     current = f"{TRAINED_WALK['full']:g}, {TRAINED_WALK['bias']:g}"
     if chosen is None:
         pick = "no candidate chosen yet (a larger candidate is undecided or none met it)"
@@ -428,10 +433,10 @@ def cmd_report(args) -> None:
               "and the two evaluations come on top).", ""]  # fmt: skip
     (RESULTS / "checkpoint_recipe.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    _render_doc(doc, pick, current)
+    _render_doc(doc, summary, pick, current)
 
 
-def _render_doc(doc: list[str], pick: str, current: str) -> None:
+def _render_doc(doc: list[str], summary: list[str], pick: str, current: str) -> None:
     """The test rows of the current defaults into docs/vision.md, between its markers."""
     path = HERE.parent / "docs" / "vision.md"
     body = path.read_text()
@@ -441,7 +446,11 @@ def _render_doc(doc: list[str], pick: str, current: str) -> None:
     block = [f"Test images, the defaults (walks {current}; mean ± sd over seeds):", "",
              "| task | row | walk (weights, biases) | seeds | start | end | "
              "end - start per seed | target |", "|---|---|---|---|---|---|---|---|",
-             *doc, "", f"Validation (checkpoint_recipe.md): {pick}."]  # fmt: skip
+             *doc, "", f"Validation, {MIN_SEEDS} seeds (the choice; every row in "
+             "checkpoint_recipe.md):", "",
+             "| candidate | walk (weights, biases) | task rows that met the target | "
+             "lowest mean end - start |", "|---|---|---|---|", *summary, "",
+             f"Result: {pick}."]  # fmt: skip
     head, rest = body.split(begin, 1)
     _, tail = rest.split(end, 1)
     path.write_text(f"{head}{begin}\n" + "\n".join(block) + f"\n{end}{tail}")
