@@ -19,7 +19,7 @@ Rows: ``dp-full`` (--mode full) and ``1+bitfit`` (--full-epochs 1: one epoch of 
 weight, then biases + head), eps 8. Variants: ``default`` (no recipe field set: the rule
 for a trained start, walks dpfit.recipe.TRAINED_WALK) and ``before`` (the fresh-start rates
 the recipe gave before it knew the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases,
-every weight included) and ``walk/k`` (k = 3, 10, 30, 100: the rule's rates at walks
+every weight included) and ``walk/k`` (k = 3, 10, 30, 100, 300: the rule's rates at walks
 REF_WALK / k, REF_WALK the rule's first constants, 1e-3 for every weight and 1e-2 for
 biases + head). TRAINED_WALK is chosen on the validation split (``--split val``, 3 seeds)
 by the criterion of :func:`_choice`, fixed before the test split ran with it; the test
@@ -51,13 +51,13 @@ RESULTS = HERE / "results"
 RUNS = RESULTS / "checkpoint_recipe.jsonl"
 TASKS = ("fmnist-5k", "fmnist-500", "digits-500")
 ROWS = ("dp-full", "1+bitfit")
-VARIANTS = ("default", "before", "walk/3", "walk/10", "walk/30", "walk/100")
 # walk/k: REF_WALK / k. REF_WALK is fixed (the rule's first constants), so a variant names
 # the same walks whatever TRAINED_WALK is now, and seeds added later join their group.
 REF_WALK = {"full": 1e-3, "bias": 1e-2}
-WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10, "walk/30": 1 / 30, "walk/100": 1 / 100}
+WALK_SCALE = {f"walk/{k}": 1 / k for k in (3, 10, 30, 100, 300)}
+VARIANTS = ("default", "before", *WALK_SCALE)
 # the rule's constant is chosen among these (_choice)
-CANDIDATES = ("walk/3", "walk/10", "walk/30", "walk/100")
+CANDIDATES = tuple(WALK_SCALE)
 MIN_SEEDS = 3  # a validation row takes part in the choice with at least this many seeds
 DOC_MARKERS = ("<!-- checkpoint_recipe:begin -->", "<!-- checkpoint_recipe:end -->")
 EPS = 8.0
@@ -325,7 +325,8 @@ def _choice(train: list[dict]) -> tuple[list[str], str | None, list[str]]:
                              f"{gap:+.3f} | {spread:.3f} | {statuses[-1]} |")  # fmt: skip
         worst = f"{min(gaps)[1]} {min(gaps)[0]:+.3f}" if gaps else "-"
         met, ran = statuses.count("met"), len(statuses) - statuses.count("open")
-        rows = f"{met} of {ran}" + (f" ({len(statuses) - ran} not yet run)" if ran < len(statuses) else "")
+        left = len(statuses) - ran
+        rows = f"{met} of {ran}" + (f" ({left} not yet run)" if left else "")
         summary.append(f"| {variant} | {_ref_walks(variant)} | {rows} | {worst} |")
         if not decided or chosen:
             continue
