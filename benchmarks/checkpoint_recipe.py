@@ -322,11 +322,13 @@ def _choice(train: list[dict]) -> tuple[list[str], str | None, list[str]]:
                 statuses.append("met" if _met(rs) else "missed")
                 gaps.append((gap, f"{task} {row}"))
                 lines.append(f"| {variant} | {_ref_walks(variant)} | {task} | {row} | {len(rs)} | "
-                             f"{gap:+.3f} | {spread:.3f} | {statuses[-1]} |")  # fmt: skip
-        worst = f"{min(gaps)[1]} {min(gaps)[0]:+.3f}" if gaps else "-"
+                             f"{gap:+.4f} | {spread:.4f} | {statuses[-1]} |")  # fmt: skip
+        worst = f"{min(gaps)[1]} {min(gaps)[0]:+.4f}" if gaps else "-"
         met, ran = statuses.count("met"), len(statuses) - statuses.count("open")
         left = len(statuses) - ran
         rows = f"{met} of {ran}" + (f" ({left} not yet run)" if left else "")
+        if not ran:
+            rows = "not run" + (" (a larger walk is chosen)" if chosen else "")
         summary.append(f"| {variant} | {_ref_walks(variant)} | {rows} | {worst} |")
         if not decided or chosen:
             continue
@@ -369,7 +371,7 @@ def cmd_report(args) -> None:
         lines.append(f"| {r['source']} | {r['train_examples']} | {r['epochs']} | "
                      f"{r['accuracy']:.3f} | {r['train_cpu_s']:.0f} |")  # fmt: skip
     now = {(t, w): _planned_walks(t, w, "default", {"train": {}}) for t in TASKS for w in ROWS}
-    verdicts, superseded, doc = [], [], []
+    verdicts, superseded, doc, images = [], [], [], {}
     for split in ("val", "test"):
         rows = [r for r in train if r["split"] == split]
         if not rows:
@@ -391,7 +393,7 @@ def cmd_report(args) -> None:
             cpu = statistics.mean(r["train_cpu_s"] for r in rs)
             old = split == "test" and variant == "default" and walks != now[(task, row)]
             label = "default (superseded)" if old else variant
-            per_seed = ", ".join(f"{d:+.3f}" for d in diff)
+            per_seed = ", ".join(f"{d:+.4f}" for d in diff)
             lines.append(
                 f"| {task} | {rs[0]['train_examples']} | {row} | {label} | {walks} | {len(rs)} | "
                 f"{lr} | {_ms(start)} | {_ms(end)} | {per_seed} | {cpu:.0f} |"
@@ -399,10 +401,11 @@ def cmd_report(args) -> None:
             if split == "test" and variant == "default":
                 gap, spread = _gap(rs)
                 verdict = (f"- {task} {row} (walks {walks}, {len(rs)} seed{'s' if len(rs) > 1 else ''}): end - start "
-                           f"{gap:+.3f} (mean), seed sd of the end {spread:.3f}: "
+                           f"{gap:+.4f} (mean), seed sd of the end {spread:.4f}: "
                            f"{'met' if _met(rs) else 'missed'}")  # fmt: skip
                 (superseded if old else verdicts).append(verdict)
                 if not old:
+                    images[task] = rs[0]["eval_n"]
                     doc.append(f"| {task} | {row} | {walks} | {len(rs)} | {_ms(start)} | "
                                f"{_ms(end)} | {per_seed} | {'met' if _met(rs) else 'missed'} |")  # fmt: skip
     table, chosen, summary = _choice(train)
@@ -434,17 +437,18 @@ def cmd_report(args) -> None:
               "and the two evaluations come on top).", ""]  # fmt: skip
     (RESULTS / "checkpoint_recipe.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    _render_doc(doc, summary, pick, current)
+    scale = ", ".join(f"{t} {n} ({1 / n:.4f} an image)" for t, n in sorted(images.items()))
+    _render_doc(doc, summary, pick, f"walks {current}; test images: {scale}")
 
 
-def _render_doc(doc: list[str], summary: list[str], pick: str, current: str) -> None:
+def _render_doc(doc: list[str], summary: list[str], pick: str, what: str) -> None:
     """The test rows of the current defaults into docs/vision.md, between its markers."""
     path = HERE.parent / "docs" / "vision.md"
     body = path.read_text()
     begin, end = DOC_MARKERS
     if begin not in body or end not in body:
         raise SystemExit(f"{path} has no {begin} ... {end} markers")
-    block = [f"Test images, the defaults (walks {current}; mean ± sd over seeds):", "",
+    block = [f"Test split, the defaults ({what}; mean ± sd over seeds):", "",
              "| task | row | walk (weights, biases) | seeds | start | end | "
              "end - start per seed | target |", "|---|---|---|---|---|---|---|---|",
              *doc, "", f"Validation, {MIN_SEEDS} seeds (the choice; every row in "
