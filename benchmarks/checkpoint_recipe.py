@@ -341,10 +341,11 @@ def _choice(train: list[dict]) -> tuple[list[str], str | None, list[str]]:
     return lines, chosen, summary
 
 
-def cmd_report(args) -> None:
+def render(runs: list[dict]) -> tuple[str, str]:
+    """results/checkpoint_recipe.md and the block of docs/vision.md between DOC_MARKERS, from
+    the recorded runs (pure: tests compare them with the committed files)."""
     from dpfit.recipe import TRAINED_WALK
 
-    runs = _read()
     pre = [r for r in runs if r.get("kind") == "pretrain"]
     train = [r for r in runs if r.get("kind") == "train"]
     lines = [
@@ -435,19 +436,8 @@ def cmd_report(args) -> None:
     lines += ["", f"Runs: {len(train)} private runs, {len(pre)} pretraining runs; training-loop "
               f"CPU over all of them {cpu_total / 60:.1f} min (each worker's start-up, data loading "
               "and the two evaluations come on top).", ""]  # fmt: skip
-    (RESULTS / "checkpoint_recipe.md").write_text("\n".join(lines))
-    print("\n".join(lines))
     scale = ", ".join(f"{t} {n} ({1 / n:.4f} an image)" for t, n in sorted(images.items()))
-    _render_doc(doc, summary, pick, f"walks {current}; test images: {scale}")
-
-
-def _render_doc(doc: list[str], summary: list[str], pick: str, what: str) -> None:
-    """The test rows of the current defaults into docs/vision.md, between its markers."""
-    path = HERE.parent / "docs" / "vision.md"
-    body = path.read_text()
-    begin, end = DOC_MARKERS
-    if begin not in body or end not in body:
-        raise SystemExit(f"{path} has no {begin} ... {end} markers")
+    what = f"walks {current}; test images: {scale}"
     block = [f"Test split, the defaults ({what}; mean ± sd over seeds):", "",
              "| task | row | walk (weights, biases) | seeds | start | end | "
              "end - start per seed | target |", "|---|---|---|---|---|---|---|---|",
@@ -456,9 +446,21 @@ def _render_doc(doc: list[str], summary: list[str], pick: str, what: str) -> Non
              "| candidate | walk (weights, biases) | task rows that met the target | "
              "lowest mean end - start |", "|---|---|---|---|", *summary, "",
              f"Result: {pick}."]  # fmt: skip
+    return "\n".join(lines), "\n".join(block)
+
+
+def cmd_report(args) -> None:
+    md, block = render(_read())
+    (RESULTS / "checkpoint_recipe.md").write_text(md)
+    print(md)
+    path = HERE.parent / "docs" / "vision.md"
+    body = path.read_text()
+    begin, end = DOC_MARKERS
+    if begin not in body or end not in body:
+        raise SystemExit(f"{path} has no {begin} ... {end} markers")
     head, rest = body.split(begin, 1)
     _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n" + "\n".join(block) + f"\n{end}{tail}")
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
 
 
 def main() -> None:

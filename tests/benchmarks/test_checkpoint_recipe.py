@@ -24,11 +24,14 @@ def _runs(gaps: dict[str, list[float]], split: str = "val", first_seed: int = 0)
     ]  # fmt: skip
 
 
+def _committed() -> list[dict]:
+    text = (BENCHMARKS / "results" / "checkpoint_recipe.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def test_trained_walk_is_the_committed_validation_choice():
     """Changing the constant without new validation runs that choose it fails here."""
-    rows = [json.loads(line) for line in (BENCHMARKS / "results" / "checkpoint_recipe.jsonl")
-            .read_text().splitlines() if line.strip()]  # fmt: skip
-    _, chosen, _ = cr._choice([r for r in rows if r.get("kind") == "train"])
+    _, chosen, _ = cr._choice([r for r in _committed() if r.get("kind") == "train"])
     assert chosen is not None
     k = cr.WALK_SCALE[chosen]
     assert R.TRAINED_WALK["full"] == cr.REF_WALK["full"] * k
@@ -55,3 +58,12 @@ def test_a_larger_candidate_with_too_few_seeds_leaves_no_choice_and_test_rows_do
     third = {"walk/3": [0.01]}
     assert cr._choice(two_seeds + _runs(third, first_seed=2))[1] == "walk/3"
     assert cr._choice(two_seeds + _runs(third, split="test", first_seed=2))[1] is None
+
+
+def test_the_results_and_the_docs_are_the_scripts_rendering_of_the_committed_runs():
+    md, block = cr.render(_committed())
+    assert (BENCHMARKS / "results" / "checkpoint_recipe.md").read_text() == md
+    begin, end = cr.DOC_MARKERS
+    doc = (BENCHMARKS.parent / "docs" / "vision.md").read_text()
+    assert doc.split(begin, 1)[1].split(end, 1)[0] == f"\n{block}\n"
+    assert ": the choice." in block  # the recipe runs with what validation chose
