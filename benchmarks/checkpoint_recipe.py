@@ -385,7 +385,8 @@ def render(runs: list[dict]) -> tuple[str, str]:
         groups: dict = {}
         for r in rows:  # a variant's rates changed with the rule: group by what ran
             groups.setdefault((r["task"], r["row"], r["variant"], _walks(r)), []).append(r)
-        for (task, row, variant, walks), rs in sorted(groups.items()):
+        order = sorted(groups, key=lambda k: (k[0], k[1], VARIANTS.index(k[2]), k[3]))
+        for (task, row, variant, walks), rs in ((k, groups[k]) for k in order):
             rs.sort(key=lambda r: r["seed"])
             start = [r["start_accuracy"] for r in rs]
             end = [r["accuracy"] for r in rs]
