@@ -17,16 +17,20 @@ Tasks (npz files built here from data on this machine; nothing is downloaded):
 
 Rows: ``dp-full`` (--mode full) and ``1+bitfit`` (--full-epochs 1: one epoch of every
 weight, then biases + head), eps 8. Variants: ``default`` (no recipe field set: the rule
-for a trained start) and ``before`` (the fresh-start rates the recipe gave before it knew
-the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases, every weight included) and
-``walk/3``, ``walk/10`` (the rule's rates divided by 3 or 10: a smaller noise walk). The
-rule is checked on the validation split (``--split val``); the test split is scored once
-with the defaults (``--split test``). Each run is one fresh worker process (one torch
-thread), appended to ``results/checkpoint_recipe.jsonl``; runs already there are skipped.
+for a trained start, walks dpfit.recipe.TRAINED_WALK) and ``before`` (the fresh-start rates
+the recipe gave before it knew the start: DP full lr 5e-4; 1+BiTFiT 5e-3 for both phases,
+every weight included) and ``walk/k`` (k = 3, 10, 30, 100, 300: the rule's rates at walks
+REF_WALK / k, REF_WALK the rule's first constants, 1e-3 for every weight and 1e-2 for
+biases + head). TRAINED_WALK is chosen on the validation split (``--split val``, 3 seeds)
+by the criterion of :func:`_choice`, fixed before the test split ran with it; the test
+split is then scored with the defaults (``--split test``). Each run is one fresh worker
+process (one torch thread), appended to ``results/checkpoint_recipe.jsonl`` with the
+TRAINED_WALK it ran under; a run already there with the same walks is skipped.
 
-    nice -n 10 python benchmarks/checkpoint_recipe.py run --split val --variants default before
+    nice -n 10 python benchmarks/checkpoint_recipe.py run --split val --seeds 0 1 2 \
+        --variants walk/3 walk/10 walk/30
     nice -n 10 python benchmarks/checkpoint_recipe.py run --split test --seeds 0 1 2
-    python benchmarks/checkpoint_recipe.py report   # writes results/checkpoint_recipe.md
+    python benchmarks/checkpoint_recipe.py report   # results/checkpoint_recipe.md, docs/vision.md
 """
 
 from __future__ import annotations
@@ -47,8 +51,15 @@ RESULTS = HERE / "results"
 RUNS = RESULTS / "checkpoint_recipe.jsonl"
 TASKS = ("fmnist-5k", "fmnist-500", "digits-500")
 ROWS = ("dp-full", "1+bitfit")
-VARIANTS = ("default", "before", "walk/3", "walk/10")
-WALK_SCALE = {"walk/3": 1 / 3, "walk/10": 1 / 10}  # the rule's walks divided
+# walk/k: REF_WALK / k. REF_WALK is fixed (the rule's first constants), so a variant names
+# the same walks whatever TRAINED_WALK is now, and seeds added later join their group.
+REF_WALK = {"full": 1e-3, "bias": 1e-2}
+WALK_SCALE = {f"walk/{k}": 1 / k for k in (3, 10, 30, 100, 300)}
+VARIANTS = ("default", "before", *WALK_SCALE)
+# the rule's constant is chosen among these (_choice)
+CANDIDATES = tuple(WALK_SCALE)
+MIN_SEEDS = 3  # a validation row takes part in the choice with at least this many seeds
+DOC_MARKERS = ("<!-- checkpoint_recipe:begin -->", "<!-- checkpoint_recipe:end -->")
 EPS = 8.0
 FMNIST_PRETRAIN_EPOCHS = 10  # CPU budget: dpfit pretrain's own rule would take 40 here
 # the fresh-start rates (dpfit.recipe.PRIVATE_LR): what a trained start got before
@@ -128,17 +139,36 @@ def run_spec(task: str, row: str, variant: str, seed: int, split: str, work: Pat
         train["full_epochs"] = 1
     if variant == "before":
         train.update(BEFORE[row])
-    if variant in WALK_SCALE:  # the rule's own rates, scaled
-        from dpfit.recipe import default_delta, resolve_recipe
+    if variant in WALK_SCALE:  # the rule's own rates, at walks REF_WALK / k
+        from dpfit.recipe import TRAINED_WALK
 
-        n = _private_n(task)
-        r = resolve_recipe(n, 10, EPS, default_delta(n), 0, train.get("mode", "bias"),
-                           start="trained", full_epochs=train.get("full_epochs", 0),
-                           tokens=False)  # fmt: skip
-        train["lr"] = r.lr * WALK_SCALE[variant]
+        r = _recipe(task, row)
+        mode = train.get("mode", "bias")
+        train["lr"] = r.lr * REF_WALK[mode] / TRAINED_WALK[mode] * WALK_SCALE[variant]
         if r.full_lr is not None:
-            train["full_lr"] = r.full_lr * WALK_SCALE[variant]
+            train["full_lr"] = r.full_lr * REF_WALK["full"] / TRAINED_WALK["full"]
+            train["full_lr"] *= WALK_SCALE[variant]
     return {"kind": "train", "train": train, "image": {}}
+
+
+def _recipe(task: str, row: str):
+    """What the recipe gives a row from a trained start (the worker's train resolves the same)."""
+    from dpfit.recipe import default_delta, resolve_recipe
+
+    n = _private_n(task)
+    mode, full_epochs = ("full", 0) if row == "dp-full" else ("bias", 1)
+    return resolve_recipe(n, 10, EPS, default_delta(n), 0, mode, start="trained",
+                          full_epochs=full_epochs, tokens=False)  # fmt: skip
+
+
+def _planned_walks(task: str, row: str, variant: str, spec: dict) -> str:
+    """The walks a run will take, as :func:`_walks` reads them off a recorded run."""
+    r = _recipe(task, row)
+    t = spec["train"]
+    planned = dict(row=row, lr=t.get("lr", r.lr), full_lr=t.get("full_lr", r.full_lr),
+                   steps=r.epochs * max(1, round(_private_n(task) / r.batch_size)),
+                   train_examples=_private_n(task), batch_size=r.batch_size)  # fmt: skip
+    return _walks(planned)
 
 
 def _spawn(spec: dict) -> dict:
@@ -200,25 +230,32 @@ def _append(row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _key(r: dict) -> tuple:
-    return (r.get("task"), r.get("row"), r.get("variant"), r.get("seed"), r.get("split"))
+def _key(r: dict, walks: str) -> tuple:
+    """A run is done when one of the same task, row, variant, seed and split took the same
+    walks: a `default` run recorded under other constants does not count."""
+    return (r.get("task"), r.get("row"), r.get("variant"), r.get("seed"), r.get("split"), walks)
 
 
 def cmd_run(args) -> None:
     work = Path(args.work)
     build_data(work)
-    done = {_key(r) for r in _read() if r.get("kind") == "train"}
+    from dpfit.recipe import TRAINED_WALK
+
+    done = {_key(r, _walks(r)) for r in _read() if r.get("kind") == "train"}
     for split in args.split:
         for seed in args.seeds:
             for task in args.tasks:
                 for row in args.rows:
                     for variant in args.variants:
                         key = dict(task=task, row=row, variant=variant, seed=seed, split=split)
-                        if _key(key) in done:
+                        spec = run_spec(task, row, variant, seed, split, work)
+                        if _key(key, _planned_walks(task, row, variant, spec)) in done:
                             continue
                         print(f"run {key}", flush=True)
-                        res = _spawn(run_spec(task, row, variant, seed, split, work))
-                        _append({"kind": "train", **key, "command": args.command_line, **res})
+                        res = _spawn(spec)
+                        _append({"kind": "train", **key, "command": args.command_line,
+                                 "trained_walk": {k: TRAINED_WALK[k] for k in ("full", "bias")},
+                                 **res})  # fmt: skip
                         print(f"  start {res['start_accuracy']:.4f} -> {res['accuracy']:.4f}, "
                               f"{res['train_cpu_s']:.0f} CPU s", flush=True)  # fmt: skip
 
@@ -241,21 +278,90 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
 
 
-def cmd_report(args) -> None:
-    runs = _read()
+def _gap(rs: list[dict]) -> tuple[float, float]:
+    """Mean end - start over seeds and the seed sd of the end (0 with one seed)."""
+    end = [r["accuracy"] for r in rs]
+    gap = statistics.mean(r["accuracy"] - r["start_accuracy"] for r in rs)
+    return gap, statistics.stdev(end) if len(end) > 1 else 0.0
+
+
+def _met(rs: list[dict]) -> bool:
+    """The target and the choice's criterion: mean end - start >= -(seed sd of the end)."""
+    gap, spread = _gap(rs)
+    return gap >= -spread
+
+
+def _ref_walks(variant: str) -> str:
+    k = WALK_SCALE[variant]
+    return f"{REF_WALK['full'] * k:.2g}, {REF_WALK['bias'] * k:.2g}"
+
+
+def _choice(train: list[dict]) -> tuple[list[str], str | None, list[str]]:
+    """The rule's constant from the validation split alone, by a criterion fixed before the
+    test split ran with it: the largest candidate walk that, on every task and row with at
+    least MIN_SEEDS seeds, ends at or above its start within the seed spread. A larger
+    candidate that is not yet decided (too few seeds and no row missed) leaves no choice."""
+    val = [r for r in train if r["split"] == "val"]
+    lines = [
+        "| candidate | walk (weights, biases) | task | row | seeds | end - start (mean) | "
+        "seed sd of the end | criterion |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    chosen, decided, summary = None, True, []
+    for variant in CANDIDATES:
+        statuses, gaps = [], []
+        for task in TASKS:
+            for row in ROWS:
+                rs = [r for r in val if (r["task"], r["row"], r["variant"]) == (task, row, variant)]
+                if len(rs) < MIN_SEEDS:
+                    statuses.append("open")
+                    lines.append(f"| {variant} | {_ref_walks(variant)} | {task} | {row} | "
+                                 f"{len(rs)} | - | - | too few seeds |")  # fmt: skip
+                    continue
+                gap, spread = _gap(rs)
+                statuses.append("met" if _met(rs) else "missed")
+                gaps.append((gap, f"{task} {row}"))
+                lines.append(f"| {variant} | {_ref_walks(variant)} | {task} | {row} | {len(rs)} | "
+                             f"{gap:+.4f} | {spread:.4f} | {statuses[-1]} |")  # fmt: skip
+        worst = f"{min(gaps)[1]} {min(gaps)[0]:+.4f}" if gaps else "-"
+        met, ran = statuses.count("met"), len(statuses) - statuses.count("open")
+        left = len(statuses) - ran
+        rows = f"{met} of {ran}" + (f" ({left} not yet run)" if left else "")
+        if not ran:
+            rows = "not run" + (" (a larger walk is chosen)" if chosen else "")
+        summary.append(f"| {variant} | {_ref_walks(variant)} | {rows} | {worst} |")
+        if not decided or chosen:
+            continue
+        if "missed" in statuses:
+            continue
+        if "open" in statuses:
+            decided = False
+            continue
+        chosen = variant
+    return lines, chosen, summary
+
+
+def render(runs: list[dict]) -> tuple[str, str]:
+    """results/checkpoint_recipe.md and the block of docs/vision.md between DOC_MARKERS, from
+    the recorded runs (pure: tests compare them with the committed files)."""
+    from dpfit.recipe import TRAINED_WALK
+
     pre = [r for r in runs if r.get("kind") == "pretrain"]
     train = [r for r in runs if r.get("kind") == "train"]
     lines = [
         "# From a trained checkpoint: private runs with the defaults against their start",
         "",
         "Produced by `benchmarks/checkpoint_recipe.py` (raw rows, each with its command: "
-        "`checkpoint_recipe.jsonl`). resnet-gn, eps 8, one torch thread per run, under "
+        "`checkpoint_recipe.jsonl`; rows run since the walks were recorded also carry the "
+        "recipe's `trained_walk`). resnet-gn, eps 8, one torch thread per run, under "
         "`nice -n 10` on a 2-core machine shared with other jobs. *start*: the checkpoint's "
         "accuracy on the same evaluation images, scored by `dpfit train` before training. "
-        "Target: end >= start within the seed spread. *walk*: lr sqrt(phase steps), the "
-        "distance the noise alone moves a coordinate under DP-Adam (dpfit.recipe); validation "
-        "rows labelled `default` that ran before the rule's constants were fixed show their "
-        "own walks (1e-3, 1e-2), and their `walk/3`, `walk/10` rows a third and a tenth of those.",
+        "Target: end >= start within the seed spread (mean end - start >= -(seed sd of the "
+        "end)). *walk*: lr sqrt(phase steps), the distance the noise alone moves a coordinate "
+        "under DP-Adam (dpfit.recipe), read off each run's recorded rates. `walk/k`: "
+        f"({REF_WALK['full']:g}, {REF_WALK['bias']:g}) / k, the rule's first constants divided; "
+        "`default`: the recipe's `TRAINED_WALK` when the row ran (validation `default` rows "
+        "ran with the first constants, test rows marked *superseded* with an earlier choice).",
         "",
         "## Public checkpoints",
         "",
@@ -265,7 +371,8 @@ def cmd_report(args) -> None:
     for r in pre:
         lines.append(f"| {r['source']} | {r['train_examples']} | {r['epochs']} | "
                      f"{r['accuracy']:.3f} | {r['train_cpu_s']:.0f} |")  # fmt: skip
-    verdicts = []
+    now = {(t, w): _planned_walks(t, w, "default", {"train": {}}) for t in TASKS for w in ROWS}
+    verdicts, superseded, doc, images = [], [], [], {}
     for split in ("val", "test"):
         rows = [r for r in train if r["split"] == split]
         if not rows:
@@ -278,28 +385,50 @@ def cmd_report(args) -> None:
         groups: dict = {}
         for r in rows:  # a variant's rates changed with the rule: group by what ran
             groups.setdefault((r["task"], r["row"], r["variant"], _walks(r)), []).append(r)
-        for (task, row, variant, walks), rs in sorted(groups.items()):
+        order = sorted(groups, key=lambda k: (k[0], k[1], VARIANTS.index(k[2]), k[3]))
+        for (task, row, variant, walks), rs in ((k, groups[k]) for k in order):
             rs.sort(key=lambda r: r["seed"])
             start = [r["start_accuracy"] for r in rs]
             end = [r["accuracy"] for r in rs]
             diff = [e - s for s, e in zip(start, end, strict=True)]
             lr = f"{rs[0]['lr']:.3g}" + (f" ({rs[0]['full_lr']:.3g})" if rs[0]["full_lr"] else "")
             cpu = statistics.mean(r["train_cpu_s"] for r in rs)
+            old = split == "test" and variant == "default" and walks != now[(task, row)]
+            label = "default (superseded)" if old else variant
+            per_seed = ", ".join(f"{d:+.4f}" for d in diff)
             lines.append(
-                f"| {task} | {rs[0]['train_examples']} | {row} | {variant} | {walks} | {len(rs)} | "
-                f"{lr} | "
-                f"{_ms(start)} | {_ms(end)} | {', '.join(f'{d:+.3f}' for d in diff)} | {cpu:.0f} |"
+                f"| {task} | {rs[0]['train_examples']} | {row} | {label} | {walks} | {len(rs)} | "
+                f"{lr} | {_ms(start)} | {_ms(end)} | {per_seed} | {cpu:.0f} |"
             )
             if split == "test" and variant == "default":
-                spread = statistics.stdev(end) if len(end) > 1 else 0.0
-                gap = statistics.mean(diff)
-                ok = gap >= -spread
-                verdicts.append(
-                    f"- {task} {row}: end - start {gap:+.3f} (mean), seed sd of the end "
-                    f"{spread:.3f}: {'met' if ok else 'missed'}"
-                )
+                gap, spread = _gap(rs)
+                verdict = (f"- {task} {row} (walks {walks}, {len(rs)} seed{'s' if len(rs) > 1 else ''}): end - start "
+                           f"{gap:+.4f} (mean), seed sd of the end {spread:.4f}: "
+                           f"{'met' if _met(rs) else 'missed'}")  # fmt: skip
+                (superseded if old else verdicts).append(verdict)
+                if not old:
+                    images[task] = rs[0]["eval_n"]
+                    doc.append(f"| {task} | {row} | {walks} | {len(rs)} | {_ms(start)} | "
+                               f"{_ms(end)} | {per_seed} | {'met' if _met(rs) else 'missed'} |")  # fmt: skip
+    table, chosen, summary = _choice(train)
+    current = f"{TRAINED_WALK['full']:g}, {TRAINED_WALK['bias']:g}"
+    if chosen is None:
+        pick = "no candidate chosen yet (a larger candidate is undecided or none met it)"
+    else:
+        match = _ref_walks(chosen) == f"{TRAINED_WALK['full']:.2g}, {TRAINED_WALK['bias']:.2g}"
+        pick = (f"chosen: {chosen}, walks ({_ref_walks(chosen)}); `dpfit.recipe.TRAINED_WALK` "
+                f"is ({current}): {'the choice' if match else 'NOT the choice'}")  # fmt: skip
+    lines += ["", "## The rule's constant, chosen on the validation split", "",
+              f"Criterion (fixed before the test split ran with the choice): of the candidates "
+              f"{', '.join(CANDIDATES)}, the largest walk that on every task and row, with at "
+              f"least {MIN_SEEDS} validation seeds, meets the target (mean end - start >= -(seed "
+              "sd of the end)). The test split plays no part in it.", "", *table, "",
+              f"Result: {pick}."]  # fmt: skip
     if verdicts:
-        lines += ["", "Target (test split, defaults):", "", *verdicts]
+        lines += ["", f"Target (test split, defaults: walks {current}):", "", *verdicts]
+    if superseded:
+        lines += ["", "Superseded (test split, the defaults of an earlier choice):", "",
+                  *superseded]  # fmt: skip
     commands = sorted({r["command"] for r in train if r.get("command")})
     lines += ["", "Commands (each under `nice -n 10`; a run already recorded is skipped, so a "
               "command stopped part-way and rerun adds only the missing rows):", "",
@@ -308,8 +437,31 @@ def cmd_report(args) -> None:
     lines += ["", f"Runs: {len(train)} private runs, {len(pre)} pretraining runs; training-loop "
               f"CPU over all of them {cpu_total / 60:.1f} min (each worker's start-up, data loading "
               "and the two evaluations come on top).", ""]  # fmt: skip
-    (RESULTS / "checkpoint_recipe.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    scale = ", ".join(f"{t} {n} ({1 / n:.4f} an image)" for t, n in sorted(images.items()))
+    what = f"walks {current}; test images: {scale}"
+    block = [f"Test split, the defaults ({what}; mean ± sd over seeds):", "",
+             "| task | row | walk (weights, biases) | seeds | start | end | "
+             "end - start per seed | target |", "|---|---|---|---|---|---|---|---|",
+             *doc, "", f"Validation, {MIN_SEEDS} seeds (the choice; every row in "
+             "checkpoint_recipe.md):", "",
+             "| candidate | walk (weights, biases) | task rows that met the target | "
+             "lowest mean end - start |", "|---|---|---|---|", *summary, "",
+             f"Result: {pick}."]  # fmt: skip
+    return "\n".join(lines), "\n".join(block)
+
+
+def cmd_report(args) -> None:
+    md, block = render(_read())
+    (RESULTS / "checkpoint_recipe.md").write_text(md)
+    print(md)
+    path = HERE.parent / "docs" / "vision.md"
+    body = path.read_text()
+    begin, end = DOC_MARKERS
+    if begin not in body or end not in body:
+        raise SystemExit(f"{path} has no {begin} ... {end} markers")
+    head, rest = body.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
 
 
 def main() -> None:

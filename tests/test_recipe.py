@@ -143,7 +143,7 @@ def test_language_modelling_takes_the_walk_rate_and_classification_keeps_its_own
         lm = resolve_recipe(n, 0, 8.0, 1e-5, 134_705_664)
         steps = lm.epochs * round(n / lm.batch_size)
         assert lm.language_model and lm.start == "pretrained" and lm.head_epochs == 0
-        assert lm.lr * steps**0.5 == pytest.approx(R.TRAINED_WALK["bias"])
+        assert lm.lr * steps**0.5 == pytest.approx(R.LM_WALK["bias"])
         assert lm.lr < R.PRIVATE_LR["bias"] / 5
         assert "a pretrained language model already does its task" in lm.describe()
         assert "a pretrained language model" in lm.rule
