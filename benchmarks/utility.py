@@ -897,16 +897,18 @@ def precision_comparison(
         "drawn fresh in every run, so even the same seed is not a paired comparison. Accuracy "
         "in %.",
         "",
-        "| task | row | bf16: seeds, accuracy | fp32: seeds, mean ± sd [min-max] | bf16 against "
-        "the fp32 range |",
-        "|---|---|---|---|---|",
+        "| task | row | bf16: seeds, accuracy | bf16 mean | fp32: seeds, mean ± sd [min-max] | "
+        "bf16 runs against the fp32 range | bf16 mean - fp32 mean |",
+        "|---|---|---|---|---|---|---|",
     ]
+    verdicts: list[bool] = []
     for task, rows in low.items():
         for name, s in rows.items():
             bf = ", ".join(f"{s['by_seed'][k]:.1f} (seed {k})" for k in sorted(s["by_seed"]))
+            bf_mean = sum(s["by_seed"].values()) / len(s["by_seed"])
             r = ref.get(task, {}).get(name)
             if r is None:
-                lines.append(f"| {task} | {name} | {bf} | not run | |")
+                lines.append(f"| {task} | {name} | {bf} | {bf_mean:.1f} | not run | | |")
                 continue
             vals = list(r["by_seed"].values())
             sd = f" ± {r['sd']:.1f}" if r["sd"] is not None else ""
@@ -915,9 +917,25 @@ def precision_comparison(
                 for v in s["by_seed"].values()
             }
             lines.append(
-                f"| {task} | {name} | {bf} | {r['seeds']}, {r['mean']:.1f}{sd} "
-                f"[{min(vals):.1f}-{max(vals):.1f}] | {', '.join(sorted(where))} |"
+                f"| {task} | {name} | {bf} | {bf_mean:.1f} | {r['seeds']}, {r['mean']:.1f}{sd} "
+                f"[{min(vals):.1f}-{max(vals):.1f}] | {', '.join(sorted(where))} | "
+                f"{bf_mean - r['mean']:+.1f} |"
             )
+            if len(s["by_seed"]) >= 3:
+                verdicts.append(min(vals) <= bf_mean <= max(vals))
+    lines += [
+        "",
+        "Criterion, fixed before the bf16 seeds 1 and 2 ran: `--precision auto` (bf16 on this "
+        "CPU) may be `dpfit train`'s default only if, on every task, the mean of at least 3 "
+        "bf16 seeds lies inside the range of the fp32 seeds (the seed spread).",
+        "",
+        (
+            "Verdict: not enough bf16 seeds (fewer than 3 on some task)."
+            if len(verdicts) < sum(len(rows) for rows in low.values()) or not verdicts
+            else f"Verdict: {'met' if all(verdicts) else 'not met'} "
+            f"({sum(verdicts)} of {len(verdicts)} tasks inside)."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -158,3 +158,20 @@ def test_tfidf_gap_says_when_the_embedding_is_not_behind(utility):
     lines = utility.tfidf_gap_lines(utility.summarize(records, utility.Scale(None, None)))
     assert "is not below TF-IDF + LR (+1.0): a fine-tune that ends below it loses in " in lines[1]
     assert lines[2].endswith("it still ends below TF-IDF + LR (-2.0 over 1 seed(s))")
+
+
+def _bf16_and_fp32(bf16_accs):
+    fp32 = [_record("t", "DP-BiTFiT eps=8", s, a, 0.5) for s, a in enumerate((0.70, 0.72, 0.74))]
+    bf16 = [_record("t", "DP-BiTFiT eps=8", s, a, 0.5) for s, a in enumerate(bf16_accs)]
+    return bf16, fp32
+
+
+def test_precision_verdict_needs_three_bf16_seeds_inside_the_fp32_range(utility):
+    scale = utility.Scale(None, None)
+    inside = utility.precision_comparison(*_bf16_and_fp32((0.69, 0.73, 0.74)), scale)
+    assert "Verdict: met (1 of 1 tasks inside)" in inside  # mean 72.0 within [70, 74]
+    assert "| 72.0 |" in inside and "| +0.0 |" in inside
+    below = utility.precision_comparison(*_bf16_and_fp32((0.66, 0.69, 0.70)), scale)
+    assert "Verdict: not met (0 of 1 tasks inside)" in below  # mean 68.3 below 70
+    one_seed = utility.precision_comparison(*_bf16_and_fp32((0.72,)), scale)
+    assert "Verdict: not enough bf16 seeds" in one_seed
