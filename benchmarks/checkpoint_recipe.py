@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from doc_block import write_between_markers
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit, as in the workers
 RESULTS = HERE / "results"
@@ -454,14 +456,7 @@ def cmd_report(args) -> None:
     md, block = render(_read())
     (RESULTS / "checkpoint_recipe.md").write_text(md)
     print(md)
-    path = HERE.parent / "docs" / "vision.md"
-    body = path.read_text()
-    begin, end = DOC_MARKERS
-    if begin not in body or end not in body:
-        raise SystemExit(f"{path} has no {begin} ... {end} markers")
-    head, rest = body.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
+    write_between_markers(HERE.parent / "docs" / "vision.md", DOC_MARKERS, block)
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from doc_block import write_between_markers
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("lac", "clac", "adaptive-quantile", "automatic", "dynamic", "fixed")
@@ -1468,13 +1469,7 @@ def docs_section(pilot_md: str, protocols: Sequence[tuple[str, str]]) -> str:
 
 
 def write_into_docs(section: str, docs: Path) -> None:
-    body = docs.read_text()
-    begin, end = MARKERS
-    if begin not in body or end not in body:
-        raise SystemExit(f"{docs} has no {begin} ... {end} markers")
-    head, rest = body.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    docs.write_text(f"{head}{begin}\n{section}\n{end}{tail}")
+    write_between_markers(docs, MARKERS, section)
 
 
 GRID_NAME, GRID_BASE = "federated_lac_grid", "federated_lac_full"

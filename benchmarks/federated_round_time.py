@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from doc_block import write_between_markers
+
 RESULTS = Path(__file__).parent / "results"
 DOCS = Path(__file__).parent.parent / "docs" / "federated.md"
 MARKERS = ("<!-- federated_round_time:begin -->", "<!-- federated_round_time:end -->")
@@ -361,14 +363,8 @@ def main() -> None:
 
 def write_into_docs(text: str, docs: Path) -> None:
     """Replace the table between the markers in docs/federated.md with this rendering."""
-    body = docs.read_text()
-    begin, end = MARKERS
-    if begin not in body or end not in body:
-        raise SystemExit(f"{docs} has no {begin} ... {end} markers")
     table = "\n".join(line for line in text.splitlines() if not line.startswith("# "))
-    head, rest = body.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    docs.write_text(f"{head}{begin}\n{table.strip()}\n{end}{tail}")
+    write_between_markers(docs, MARKERS, table.strip())
 
 
 if __name__ == "__main__":

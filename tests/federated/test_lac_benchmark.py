@@ -92,21 +92,27 @@ def recomputed_epsilon(r: dict) -> float:
     )  # fmt: skip
 
 
+def _synthetic_protocol_runs(memo_rounds: list[dict] | None = None) -> list[dict]:
+    """A fixed run, a voted DP-LAC run (first round 55 s cumulative, second 60 s), a DP-LAC run
+    whose vote came from the memo (its rounds `memo_rounds`, default the voted run's) and a
+    tuned automatic arm of 2 candidates."""
+    rounds = [{"cpu_seconds": 55.0}, {"cpu_seconds": 60.0}]
+    return [
+        {"method": "fixed", "cpu_seconds": 100.0},
+        {"method": "lac", "c_star": 1, "cpu_seconds": 200.0, "rounds": rounds},
+        {"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "rounds": memo_rounds or rounds,
+         "vote_from_memo": True},
+        {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
+         "cpu_seconds": 90.0},
+    ]  # fmt: skip
+
+
 def test_protocol_cost_counts_every_run_of_the_protocol():
     """Synthetic rows: 24 plain runs + 1 reference at 100 s; 12 voted runs at 150 s without
     their vote + 4 votes at 50 s (first round 55 s cumulative, second 60 s); 12 tuned arms of
     3 candidates at 80 s and a final at 90 s."""
     bench = _benchmark()
-    rounds = [{"cpu_seconds": 55.0}, {"cpu_seconds": 60.0}]
-    read = [{"cpu_seconds": 5.0}, {"cpu_seconds": 10.0}]
-    runs = [{"method": "fixed", "cpu_seconds": 100.0}]
-    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0, "rounds": rounds}]
-    runs += [
-        {"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "rounds": read,
-         "vote_from_memo": True},
-        {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
-         "cpu_seconds": 90.0},
-    ]  # fmt: skip
+    runs = _synthetic_protocol_runs(memo_rounds=[{"cpu_seconds": 5.0}, {"cpu_seconds": 10.0}])
     text = "\n".join(bench.protocol_cost(runs))
     total = 25 * 100 + 12 * 150 + 4 * 50 + 36 * 80 + 12 * 90
     assert f"**{total / 3600:.2f}**" in text
@@ -204,15 +210,7 @@ def test_retimed_estimate_prices_each_component_from_its_retimed_runs():
     DP-LAC run of 130 s whose vote took 30 s (first round 35 s, second 40 s), a reference at
     50 s and two no-vote runs at 90 s and 110 s; tuning priced at recorded x 0.8."""
     bench = _benchmark()
-    rounds = [{"cpu_seconds": 55.0}, {"cpu_seconds": 60.0}]
-    runs = [{"method": "fixed", "cpu_seconds": 100.0}]
-    runs += [{"method": "lac", "c_star": 1, "cpu_seconds": 200.0, "rounds": rounds}]
-    runs += [
-        {"method": "lac", "c_star": 1, "cpu_seconds": 150.0, "rounds": rounds,
-         "vote_from_memo": True},
-        {"method": "automatic", "tuned": True, "tuning_runs": 2, "tuning_cpu_seconds": 160.0,
-         "cpu_seconds": 90.0},
-    ]  # fmt: skip
+    runs = _synthetic_protocol_runs()
     for r in runs:
         r.update(epsilon_target=8.0, seed=0, initial_clip=1.0, test_accuracy=0.7, test_loss=0.5,
                  test_examples=1264, **SETTING)  # fmt: skip
