@@ -147,6 +147,9 @@ def test_language_modelling_takes_the_walk_rate_and_classification_keeps_its_own
         assert lm.lr < R.PRIVATE_LR["bias"] / 5
         assert "a pretrained language model already does its task" in lm.describe()
         assert "a pretrained language model" in lm.rule
+        # from an LM checkpoint trained for the task: the same LM walk, not the image-chosen one
+        trained_lm = resolve_recipe(n, 0, 8.0, 1e-5, 134_705_664, start="trained")
+        assert trained_lm.lr == pytest.approx(lm.lr)
         cls = resolve_recipe(n, 2, 8.0, 1e-5, 134_705_664)
         assert not cls.language_model and cls.lr == R.PRIVATE_LR["bias"]
         assert (cls.batch_size, cls.epochs) == (lm.batch_size, lm.epochs)

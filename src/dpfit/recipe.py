@@ -313,7 +313,7 @@ def resolve_recipe(
     main_steps = max(1, epochs - full_epochs) * steps_per_epoch
     full_steps = full_epochs * steps_per_epoch
     if trained or language_model:
-        walks = TRAINED_WALK if trained else LM_WALK
+        walks = LM_WALK if language_model else TRAINED_WALK  # an LM keeps its own, trained or not
         lr = trained_lr(mode, main_steps, walks)
         full_lr = trained_lr("full", full_steps, walks) if full_epochs else None
         what = "from a trained checkpoint" if trained else "a pretrained language model:"
