@@ -542,13 +542,12 @@ class BatchedClients:
         def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
             if not texts:
                 return math.nan, math.nan
-            stacked = self._stack(params, 1)
+            named = self._params(self._stack(params, 1))
             loss_sum, correct = 0.0, 0
             for idx in chunks:  # one length each: no padding
                 hidden, projected = self.cache.stacked([texts[i] for i in idx])
                 if projected is not None:
                     projected = projected.unsqueeze(0)
-                named = self._params(stacked)
                 logits = self.top.logits(hidden.unsqueeze(0), None, named, projected)[0]
                 yy = y[torch.as_tensor(idx)]
                 loss_sum += float(F.cross_entropy(logits, yy, reduction="sum"))
