@@ -24,13 +24,24 @@ R_STRADDLE = 0.05  # below a quarter of every STRADDLE_DOCS document's gradient 
 STRADDLE = f"straddle:{R_STRADDLE}"
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def _job(tmp_path_factory, *specs: str) -> list[dict]:
     out = tmp_path_factory.mktemp("dist_documents")
-    specs = ("update", STRADDLE, "noise", "refused")
     codes = launch(out, 2, *specs, script="document_worker.py")
     assert codes == [0, 0], launch.logs
     return results(out, 2)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The deterministic scenarios (sigma = 0, or a refusal)."""
+    return _job(tmp_path_factory, "update", STRADDLE, "refused")
+
+
+@pytest.fixture(scope="module")
+def noise_job(tmp_path_factory):
+    """Noisy steps with OS-seeded sampling (a separate job, so that a test of the others
+    alone does not run it)."""
+    return _job(tmp_path_factory, "noise")
 
 
 def _documents_of(rows: list[tuple[int, int]]) -> dict[int, list[int]]:
@@ -92,13 +103,13 @@ def test_a_document_is_clipped_once_whole_on_one_rank(job):
     assert R_STRADDLE < 0.25 * float(grads.norm(dim=1).min())  # every document is clipped
     want = _clipped_sum(grads, R_STRADDLE) / len(docs)
 
-    assert _documents_of(job[0][STRADDLE]["rows"]) == {0: [0, 1, 2], 2: [0, 1]}
-    assert _documents_of(job[1][STRADDLE]["rows"]) == {1: [0]}
-    assert job[0][STRADDLE]["batches"] == 3 and job[1][STRADDLE]["batches"] == 1
     for rank in (0, 1):
         got = job[rank][STRADDLE]["released"].double()
         err = (got - want).abs().max() / want.abs().max()
         assert err <= 1e-5, (rank, float(err))
+    assert _documents_of(job[0][STRADDLE]["rows"]) == {0: [0, 1, 2], 2: [0, 1]}
+    assert _documents_of(job[1][STRADDLE]["rows"]) == {1: [0]}
+    assert job[0][STRADDLE]["batches"] == 3 and job[1][STRADDLE]["batches"] == 1
 
     # what splitting rows among ranks (every second window) and clipping each rank's part of
     # a document alone would release instead: documents 0 and 2 clipped twice
@@ -111,16 +122,16 @@ def test_a_document_is_clipped_once_whole_on_one_rank(job):
     assert (split - want).abs().max() > 1e-2 * want.abs().max()
 
 
-def test_noise_is_drawn_once_per_step_across_ranks(job):
+def test_noise_is_drawn_once_per_step_across_ranks(noise_job):
     """Zero gradients: each update is N(0, (sigma R / B)^2) per coordinate, for 1 and 2 ranks
     (a draw on every rank would show sqrt(2) times that)."""
     std = 1.0 * 1.0 / 4
-    assert_std(job[0]["noise"]["deltas"], std)
+    assert_std(noise_job[0]["noise"]["deltas"], std)
     assert_std(worker.noise(1, steps=16)["deltas"], std)
 
 
-def test_ranks_stay_identical_and_epsilon_is_the_one_process_figure_over_documents(job):
-    a, b = job[0]["noise"], job[1]["noise"]
+def test_ranks_stay_identical_and_epsilon_is_the_one_process_figure_over_documents(noise_job):
+    a, b = noise_job[0]["noise"], noise_job[1]["noise"]
     assert a["steps"] == b["steps"] == 32
     assert torch.equal(a["params"], b["params"]) and torch.equal(a["deltas"], b["deltas"])
     assert a["deltas"].abs().sum() > 0
