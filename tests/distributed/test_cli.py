@@ -1,5 +1,6 @@
-"""`dpfit train --nproc-per-node N`: the torchrun command it builds, the rank-0 guard, and one
-short 2-process run end to end (tiny local model and data)."""
+"""`dpfit train --nproc-per-node N`: the torchrun command it builds, the rank-0 guard, and
+short 2-process runs end to end (tiny local models and data), one with the document privacy
+unit against the same run in one process."""
 
 from __future__ import annotations
 
