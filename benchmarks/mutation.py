@@ -873,6 +873,13 @@ MUTATIONS += (
         ),
         ("tests/distributed/test_documents.py", "-k", "clipped_once"),
     ),
+    Mutation(
+        "distributed-document-noise-on-every-rank",
+        "data-parallel privacy_unit='document': every rank adds sigma*R noise before the "
+        "all-reduce (sqrt(W) too much)",
+        ((ENGINE, "std = 0.0  # the noise is added exactly once, by rank 0", "pass"),),
+        ("tests/distributed/test_documents.py", "-k", "noise_is_drawn_once"),
+    ),
 )
 
 
