@@ -849,6 +849,40 @@ MUTATIONS += (
 )
 
 
+# data-parallel with privacy_unit="document": ranks hold whole documents, so each document is
+# summed and clipped once, on one rank
+_RANK_OF = '__import__("dpfit.distributed").distributed'
+MUTATIONS += (
+    Mutation(
+        "distributed-document-split-among-ranks",
+        "data-parallel privacy_unit='document': every rank takes the whole sample of documents "
+        "and keeps every world-th window, so each rank clips its part of a document alone (a "
+        "document split over W ranks moves the sum by up to W R)",
+        (
+            (
+                ENGINE,
+                "            part=part,\n",
+                '            part=None if self.config.privacy_unit == "document" else part,\n',
+            ),
+            (
+                "dpfit/sampling.py",
+                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]\n",
+                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]"
+                f"[{_RANK_OF}.get_rank() :: {_RANK_OF}.get_world_size()]\n",
+            ),
+        ),
+        ("tests/distributed/test_documents.py", "-k", "clipped_once"),
+    ),
+    Mutation(
+        "distributed-document-noise-on-every-rank",
+        "data-parallel privacy_unit='document': every rank adds sigma*R noise before the "
+        "all-reduce (sqrt(W) too much)",
+        ((ENGINE, "std = 0.0  # the noise is added exactly once, by rank 0", "pass"),),
+        ("tests/distributed/test_documents.py", "-k", "noise_is_drawn_once"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

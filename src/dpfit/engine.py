@@ -78,6 +78,22 @@ _DOCUMENT_IDS_NEEDED = (
 __all__ = ["PrivacyEngine", "gaussian_noise", "get_clipping"]
 
 
+def _check_distributed_unit(config: PrivacyConfig) -> None:
+    """A data-parallel job with privacy_unit="document" needs the engine's loader: it splits
+    each logical batch among ranks by documents, so every sampled document's rows are summed
+    and clipped on one rank. With user-drawn batches the engine cannot see whether a
+    document's rows went to several ranks, where each part would be clipped alone."""
+    if config.privacy_unit == "document" and config.sampling == "user-poisson":
+        raise DistributedError(
+            "privacy_unit='document' with sampling='user-poisson' in a data-parallel job: the "
+            "engine cannot tell whether one document's rows were given to several ranks, and "
+            "each rank would clip its part alone (a document split over W ranks could move "
+            "the sum by up to W times max_grad_norm). Use engine.data_loader over the "
+            "documents (sampling='poisson'; it keeps every sampled document's rows on one "
+            "rank), or train in one process"
+        )
+
+
 class PrivacyEngine:
     """DP-SGD over the model's trainable parameters, bias-only by design (DP-BiTFiT).
 
@@ -90,7 +106,8 @@ class PrivacyEngine:
     are documents, each a sequence of rows (the windows of a long text); Poisson sampling is
     over documents (sample_size and expected_batch_size count them), and a document's rows
     are summed, across physical batches, into one gradient clipped once (epsilon protects a
-    whole document). Bias mode only.
+    whole document). Bias mode only. Data-parallel, the engine's loader gives each rank whole
+    documents (never part of one), so each document is clipped once, on one rank.
 
     Construction validates the model (no BatchNorm, a sampler for every trainable parameter),
     fixes the noise multiplier (given, or calibrated to a target epsilon for the planned steps)
@@ -156,6 +173,8 @@ class PrivacyEngine:
             neighbouring=neighbouring,
             privacy_unit=privacy_unit,
         )
+        if self._dist is not None:
+            _check_distributed_unit(self.config)
         self.model = model
         self._bias_selection = bias_selection(model)
         if self._phases:

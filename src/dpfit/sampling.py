@@ -8,7 +8,8 @@ In a data-parallel job every rank draws the same Poisson sample of the whole dat
 every world-th of its indices (`RankPart`): the union is exactly the one-process logical batch,
 and the ranks' shares differ by at most one example, so no rank waits on a larger share at the
 step's all-reduce (independent samples of per-rank shards, the other exact design, differ by
-about sqrt(B/W) examples, and the slowest rank sets the pace).
+about sqrt(B/W) examples, and the slowest rank sets the pace). A loader over documents
+(privacy_unit="document") splits the sample by documents: each rank holds whole documents.
 
 The loader knows nothing of the engine: it reports where logical batches begin and end to any
 `LogicalBatchEvents` (the engine passes a `LogicalStepTracker`, which it then consults).
@@ -340,6 +341,9 @@ class PoissonDataLoader:
                     self.events.empty()
                 continue
             if self.documents:  # rows: (document's place in this logical batch, item)
+                # data-parallel, `idx` holds this rank's whole documents (RankPart splits the
+                # sample by documents, not rows): a document's rows are all summed here, and
+                # clipped once, never in parts on several ranks
                 rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]
                 chunks = self._chunks(rows)
                 owners = tuple(tuple(j for j, _ in c) for c in chunks)

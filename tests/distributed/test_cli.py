@@ -1,10 +1,12 @@
-"""`dpfit train --nproc-per-node N`: the torchrun command it builds, the rank-0 guard, and one
-short 2-process run end to end (tiny local model and data)."""
+"""`dpfit train --nproc-per-node N`: the torchrun command it builds, the rank-0 guard, and
+short 2-process runs end to end (tiny local models and data), one with the document privacy
+unit against the same run in one process."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,10 +15,11 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
+from safetensors.torch import load_file
 
 from dpfit import checkpoint as ckpt
 from dpfit import distributed
-from dpfit.models import save_tiny_random_model, write_tiny_sentiment_csv
+from dpfit.models import TINY_WORDS, save_tiny_random_model, write_tiny_sentiment_csv
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -142,3 +145,47 @@ def test_killed_rank_fails_the_job_and_resume_finishes_like_an_uninterrupted_run
     acc.compose(event, total + m.get("head_first_steps", 0))
     assert m["epsilon"] == pytest.approx(acc.get_epsilon(m["delta"]), rel=1e-9)
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["steps"] == total
+
+
+@pytest.mark.slow
+def test_two_process_document_unit_run_is_the_one_process_run(tmp_path):
+    """`dpfit train --task causal-lm --privacy-unit document --nproc-per-node 2` with one
+    insecure seed: the same sampled documents and noise as one process, so the same epsilon
+    and the same trained model (documents of 1 to 4 windows, physical batches of 3)."""
+    model = save_tiny_random_model(tmp_path / "llama", arch="llama")
+    words = random.Random(0)
+    data = tmp_path / "docs.jsonl"
+    data.write_text(
+        "\n".join(
+            json.dumps({"text": " ".join(words.choices(TINY_WORDS, k=6 + (i * 7) % 45))})
+            for i in range(60)
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+
+    def run(name: str, *extra: str) -> tuple[dict, dict]:
+        cmd = [
+            sys.executable, "-m", "dpfit", "train", "--task", "causal-lm", "--model", str(model),
+            "--data", str(data), "--max-length", "16", "--stride", "12",
+            "--privacy-unit", "document", "--batch-size", "4", "--physical-batch-size", "3",
+            "--epochs", "2", "--epsilon", "8", "--seed", "5", "--insecure-reproducible-noise",
+            "--threads", "1", "--quiet", "--json", "--output", str(tmp_path / name), *extra,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        return metrics, load_file(str(tmp_path / name / "model" / "model.safetensors"))
+
+    one, params_one = run("one")
+    two, params_two = run("two", "--nproc-per-node", "2")
+    assert two["privacy_unit"] == "document" and two["train_documents"] == one["train_documents"]
+    assert two["steps"] == one["steps"] >= 20
+    assert two["epsilon"] == one["epsilon"] and two["sample_rate"] == one["sample_rate"]
+    # the added biases start at zero: their values are what training moved (AdamW over the
+    # steps); the ranks' sums add in another order, so equal up to rounding, not bit for bit
+    trained = [k for k in params_one if k.endswith(".bias")]
+    scale = max(float(params_one[k].abs().max()) for k in trained)
+    assert scale > 0
+    for name, t in params_one.items():
+        err = float((params_two[name].double() - t.double()).abs().max())
+        assert err <= 1e-5 * scale, (name, err, scale)
