@@ -506,6 +506,7 @@ def render_targets(res: dict, arms: list[str]) -> list[str]:
     pk = res["peaks"]["bf16"]["gflops_cpu"]
     lines = ["", "Targets (per step, CPU time, this run):", "", "| len | target | measured | met |"]
     lines.append("|---:|---|---:|---|")
+    ceiling: list[tuple[int, float, float]] = []  # (len, achieved fraction, matmul share)
 
     def add(length, what, value, ok, fmt):
         lines.append(f"| {length} | {what} | {fmt.format(value)} | {'yes' if ok else 'no'} |")
@@ -518,6 +519,9 @@ def render_targets(res: dict, arms: list[str]) -> list[str]:
         frac = b["achieved_gflops_cpu"] / pk
         add(length, f"DP-BiTFiT bf16 achieved >= {TARGET_PEAK_FRACTION:.0%} of bf16 peak", frac,
             frac >= TARGET_PEAK_FRACTION, "{:.1%}")  # fmt: skip
+        share = ((res.get("profiles") or {}).get(str(length)) or {}).get("bf16", {})
+        if share.get("matrix products"):
+            ceiling.append((length, frac, share["matrix products"]))
         c = _row(res, length, "nonprivate-bias", "bf16")
         if c:
             t = b["cpu_s_per_step"] / c["cpu_s_per_step"]
@@ -526,6 +530,15 @@ def render_targets(res: dict, arms: list[str]) -> list[str]:
                 f"{TARGET_DP_OVER_NONPRIVATE}", t, t <= TARGET_DP_OVER_NONPRIVATE, "{:.3f}")  # fmt: skip
             add(length, f"bf16 DP-BiTFiT / non-private bias-only saved memory <= "
                 f"{TARGET_DP_OVER_NONPRIVATE}", m, m <= TARGET_DP_OVER_NONPRIVATE, "{:.3f}")  # fmt: skip
+    for length, frac, share in ceiling:
+        lines += [
+            "",
+            f"What the share of the peak can reach at len {length}: the bf16 step's matrix "
+            f"products are {share:.0%} of its CPU time (the profile above), so at their own "
+            f"rate they run at {frac:.1%} / {share:.2f} = {frac / share:.0%} of the peak; a "
+            "step whose every other op took no time at all would reach that, and no more. "
+            "The profiler inflates small ops, so the true share, and this ceiling, are rough.",
+        ]
     return lines
 
 
@@ -679,7 +692,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--train-compare", type=int, metavar="N", help="instead: dpfit train fp32 vs bf16 on N"
     )
+    ap.add_argument("--from-json", help="render this recorded result again; measure nothing")
     args = ap.parse_args(argv)
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+        Path(args.from_json).with_suffix(".md").write_text(render(res))
+        print(render(res))
+        return 0
     if args.train_compare:
         res = train_compare(args.train_compare, args.threads)
         out = Path(args.out + "_train")

@@ -50,3 +50,24 @@ def test_model_flops_match_torch_flop_counter(weights_train):
     want = throughput.model_flops(cfg, length, 2, weights_train=weights_train)
     assert fwd.get_total_flops() == b * want["forward"]
     assert fwd.get_total_flops() + bwd.get_total_flops() == b * want["total"]
+
+
+def test_peak_ceiling_is_the_achieved_share_over_the_matmul_share():
+    """The ceiling line: a step whose non-matmul ops were free runs at the matmul rate, i.e.
+    (achieved fraction of the peak) / (matmul share of the step's time)."""
+    rows = [
+        {"length": 28, "arm": a, "precision": p, "cpu_s_per_step": t, "achieved_gflops_cpu": g,
+         "saved_mb": 10.0}
+        for a, p, t, g in (("dp-bitfit", "fp32", 2.0, 50.0), ("dp-bitfit", "bf16", 1.0, 150.0),
+                           ("nonprivate-bias", "bf16", 0.98, 153.0))
+    ]  # fmt: skip
+    res = {
+        "lengths": [28],
+        "rows": rows,
+        "peaks": {"bf16": {"gflops_cpu": 1000.0}},
+        "profiles": {"28": {"bf16": {"matrix products": 0.25}}},
+    }
+    text = "\n".join(throughput.render_targets(res, ["dp-bitfit"]))
+    assert "15.0% / 0.25 = 60% of the peak" in text
+    del res["profiles"]
+    assert "of the peak; a step" not in "\n".join(throughput.render_targets(res, ["dp-bitfit"]))
