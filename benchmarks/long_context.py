@@ -935,17 +935,32 @@ def _target_lines(res: dict) -> list[str]:
 
 def _below_machine(met: dict, res: dict) -> str:
     """Where DP full ran out of a cap smaller than the machine: what that does not show."""
-    caps = [
-        r.get("memory_cap_gib", res["memory_cap_gib"])
+    failed = [
+        r
         for a in met["dp_full"]
         if (r := _find(res, a, met["length"], met["batch"])) and r["status"] == "does-not-fit"
     ]
+    caps = [r.get("memory_cap_gib", res["memory_cap_gib"]) for r in failed]
     if not caps or min(caps) >= 24:
         return ""
+    cap = min(caps)
+    total = res.get("machine", {}).get("mem_total_bytes")
+    avail = [
+        r["mem_available_at_start_bytes"] for r in failed if "mem_available_at_start_bytes" in r
+    ]
+    if total and total / GIB < 24 and avail and min(avail) / GIB >= cap:
+        # the arms started with at least their cap free: the machine's size set the cap
+        why = (
+            f"the machine has {total / GIB:.1f} GiB in all and no swap (available at those "
+            f"arms' starts: {min(avail) / GIB:.1f}-{max(avail) / GIB:.1f} GiB), so {cap:g} GiB "
+            "was about the most one process could be given and a 24 GiB cap cannot end in a "
+            "measured allocation failure here"
+        )
+    else:
+        why = f"{cap:g} GiB was the most one arm could take beside the other jobs running"
     return (
-        f" for a {min(caps):g} GiB cap, not for the machine's 24 GiB: {min(caps):g} GiB was the "
-        "most one arm could take beside the other jobs running, so whether DP full fits in 24 GiB "
-        "here is not measured"
+        f" for a {cap:g} GiB cap, not for the machine's 24 GiB: {why}, so whether DP full fits "
+        "in 24 GiB is not measured"
     )
 
 

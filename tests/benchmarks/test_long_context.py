@@ -216,3 +216,20 @@ def test_a_ratio_between_rows_of_different_steps_says_so():
     rows[0].update(warmup=0, timed=1)
     (x,) = long_context._longest_common(_result(rows), "dp-bitfit-ckpt")
     assert "rows_differ" not in x
+
+
+def test_a_cap_below_24_gib_names_the_machine_when_it_had_the_cap_free():
+    """Why a 21 GiB cap stood for the machine's 24: the machine's own size when the failing
+    arms started with at least the cap available; other jobs otherwise."""
+    gib = long_context.GIB
+    row = {"arm": "dpfit-full", "length": 4096, "batch": 4, "status": "does-not-fit",
+           "memory_cap_gib": 21, "mem_available_at_start_bytes": 22 * gib}  # fmt: skip
+    res = {"rows": [row], "memory_cap_gib": 21, "machine": {"mem_total_bytes": 23.5 * gib}}
+    met = {"dp_full": ["dpfit-full"], "length": 4096, "batch": 4}
+    idle = long_context._below_machine(met, res)
+    assert "the machine has 23.5 GiB in all and no swap" in idle and "other jobs" not in idle
+    row["mem_available_at_start_bytes"] = 15 * gib  # other jobs held memory at the start
+    busy = long_context._below_machine(met, res)
+    assert "beside the other jobs running" in busy and "23.5" not in busy
+    row["memory_cap_gib"] = 24
+    assert long_context._below_machine(met, {**res, "memory_cap_gib": 24}) == ""
