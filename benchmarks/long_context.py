@@ -954,13 +954,13 @@ def _below_machine(met: dict, res: dict) -> str:
             f"the machine has {total / GIB:.1f} GiB in all and no swap (available at those "
             f"arms' starts: {min(avail) / GIB:.1f}-{max(avail) / GIB:.1f} GiB), so {cap:g} GiB "
             "was about the most one process could be given and a 24 GiB cap cannot end in a "
-            "measured allocation failure here"
+            "measured allocation failure on it"
         )
     else:
         why = f"{cap:g} GiB was the most one arm could take beside the other jobs running"
     return (
         f" for a {cap:g} GiB cap, not for the machine's 24 GiB: {why}, so whether DP full fits "
-        "in 24 GiB is not measured"
+        "in 24 GiB here is not measured"
     )
 
 
