@@ -310,6 +310,17 @@ def test_window_unit_counts_windows_and_says_what_epsilon_protects(folder, tmp_p
     assert any(f"{m['train_examples']} windows" in n and "one window" in n for n in notes)
 
 
+def test_non_private_baseline_trains_on_the_same_windows(folder, tmp_path):
+    data = _long_csv(tmp_path / "long.csv", 40, seed=2)
+    cfg = TrainConfig(
+        model=str(folder), data=data, max_length=LENGTH, stride=STRIDE, batch_size=8,
+        physical_batch_size=4, max_steps=2, non_private=True, public_labels=True,
+    )  # fmt: skip
+    m = train(cfg).metrics
+    assert m["train_documents"] == 36 and m["train_examples"] > 36 and m["eval_n"] == 4
+    assert m["steps"] == 2 and "privacy_unit" not in m
+
+
 def test_short_texts_train_exactly_as_without_windows(tiny):
     """Texts within max length are one window each: with --stride the run trains and scores
     exactly as without it (same items, same order, same noise under a fixed seed)."""

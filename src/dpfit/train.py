@@ -51,8 +51,8 @@ from dpfit.tasks.classification import (  # noqa: F401 - re-exported for scripts
 )
 from dpfit.tasks.pooling import POOLINGS
 
-# window: each window of a document is one example; document: all of a document's windows
-# are sampled and clipped as one contribution (the engine's privacy_unit="document")
+# PRIVACY_UNITS: "window" (each window of a document is one example) or "document" (all of a
+# document's windows sampled and clipped as one: the engine's privacy_unit="document")
 from dpfit.windows import PRIVACY_UNITS, check_stride
 
 logger = logging.getLogger(__name__)
@@ -102,8 +102,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_length: int | None = None
     # long texts (causal LM, classification; dpfit.windows): a window every `stride` tokens
-    # (None: no overlap), and
-    # what epsilon protects: one window, or one whole document (all its windows as one)
+    # (None: no overlap), and what epsilon protects: one window, or one whole document (all
+    # its windows as one)
     stride: int | None = None
     privacy_unit: str = "window"
     # bias mode: recompute activations in the backward pass (dpfit.activation_checkpointing)

@@ -266,23 +266,22 @@ def evaluate(
     collate = make_collate(tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
-    rows: list[torch.Tensor | None] = [None] * len(items)
+    rows: torch.Tensor | None = None  # (items, classes), in item order
     progress.report("evaluating", 0, len(order))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = collate([items[i] for i in idx])
         batch.pop("labels")
         logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.float().cpu()
-        for i, row in zip(idx, logits, strict=True):
-            rows[i] = row
+        if rows is None:
+            rows = logits.new_zeros(len(items), logits.shape[1])
+        rows[torch.tensor(idx)] = logits
         progress.report("evaluating", start + len(idx), len(order))
     model.train(was_training)
     preds = [0] * len(data)
-    if items:
-        logits = mean_window_logits(
-            torch.stack(rows), torch.tensor(owner, dtype=torch.long), len(data)
-        )
-        preds = logits.argmax(-1).tolist()
+    if rows is not None:
+        owners = torch.tensor(owner, dtype=torch.long)
+        preds = mean_window_logits(rows, owners, len(data)).argmax(-1).tolist()
     per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
     correct = 0
     names = data.label_names
