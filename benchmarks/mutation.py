@@ -883,6 +883,39 @@ MUTATIONS += (
 )
 
 
+# classification of long texts (dpfit.windows, dpfit.tasks.classification): a text's windows
+# reach the engine as one document, summed and clipped once, and n counts texts
+_CLS_WINDOWS = "tests/test_classification_windows.py"
+MUTATIONS += (
+    Mutation(
+        "classification-document-windows-clipped-separately",
+        "--task classification --privacy-unit document clips each window of a text alone (a "
+        "text of k windows moves the sum by up to k R)",
+        (
+            (
+                ENGINE,
+                "        if document_unit:  # summed per document, clipped at the end",
+                "        if False:  # summed per document, clipped at the end",
+            ),
+        ),
+        (_CLS_WINDOWS, "-k", "clipped_as_one"),
+    ),
+    Mutation(
+        "classification-document-n-counts-windows",
+        "--privacy-unit document samples texts but n (the sampling rate's denominator) counts "
+        "their windows: the rate, and so epsilon, is under-reported",
+        (
+            (
+                "dpfit/windows.py",
+                'return len(documents) if unit == "document" else sum(len(ws) for ws in documents)',
+                "return sum(len(ws) for ws in documents)",
+            ),
+        ),
+        (_CLS_WINDOWS, "-k", "clipped_as_one or cli_document_unit"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

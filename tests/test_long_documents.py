@@ -107,8 +107,11 @@ def test_result_table_names_the_unit():
 @pytest.mark.parametrize(
     "changes,match",
     [
-        ({"task": "classification", "privacy_unit": "document"}, "causal-lm only"),
-        ({"task": "classification", "stride": 64}, "causal-lm only"),
+        (
+            {"task": "image-classification", "privacy_unit": "document"},
+            "causal-lm or classification only",
+        ),
+        ({"task": "image-classification", "stride": 64}, "causal-lm or classification only"),
         ({"task": "causal-lm", "privacy_unit": "document", "mode": "full"}, "--mode bias"),
         ({"task": "causal-lm", "activation_checkpointing": True, "mode": "full"}, "--mode bias"),
     ],

@@ -15,11 +15,12 @@ import logging
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dpfit.windows import Window, windows  # noqa: F401 - re-exported: the cutting lives there
 
 log = logging.getLogger(__name__)
 
@@ -58,40 +59,11 @@ class TokenizedLines(torch.utils.data.Dataset):
         return self.items[i]
 
 
-class Window(NamedTuple):
-    """A stretch of a long document: its tokens, and how many of the first ones are context
-    only (they were targets in the window before, and are not targets again)."""
-
-    ids: torch.Tensor
-    context: int = 0
-
-
 def document_ids(text: str, tokenizer) -> torch.Tensor:
     """A whole document's token ids, ending with EOS (no truncation)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     return torch.tensor([*ids, eos] if eos is not None else ids, dtype=torch.long)
-
-
-def windows(ids: torch.Tensor, max_length: int, stride: int | None = None) -> list[Window]:
-    """`ids` cut into windows of at most `max_length` tokens, one starting every `stride`
-    tokens (default: `max_length`, no overlap), until the last token is covered.
-
-    With an overlap (stride < max_length) the overlapping tokens are context for the later
-    window and targets in the earlier one only: each token is a target at most once. (A
-    window's first token is never a target: nothing before it in the window predicts it.)
-    """
-    stride = max_length if stride is None else stride
-    if not 1 <= stride <= max_length:
-        raise ValueError(f"stride must be in [1, max_length={max_length}], got {stride}")
-    out: list[Window] = []
-    start, covered = 0, 0  # covered: tokens that were already in some window
-    while True:
-        end = min(start + max_length, len(ids))
-        out.append(Window(ids[start:end], covered - start if start else 0))
-        if end >= len(ids):
-            return out
-        covered, start = end, start + stride
 
 
 def make_collate(pad_id: int) -> Callable[[list[torch.Tensor | Window]], dict]:

@@ -65,17 +65,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stride",
         type=_positive_int,
-        help="causal LM on documents: a window of --max-length tokens starts every STRIDE "
-        "tokens (default: --max-length, no overlap); overlapping tokens are context for the "
-        "later window, never a target twice",
+        help="long texts (causal LM on documents, classification): a window of --max-length "
+        "tokens starts every STRIDE tokens (default: --max-length, no overlap). Causal LM: "
+        "overlapping tokens are context for the later window, never a target twice. "
+        "Classification: each window carries its text's label; a text is predicted from the "
+        "mean of its windows' logits",
     )
     g.add_argument(
         "--privacy-unit",
         choices=("window", "document"),
         default="window",
-        help="causal LM on documents: what epsilon protects. window: each window is an "
-        "example; document: documents are sampled and all windows of one are clipped as one "
-        "contribution (docs/long_documents.md)",
+        help="long texts cut into windows (causal LM on documents, classification): what "
+        "epsilon protects. window: each window is an example (epsilon protects a window, not "
+        "a whole text); document: documents are sampled and all windows of one are clipped "
+        "as one contribution (--mode bias; docs/long_documents.md)",
     )
     g.add_argument(
         "--full-data",
@@ -379,10 +382,11 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
         return rows + [(f"sample: {s['prompt']!r}", s["continuation"]) for s in m["samples"]]
     return [
         ("accuracy", m["accuracy"]),
-        ("evaluated on", f"{m['eval_n']} examples"),
+        ("evaluated on", _evaluated_on(m)),
         *mechanism_rows(m),
         ("head", f"{m.get('pooling')} pooling, linear"),
         ("logical steps", m["steps"]),
+        *_window_rows(m),
         *([("head-first steps", m["head_first_steps"])] if m.get("head_first_steps") else []),
         *score_rows(
             m,
@@ -399,8 +403,14 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
     ]
 
 
+def _evaluated_on(m: dict) -> str:
+    if m.get("window_length"):  # windowed classification: one prediction per text
+        return f"{m['eval_n']} texts (each from the mean of its windows' logits)"
+    return f"{m['eval_n']} examples"
+
+
 def _window_rows(m: dict) -> list[tuple[str, object]]:
-    """Long documents: how they were cut (causal LM on documents only)."""
+    """Long texts: how they were cut into windows (causal LM on documents, classification)."""
     if not m.get("window_length"):
         return []
     what = f"{m['window_length']} tokens every {m['stride']}, {m['train_documents']} documents"

@@ -51,14 +51,16 @@ from dpfit.tasks.classification import (  # noqa: F401 - re-exported for scripts
 )
 from dpfit.tasks.pooling import POOLINGS
 
+# PRIVACY_UNITS: "window" (each window of a document is one example) or "document" (all of a
+# document's windows sampled and clipped as one: the engine's privacy_unit="document")
+from dpfit.windows import PRIVACY_UNITS, check_stride
+
 logger = logging.getLogger(__name__)
 
 CLIPPING = ("flat", "automatic")
 MODES = ("bias", "full", "bias+lora", "lora")
 TASKS = ("classification", "causal-lm", "image-classification")
-# window: each window of a document is one example; document: all of a document's windows
-# are sampled and clipped as one contribution (the engine's privacy_unit="document")
-PRIVACY_UNITS = ("window", "document")
+WINDOWED_TASKS = ("causal-lm", "classification")  # tasks that cut long texts (dpfit.windows)
 OPTIMIZERS = {
     "adamw": lambda params, lr, wd: torch.optim.AdamW(params, lr=lr, weight_decay=wd),
     "sgd": lambda params, lr, wd: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd),
@@ -99,8 +101,9 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw | sgd (momentum 0.9)
     weight_decay: float = 0.0
     max_length: int | None = None
-    # long documents (causal LM): a window every `stride` tokens (None: no overlap), and
-    # what epsilon protects: one window, or one whole document (all its windows as one)
+    # long texts (causal LM, classification; dpfit.windows): a window every `stride` tokens
+    # (None: no overlap), and what epsilon protects: one window, or one whole document (all
+    # its windows as one)
     stride: int | None = None
     privacy_unit: str = "window"
     # bias mode: recompute activations in the backward pass (dpfit.activation_checkpointing)
@@ -406,10 +409,23 @@ def _check_options(config: TrainConfig) -> None:
         raise DPFitError("--full-lr is the rate of the --full-epochs phase; add --full-epochs X")
     if config.task == "causal-lm" and config.non_private:
         raise DPFitError(f"--task {config.task} runs privately only; drop --non-private")
-    if config.task != "causal-lm" and (config.privacy_unit != "window" or config.stride):
+    if config.task not in WINDOWED_TASKS and (config.privacy_unit != "window" or config.stride):
         raise DPFitError(
-            "--privacy-unit document and --stride cut long documents into windows, for --task "
-            "causal-lm only (classification truncates each text at --max-length)"
+            "--privacy-unit document and --stride cut long texts into token windows, for --task "
+            f"{' or '.join(WINDOWED_TASKS)} only; drop them for --task {config.task}"
+        )
+    if config.stride is not None and config.max_length is not None:
+        check_stride(config.stride, config.max_length)
+    if config.privacy_unit == "document" and config.non_private:
+        raise DPFitError(
+            "--privacy-unit document is what a private run's epsilon protects; a --non-private "
+            "run has none: use --privacy-unit window (the same windows, each one example)"
+        )
+    if config.privacy_unit == "document" and (config.head_first or config.head_epochs):
+        raise DPFitError(
+            "--head-first / --head-epochs train the head on each window's features as one "
+            "example, which --privacy-unit document does not allow; drop them (the document "
+            "unit trains without the head-first phase) or use --privacy-unit window"
         )
     if config.privacy_unit == "document" and (config.mode != "bias" or config.full_epochs):
         raise DPFitError(
@@ -787,8 +803,12 @@ def train(
     n = prep.n
     delta = config.delta if config.delta is not None else default_delta(n)
     head_first = config.head_first
-    if head_first is None and (config.full_epochs or not hasattr(model, "features")):
-        head_first = False  # a schedule of its own, or a model without a pooled head
+    if head_first is None and (
+        config.full_epochs or not hasattr(model, "features") or prep.privacy_unit == "document"
+    ):
+        # a schedule of its own, a model without a pooled head, or documents of windows (the
+        # probe's examples are single windows)
+        head_first = False
     images = config.task == "image-classification"  # no token length
     recipe = resolve_recipe(
         n, prep.num_classes, config.epsilon, delta, summary.total, config.mode,

@@ -30,10 +30,17 @@ from dpfit.causal_lm import (
     perplexity,
     sample_lines,
     split_examples,
-    windows,
 )
 from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
+from dpfit.windows import (
+    describe_windows,
+    training_items,
+    training_n,
+    window_metrics,
+    window_shape,
+    windows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +204,7 @@ class CausalLMTask:
             raise DPFitError(
                 f"{what}: {len(examples)} documents are too few to hold out a tenth by group"
             )
-        length, stride = self._window_shape(model, config)
+        length, stride = window_shape(model, config)
         pad = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
@@ -205,19 +212,15 @@ class CausalLMTask:
         held = [
             w for d in held_docs for w in windows(document_ids(d.text, tokenizer), length, stride)
         ]
-        n_windows = sum(len(windows(d, length, stride)) for d in docs)
         unit = config.privacy_unit
+        cut = [windows(d, length, stride) for d in docs]
         add_biases(model)  # DP-BiTFiT-Add: zero biases, the same function at step 0
         before = perplexity(model, held, make_collate(pad), self._eval_batch(length))
-        overlap = f", overlap {length - stride}" if stride < length else ", no overlap"
-        # the window count follows the private documents' lengths: published only where it is
-        # n (privacy unit "window", public by declaration); the held-out count never
-        counted = f"{n_windows} windows of " if unit == "window" else "windows of "
-        shape = f"{counted}<= {length} tokens every {stride}{overlap}"
+        shape = describe_windows(cut, length, stride, unit)
         return Prepared(
             model=model,
             tokenizer=tokenizer,
-            n=len(docs) if unit == "document" else n_windows,
+            n=training_n(cut, unit),
             num_classes=0,
             head_names=(),
             notes=[
@@ -240,26 +243,6 @@ class CausalLMTask:
         )
 
     @staticmethod
-    def _window_shape(model, config) -> tuple[int, int]:
-        """(max length, stride) of the windows: --max-length or the recipe's, lowered to the
-        model's position limit as the loop does (dpfit.train._fit_max_length); --stride or
-        no overlap."""
-        from dpfit.recipe import MAX_LENGTH
-        from dpfit.train import position_limit
-
-        length = config.max_length
-        if length is None:
-            limit = position_limit(model)
-            length = MAX_LENGTH if limit is None else min(MAX_LENGTH, limit)
-        stride = config.stride if config.stride is not None else length
-        if stride > length:
-            raise DPFitError(
-                f"--stride {stride} is more than --max-length {length}: windows would skip "
-                f"tokens; use --stride {length} (no overlap) or less"
-            )
-        return length, stride
-
-    @staticmethod
     def _eval_batch(length: int) -> int:
         return max(1, min(16, EVAL_TOKENS // length))
 
@@ -272,9 +255,7 @@ class CausalLMTask:
                     f"{max_length}"
                 )
             cut = [windows(d, max_length, prep.state["stride"]) for d in prep.state["docs"]]
-            if prep.state["unit"] == "document":  # each item: one document's windows
-                return sorted(cut, key=lambda ws: sum(len(w.ids) for w in ws))
-            return sorted((w for ws in cut for w in ws), key=lambda w: len(w.ids))
+            return training_items(cut, prep.state["unit"], lambda w: len(w.ids))
         data = TokenizedLines(prep.state["train"], prep.tokenizer, max_length)
         return sorted(data.items, key=len)  # physical batches of similar length pad little
 
@@ -302,11 +283,7 @@ class CausalLMTask:
         samples = sample_lines(model, prep.tokenizer, prompts, self.sample_tokens, config.seed)
         extra = {}
         if documents:
-            extra = {
-                "train_documents": len(prep.state["docs"]),
-                "window_length": prep.state["length"],
-                "stride": prep.state["stride"],
-            }
+            extra = window_metrics(prep.state["docs"], prep.state["length"], prep.state["stride"])
         return {
             **extra,
             "perplexity_before": prep.state["before"],

@@ -8,7 +8,7 @@ frequent (or the user declares them public): see docs/threat-model.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +24,15 @@ from dpfit.tasks.labels import (  # noqa: F401 - the first two re-exported
     MIN_PUBLIC_LABEL_COUNT,
     RareLabelError,
     check_data_label_names,
+)
+from dpfit.windows import (
+    describe_windows,
+    training_items,
+    training_n,
+    window_metrics,
+    window_shape,
+    windowed,
+    windows,
 )
 
 if TYPE_CHECKING:
@@ -129,6 +138,86 @@ def encode(data: LabeledTexts, tokenizer, max_length: int) -> list[dict]:
     return items
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    """How the tokenizer frames one text: `prefix` + text tokens + `suffix` ([CLS] ... [SEP]),
+    with the extra keys (attention mask, token types) its encodings carry."""
+
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+    types: tuple[tuple[int, ...], int, tuple[int, ...]] | None  # prefix, text, suffix
+    mask: bool
+
+    @classmethod
+    def of(cls, tokenizer, probe: str = "a") -> SpecialTokens:
+        """Read from the tokenizer's own encoding of a probe text, with and without them."""
+        full = tokenizer(probe)
+        bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        ids, k = full["input_ids"], len(bare)
+        at = next((i for i in range(len(ids) - k + 1) if bare and ids[i : i + k] == bare), None)
+        if at is None or len(ids) - k != tokenizer.num_special_tokens_to_add(pair=False):
+            raise DPFitError(
+                "cannot cut texts into windows with this tokenizer: its special tokens do not "
+                "frame a text as prefix + text + suffix; drop --stride and --privacy-unit"
+            )
+        types = full.get("token_type_ids")
+        return cls(
+            tuple(ids[:at]),
+            tuple(ids[at + k :]),
+            None if types is None else (tuple(types[:at]), types[at], tuple(types[at + k :])),
+            "attention_mask" in full,
+        )
+
+    def frame(self, ids: Sequence[int], label: int) -> dict:
+        """One window, encoded as the tokenizer encodes a text of these tokens."""
+        out = {"input_ids": [*self.prefix, *ids, *self.suffix]}
+        if self.mask:
+            out["attention_mask"] = [1] * len(out["input_ids"])
+        if self.types is not None:
+            pre, body, suf = self.types
+            out["token_type_ids"] = [*pre, *([body] * len(ids)), *suf]
+        return {**out, "labels": label}
+
+
+def encode_windows(data: LabeledTexts, tokenizer, max_length: int, stride: int) -> list[list[dict]]:
+    """Each text cut into windows (dpfit.windows): a list of encoded windows per text, each
+    window carrying its text's label.
+
+    A window is `max_length` tokens with the tokenizer's special tokens ([CLS] ... [SEP]),
+    so it holds max_length - k text tokens (k special); consecutive windows share
+    max_length - stride text tokens, as they would without special tokens. A text that fits
+    in one window is encoded exactly as :func:`encode` encodes it.
+    """
+    special = SpecialTokens.of(tokenizer)
+    k = len(special.prefix) + len(special.suffix)
+    body, step = max_length - k, stride - k
+    if body < 1 or step < 1:
+        raise DPFitError(
+            f"--max-length {max_length} with --stride {stride}: each window holds {k} "
+            f"special tokens, so windows would hold or advance over no text; use --stride (and "
+            f"--max-length) above {k}"
+        )
+    docs: list[list[dict]] = []
+    n = len(data)
+    for start in range(0, n, ENCODE_CHUNK):
+        progress.report("tokenising", start, n)
+        texts = list(data.texts[start : start + ENCODE_CHUNK])
+        enc = tokenizer(texts, add_special_tokens=False, verbose=False)  # whole: no truncation
+        labels = data.labels[start : start + ENCODE_CHUNK]
+        for ids, y in zip(enc["input_ids"], labels, strict=True):
+            docs.append([special.frame(w.ids, y) for w in windows(ids, body, step)])
+    progress.report("tokenising", n, n)
+    return docs
+
+
+def mean_window_logits(logits: torch.Tensor, owner: torch.Tensor, documents: int) -> torch.Tensor:
+    """(documents, classes): each document's prediction, the mean of its windows' logits
+    (`owner`: each row's document). A one-window document keeps its logits exactly."""
+    summed = logits.new_zeros(documents, logits.shape[1]).index_add_(0, owner, logits)
+    counts = torch.bincount(owner, minlength=documents).clamp(min=1).to(logits.dtype)
+    return summed / counts[:, None]
+
+
 def make_collate(pad_token_id: int, position_ids: bool = False) -> Callable[[list[dict]], dict]:
     """Pad a list of encoded examples. With `position_ids`, also pass them per example: full
     mode needs every input with its batch axis (a broadcast (1, L) one mixes examples)."""
@@ -159,24 +248,40 @@ def evaluate(
     max_length: int = 128,
     batch_size: int = 64,
     device: str | torch.device = "cpu",
+    stride: int | None = None,
 ) -> EvalResult:
-    """Accuracy and per-class counts; batches sorted by length so padding costs little."""
-    items = encode(data, tokenizer, max_length)
+    """Accuracy and per-class counts; batches sorted by length so padding costs little.
+
+    With `stride`, each text is cut into windows as training cut them (encode_windows) and
+    predicted from the mean of its windows' logits: accuracy counts texts, not windows.
+    """
+    if stride is None:
+        items = encode(data, tokenizer, max_length)
+        owner = list(range(len(items)))
+    else:
+        docs = encode_windows(data, tokenizer, max_length, stride)
+        items = [w for ws in docs for w in ws]
+        owner = [d for d, ws in enumerate(docs) for _ in ws]
     order = sorted(range(len(items)), key=lambda i: len(items[i]["input_ids"]))
     collate = make_collate(tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
-    preds = [0] * len(items)
+    rows: torch.Tensor | None = None  # (items, classes), in item order
     progress.report("evaluating", 0, len(order))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = collate([items[i] for i in idx])
         batch.pop("labels")
-        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        for i, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
-            preds[i] = p
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.float().cpu()
+        if rows is None:
+            rows = logits.new_zeros(len(items), logits.shape[1])
+        rows[torch.tensor(idx)] = logits
         progress.report("evaluating", start + len(idx), len(order))
     model.train(was_training)
+    preds = [0] * len(data)
+    if rows is not None:
+        owners = torch.tensor(owner, dtype=torch.long)
+        preds = mean_window_logits(rows, owners, len(data)).argmax(-1).tolist()
     per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
     correct = 0
     names = data.label_names
@@ -187,7 +292,7 @@ def evaluate(
         if p == y:
             per_class[names[y]]["correct"] += 1
             correct += 1
-    return EvalResult(correct / len(items) if items else float("nan"), len(items), per_class)
+    return EvalResult(correct / len(data) if len(data) else float("nan"), len(data), per_class)
 
 
 def label_source(config) -> str:
@@ -214,7 +319,7 @@ class ClassificationTask:
             + ("the saved model's trained linear layer" if loaded.head_trained
                else "zero-initialised linear layer"),
         ]  # fmt: skip
-        return Prepared(
+        prep = Prepared(
             model=loaded.model,
             tokenizer=loaded.tokenizer,
             n=len(data.train),
@@ -224,8 +329,38 @@ class ClassificationTask:
             state={"data": data, "pooling": loaded.pooling},
             starts_trained=loaded.head_trained,
         )
+        if windowed(config):
+            self._cut_into_windows(prep, config)
+        return prep
 
-    def items(self, prep: Prepared, max_length: int) -> list[dict]:
+    @staticmethod
+    def _cut_into_windows(prep: Prepared, config) -> None:
+        """Long texts cut into windows (--stride, --privacy-unit): each window one example,
+        or each text one document whose windows are sampled and clipped as one. Cut here,
+        before the recipe, because the number of windows is n under the window unit."""
+        length, stride = window_shape(prep.model, config)
+        docs = encode_windows(prep.state["data"].train, prep.tokenizer, length, stride)
+        unit = config.privacy_unit
+        prep.n = training_n(docs, unit)
+        prep.privacy_unit = unit
+        prep.state.update(docs=docs, length=length, stride=stride, unit=unit)
+        protects = "one window, not a whole text" if unit == "window" else "one whole text"
+        prep.notes.append(
+            f"long texts: {len(docs)} training texts ({describe_windows(docs, length, stride, unit)}"
+            f"), each window with its text's label; privacy unit: {unit} (epsilon protects "
+            f"{protects}); evaluation predicts each text from the mean of its windows' logits"
+        )
+
+    def items(self, prep: Prepared, max_length: int) -> list:
+        if "docs" in prep.state:  # long texts, cut into windows
+            if max_length != prep.state["length"]:
+                raise DPFitError(
+                    f"windows were cut at {prep.state['length']} tokens, the run asks for "
+                    f"{max_length}"
+                )
+            return training_items(
+                prep.state["docs"], prep.state["unit"], lambda w: len(w["input_ids"])
+            )
         # Sorted by length: the Poisson loader yields each logical batch in index order, so its
         # physical batches hold examples of similar length and pad little (about half the
         # tokens of a random split on short texts). The order never leaves the process.
@@ -240,15 +375,21 @@ class ClassificationTask:
 
     def evaluate(self, prep: Prepared, model, config, device) -> dict:
         data = prep.state["data"]
+        stride = prep.state.get("stride")  # windowed: each text from its windows' mean logits
         res = evaluate(
-            model, prep.tokenizer, data.test, config.max_length, config.eval_batch_size, device
-        )
+            model, prep.tokenizer, data.test, config.max_length, config.eval_batch_size, device,
+            stride=stride,
+        )  # fmt: skip
+        extra = {}
+        if stride is not None:
+            extra = window_metrics(prep.state["docs"], prep.state["length"], stride)
         return {
             "accuracy": res.accuracy,
             "eval_n": res.n,
             "per_class": res.per_class,
             "eval_source": data.test.source,
-            "train_examples": len(data.train),
+            **extra,
+            "train_examples": prep.n,
             "pooling": prep.state["pooling"],
             "label_names_public": True,
             "label_names_source": label_source(config),

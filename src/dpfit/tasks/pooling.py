@@ -175,7 +175,10 @@ class PooledClassifier(nn.Module):
             kw["token_type_ids"] = token_type_ids
         if position_ids is not None:
             kw["position_ids"] = position_ids
-        logits = self.head(self.features(input_ids, attention_mask, **kw).float())
+        # features in the head's dtype: float32 (its master copy) under bf16 compute, the
+        # model's own in a float64 model (the oracle tests)
+        features = self.features(input_ids, attention_mask, **kw)
+        logits = self.head(features.to(self.head.weight.dtype))
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
