@@ -6,6 +6,7 @@ dp-accounting)."""
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,42 @@ def test_retimed_estimate_prices_each_component_from_its_retimed_runs():
     )
     total += 36 * (50 - 80 * 0.8) + 12 * (70 - 90 * 0.8)
     assert f"**{total / 3600:.2f}**" in text and "not re-timed" not in text
+
+
+def test_reproduction_pairs_each_cell_with_the_first_run():
+    """A re-run against the first run: cells paired by (arm, epsilon, seed), an accuracy that
+    moved by under half a test example counted as the same, C_0 compared for the voting rules,
+    and the CPU ratio over untuned runs without a vote only."""
+    bench = _benchmark()
+    n = 1264
+    vote = {"c_star": 1.0, "rounds": [{"clip_norm": 1.0}]}
+    first = [
+        _row("fixed", 0, 0.70, test_examples=n, cpu_seconds=100.0, load_avg=4.0),
+        _row("fixed", 1, 0.60, test_examples=n, cpu_seconds=120.0, load_avg=4.0),
+        _row("lac", 0, 0.65, test_examples=n, cpu_seconds=300.0, **vote),
+        _row("lac", 1, 0.66, test_examples=n, cpu_seconds=300.0, **vote),
+    ]
+    rerun = [
+        _row("fixed", 0, 0.70, test_examples=n, cpu_seconds=80.0, load_avg=2.0),
+        _row("fixed", 1, 0.60 + 2 / n, test_examples=n, cpu_seconds=90.0, load_avg=2.0),
+        _row("lac", 0, 0.65, test_examples=n, cpu_seconds=30.0, **vote),
+        _row(
+            "lac",
+            1,
+            0.66,
+            test_examples=n,
+            cpu_seconds=30.0,
+            c_star=1.0,
+            rounds=[{"clip_norm": 0.5}],
+        ),  # fmt: skip
+        _row("dynamic", 0, 0.5, test_examples=n, cpu_seconds=1.0),  # not in the first run
+    ]
+    text = "\n".join(bench.reproduction(rerun, first))
+    assert "4 cells" in text
+    assert (
+        f"the same number of correct test predictions in 3 of 4; largest difference {2 / n:+.4f}"
+        in text
+    )
+    assert "the same C_0 in 1 of 2" in text
+    assert f"median over 2 pairs: {statistics.median([0.8, 0.75]):.2f}" in text
+    assert bench.reproduction(rerun, []) == []
