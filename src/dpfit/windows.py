@@ -79,6 +79,13 @@ def window_shape(model, config) -> tuple[int, int]:
     return length, stride
 
 
+def check_cut_length(cut_at: int, max_length: int) -> None:
+    """The windows were cut once, at prepare time; a run at another length would train on
+    windows of the wrong size."""
+    if max_length != cut_at:
+        raise DPFitError(f"windows were cut at {cut_at} tokens, the run asks for {max_length}")
+
+
 def training_items(documents: Sequence[Sequence], unit: str, size: Callable[[Any], int]) -> list:
     """The items the loop samples: each window (unit "window") or each document's list of
     windows (unit "document": the engine sums and clips a document's windows as one),

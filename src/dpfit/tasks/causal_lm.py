@@ -34,6 +34,7 @@ from dpfit.causal_lm import (
 from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
 from dpfit.windows import (
+    check_cut_length,
     describe_windows,
     training_items,
     training_n,
@@ -249,11 +250,7 @@ class CausalLMTask:
     # -- the loop's hooks ----------------------------------------------------------------
     def items(self, prep: Prepared, max_length: int) -> list:
         if "docs" in prep.state:  # long documents, cut into windows
-            if max_length != prep.state["length"]:
-                raise DPFitError(
-                    f"windows were cut at {prep.state['length']} tokens, the run asks for "
-                    f"{max_length}"
-                )
+            check_cut_length(prep.state["length"], max_length)
             cut = [windows(d, max_length, prep.state["stride"]) for d in prep.state["docs"]]
             return training_items(cut, prep.state["unit"], lambda w: len(w.ids))
         data = TokenizedLines(prep.state["train"], prep.tokenizer, max_length)

@@ -26,6 +26,7 @@ from dpfit.tasks.labels import (  # noqa: F401 - the first two re-exported
     check_data_label_names,
 )
 from dpfit.windows import (
+    check_cut_length,
     describe_windows,
     training_items,
     training_n,
@@ -353,11 +354,7 @@ class ClassificationTask:
 
     def items(self, prep: Prepared, max_length: int) -> list:
         if "docs" in prep.state:  # long texts, cut into windows
-            if max_length != prep.state["length"]:
-                raise DPFitError(
-                    f"windows were cut at {prep.state['length']} tokens, the run asks for "
-                    f"{max_length}"
-                )
+            check_cut_length(prep.state["length"], max_length)
             return training_items(
                 prep.state["docs"], prep.state["unit"], lambda w: len(w["input_ids"])
             )
