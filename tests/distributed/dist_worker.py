@@ -6,13 +6,12 @@ its results to OUT/rank{RANK}.pt. Each scenario is a function of `world` (1 = no
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gloo_worker import run_scenarios
 from torch import nn
 from toy_data import Points
 
@@ -174,32 +173,21 @@ def run_until(world: int, ckdir: str, total: int, die_at: int | None = None) -> 
 
 
 def main(argv: list[str]) -> None:
-    rank, world, port, out = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=20),
+    run_scenarios(
+        argv,
+        {
+            "update": lambda world, args: update(world, args[0], args[1] == "ddp"),
+            "streams": lambda world, args: streams(
+                world, secure=bool(args) and args[0] == "secure"
+            ),
+            "resumed_streams": lambda world, args: resumed_streams(world, args[0]),
+            "noise": lambda world, args: noise(world),
+            "kill": lambda world, args: run_until(
+                world, args[0], int(args[1]), die_at=int(args[2])
+            ),
+        },
+        timeout_s=20,
     )
-    results = {}
-    for spec in argv[4:]:
-        name, *args = spec.split(":")
-        if name == "update":
-            results[spec] = update(world, args[0], args[1] == "ddp")
-        elif name == "streams":
-            results[spec] = streams(world, secure=bool(args) and args[0] == "secure")
-        elif name == "resumed_streams":
-            results[spec] = resumed_streams(world, args[0])
-        elif name == "noise":
-            results[spec] = noise(world)
-        elif name == "kill":
-            results[spec] = run_until(world, args[0], int(args[1]), die_at=int(args[2]))
-        else:
-            raise SystemExit(f"unknown scenario {name}")
-    torch.save(results, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -8,12 +8,10 @@ writes its results to OUT/rank{RANK}.pt.
 
 from __future__ import annotations
 
-import datetime
 import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from gloo_worker import run_scenarios
 from long_llama import tiny_long_llama, token_ids
 from oracle import Capture
 
@@ -153,30 +151,16 @@ def refused(world: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    rank, world, port, out = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+    run_scenarios(
+        argv,
+        {
+            "update": lambda world, args: update(world),
+            "straddle": lambda world, args: straddle(world, float(args[0])),
+            "noise": lambda world, args: noise(world),
+            "refused": lambda world, args: refused(world),
+        },
+        timeout_s=60,
     )
-    results = {}
-    for spec in argv[4:]:
-        name, *args = spec.split(":")
-        if name == "update":
-            results[spec] = update(world)
-        elif name == "straddle":
-            results[spec] = straddle(world, float(args[0]))
-        elif name == "noise":
-            results[spec] = noise(world)
-        elif name == "refused":
-            results[spec] = refused(world)
-        else:
-            raise SystemExit(f"unknown scenario {name}")
-    torch.save(results, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
