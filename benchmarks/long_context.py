@@ -15,8 +15,12 @@ ids, no padding, loss = mean over examples of each example's mean next-token NLL
 * dp-bitfit: the same biases through dpfit.PrivacyEngine (mode "bias", sigma 1, noise and
   sampling from os.urandom);
 * dp-bitfit-ckpt: dp-bitfit with activation checkpointing (dpfit.activation_checkpointing,
-  transformers' own, non-reentrant; what `dpfit train --activation-checkpointing` turns on):
-  each decoder layer keeps its input only and is recomputed in the backward pass;
+  transformers' own, non-reentrant): each decoder layer keeps its input only and is
+  recomputed in the backward pass; the loss still computes the whole [batch, T, vocabulary]
+  logits at once;
+* dp-bitfit-chunked: dp-bitfit-ckpt with the loss's output head and cross entropy computed in
+  checkpointed chunks of positions (dpfit.chunked_head), so that one chunk's logits exist at a
+  time; what `dpfit train --task causal-lm --activation-checkpointing` turns on;
 * nonpriv-full, dpfit-full (PrivacyEngine mode "full"), opacus-hooks (Opacus GradSampleModule,
   per-example weight gradients; LlamaRMSNorm has no Opacus grad sampler and runs through its
   functorch fallback), opacus-ghost (Opacus ghost clipping): every weight of the original model
@@ -94,14 +98,17 @@ ARMS = {
     "nonpriv-bias": "non-private bias-only",
     "dp-bitfit": "DP-BiTFiT",
     "dp-bitfit-ckpt": "DP-BiTFiT + activation checkpointing",
+    "dp-bitfit-chunked": "DP-BiTFiT + activation checkpointing + chunked loss",
     "nonpriv-full": "non-private full",
     "dpfit-full": "dpfit DP full",
     "opacus-hooks": "Opacus DP full (hooks)",
     "opacus-ghost": "Opacus DP full (ghost)",
     "opacus-ghost-untied": "Opacus DP full (ghost, untied head)",
 }
-BIAS_ARMS = ("nonpriv-bias", "dp-bitfit", "dp-bitfit-ckpt")
-BITFIT_ARMS = ("dp-bitfit", "dp-bitfit-ckpt")
+BIAS_ARMS = ("nonpriv-bias", "dp-bitfit", "dp-bitfit-ckpt", "dp-bitfit-chunked")
+BITFIT_ARMS = ("dp-bitfit", "dp-bitfit-ckpt", "dp-bitfit-chunked")
+# each DP-BiTFiT arm's suffix in the targets' keys
+BITFIT_KEYS = {"dp-bitfit": "", "dp-bitfit-ckpt": "_ckpt", "dp-bitfit-chunked": "_chunked"}
 DP_FULL_ARMS = ("dpfit-full", "opacus-hooks", "opacus-ghost", "opacus-ghost-untied")
 # warm-up + timed steps from each length on: a shared 2-core machine affords one step at long T
 DEFAULT_SCHEDULE = "256:1+2,1024:0+1"
@@ -156,10 +163,16 @@ def build_model(name: str, arm: str):
     return model.train()
 
 
-def per_example_loss(model, ids):
-    """Each example's mean next-token NLL, [B] (dpfit.causal_lm's loss, no padding)."""
+def per_example_loss(model, ids, chunked: bool = False):
+    """Each example's mean next-token NLL, [B] (dpfit.causal_lm's loss, no padding; with
+    `chunked`, dpfit.chunked_head's, which never holds the whole logits)."""
     from dpfit.causal_lm import per_example_token_nll
 
+    if chunked:
+        from dpfit.chunked_head import chunked_token_nll
+
+        total, count = chunked_token_nll(model, {"input_ids": ids, "labels": ids})
+        return total / count
     logits = model(input_ids=ids, use_cache=False).logits
     total, count = per_example_token_nll(logits, ids)
     return total / count
@@ -186,7 +199,7 @@ def setup_arm(arm: str, model, batch: int):
     if arm in BIAS_ARMS:
         dpfit.add_biases(model)
         dpfit.make_bias_trainable(model)
-        if arm == "dp-bitfit-ckpt":
+        if arm in ("dp-bitfit-ckpt", "dp-bitfit-chunked"):
             from dpfit.activation_checkpointing import enable_activation_checkpointing
 
             enable_activation_checkpointing(model, "bias")
@@ -219,8 +232,10 @@ def setup_arm(arm: str, model, batch: int):
         opt = torch.optim.AdamW(engine.parameters(), lr=1e-5)
         prime(opt)
 
+        chunked = arm == "dp-bitfit-chunked"
+
         def step(ids):
-            per_example_loss(model, ids).mean().backward()
+            per_example_loss(model, ids, chunked).mean().backward()
             engine.step(opt, batch_size=ids.shape[0])
 
         return step
@@ -732,7 +747,7 @@ def targets(res: dict) -> dict:
         "worst": worst_t,
         "met": None if worst_t is None else worst_t["ratio"] <= 1.05,
     }
-    for bitfit, key in (("dp-bitfit", ""), ("dp-bitfit-ckpt", "_ckpt")):
+    for bitfit, key in BITFIT_KEYS.items():
         if bitfit not in res["arms"]:
             continue
         longest = _longest_common(res, bitfit)
@@ -859,7 +874,7 @@ def _target_lines(res: dict) -> list[str]:
             f"target <= 1.05x: "
             f"{'met' if m['met'] else 'NOT met'}."
         )
-    for bitfit, key in (("dp-bitfit", ""), ("dp-bitfit-ckpt", "_ckpt")):
+    for bitfit, key in BITFIT_KEYS.items():
         ratios = t.get(f"dp_full_vs_bitfit{key}_memory_at_longest_common_T", {})
         for x in ratios.get("per_arm", []):
             verdict = "met" if x["ratio"] >= 3 else "NOT met"
@@ -1078,6 +1093,11 @@ def render(res: dict) -> str:
         if "dp-bitfit-ckpt" in arms:
             cols += [("dp-bitfit-ckpt", "dp-bitfit", k) for k in ("peak_rss_bytes", "median_cpu_s")]
             heads += [f"{ARMS['dp-bitfit-ckpt']} / DP-BiTFiT, memory", "same, CPU time"]
+        if "dp-bitfit-chunked" in arms:
+            cols += [("dp-bitfit-chunked", "dp-bitfit-ckpt", k)
+                     for k in ("peak_rss_bytes", "median_cpu_s")]  # fmt: skip
+            heads += [f"{ARMS['dp-bitfit-chunked']} / {ARMS['dp-bitfit-ckpt']}, memory",
+                      "same, CPU time"]  # fmt: skip
         bitfits = [b for b in BITFIT_ARMS if b in arms]
         cols += [(a, b, "peak_rss_bytes") for b in bitfits for a in full]
         heads += [f"{ARMS[a]} / {ARMS[b]}, memory" for b in bitfits for a in full]

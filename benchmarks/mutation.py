@@ -916,6 +916,23 @@ MUTATIONS += (
 )
 
 
+MUTATIONS += (
+    Mutation(
+        "chunked-head-drops-last-chunk",
+        "the chunked causal-LM loss skips the last, partial chunk of positions: those tokens "
+        "are neither trained on nor in the per-example gradients",
+        (
+            (
+                "dpfit/chunked_head.py",
+                "    for s in range(0, width, step):",
+                "    for s in range(0, width - step, step):",
+            ),
+        ),
+        ("tests/test_chunked_head.py", "-k", "oracle"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

@@ -828,6 +828,9 @@ def train(
 
         enable_activation_checkpointing(model, config.mode)
         note("activation checkpointing: layer activations recomputed in the backward pass")
+        if getattr(task, "chunked_head", None) is False:  # a task that can chunk its head
+            task = dataclasses.replace(task, chunked_head=True)
+            note("chunked loss: the output head's logits computed and recomputed in chunks")
     described = recipe.describe()
     note(
         f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "

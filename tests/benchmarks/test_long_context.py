@@ -233,3 +233,14 @@ def test_a_cap_below_24_gib_names_the_machine_when_it_had_the_cap_free():
     assert "beside the other jobs running" in busy and "23.5" not in busy
     row["memory_cap_gib"] = 24
     assert long_context._below_machine(met, {**res, "memory_cap_gib": 24}) == ""
+
+
+def test_chunked_loss_arm_runs_and_is_compared_with_checkpointing_alone(tmp_path):
+    res = _run(tmp_path, "chunked", "--lengths", "32", "--arms", "dp-bitfit-ckpt",
+               "dp-bitfit-chunked")  # fmt: skip
+    assert [r["status"] for r in res["rows"]] == ["ok", "ok"]
+    md = (tmp_path / "chunked.md").read_text()
+    assert (
+        "DP-BiTFiT + activation checkpointing + chunked loss / DP-BiTFiT + activation "
+        "checkpointing, memory" in md
+    )

@@ -102,6 +102,9 @@ class CausalLMTask:
     sample_tokens: int = 20
     eval_batch_size: int = 16
     name: str = "causal-lm"
+    # the loss's output head in checkpointed chunks (dpfit.chunked_head): set for runs with
+    # --activation-checkpointing, where the full logits would dominate memory
+    chunked_head: bool = False
 
     # -- reading -------------------------------------------------------------------------
     def prepare(self, config) -> Prepared:
@@ -270,6 +273,11 @@ class CausalLMTask:
         return with_positions
 
     def loss(self, model, batch: dict) -> torch.Tensor:
+        if self.chunked_head:
+            from dpfit.chunked_head import chunked_token_nll
+
+            total, count = chunked_token_nll(model, batch)
+            return (total / count.clamp(min=1)).mean()
         return causal_lm_loss(model, batch)
 
     def evaluate(self, prep: Prepared, model, config, device) -> dict:
