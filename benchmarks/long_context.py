@@ -300,6 +300,12 @@ def child(spec: dict) -> dict:
         import torch
 
         torch.set_num_threads(spec["threads"])
+        if spec.get("mmap_threshold"):  # before any tensor: as dpfit train's checkpointed runs
+            from dpfit.memory import return_freed_memory
+
+            res["mmap_threshold"] = (
+                spec["mmap_threshold"] if return_freed_memory(spec["mmap_threshold"]) else None
+            )
         model = build_model(spec["model"], spec["arm"])
         res["base_rss_bytes"] = _status_bytes("VmRSS")  # the model loaded, nothing else
         step = setup_arm(spec["arm"], model, spec["batch"])
@@ -546,7 +552,7 @@ def measure(args) -> dict:
                 spec = {
                     "arm": arm, "length": length, "batch": batch, "warmup": warmup,
                     "timed": timed, "threads": args.threads, "cap_gib": args.memory_cap_gib,
-                    "model": args.model,
+                    "model": args.model, "mmap_threshold": args.malloc_mmap_threshold,
                 }  # fmt: skip
                 res = prior.get((arm, length, batch))
                 if res is None or (res["warmup"], res["timed"]) != (warmup, timed):
@@ -1264,6 +1270,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1800.0,
         help="how long an arm that may take over 12 GiB waits for that much memory to be "
         "available before it is skipped",
+    )
+    ap.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        help="bytes: every arm's process gives blocks this large their own mapping "
+        "(dpfit.memory.return_freed_memory, what dpfit train --activation-checkpointing "
+        "does), so its peak RSS counts live tensors rather than the heap's freed pages",
     )
     ap.add_argument("--out", default=str(RESULTS / "long_context"))
     ap.add_argument("--docs", default=str(DOCS), help="'' to write no docs page")

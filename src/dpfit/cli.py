@@ -218,7 +218,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--activation-checkpointing",
         action="store_true",
         help="--mode bias: recompute layer activations in the backward pass instead of "
-        "keeping them (less memory at long lengths, about a third more compute)",
+        "keeping them (less memory at long lengths, about a third more compute); causal LM: "
+        "the output head's logits are also computed in chunks, never all at once",
     )
     g.add_argument(
         "--precision",
@@ -451,6 +452,11 @@ def run_train(args: argparse.Namespace) -> int:
     # -- end distributed
 
     _set_threads(args.threads)
+    if args.activation_checkpointing:  # a run short of memory: freed tensors go back at once
+        from dpfit.memory import return_freed_memory
+
+        if return_freed_memory():
+            logger.info("malloc: blocks of 1 MiB or more mapped on their own (freed at once)")
     try:
         return run_config(train_config_from_args(args), args)
     except BaseException:

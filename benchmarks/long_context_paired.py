@@ -1,0 +1,165 @@
+"""DP-BiTFiT's time over non-private bias-only training at long T, paired step by step in one
+process.
+
+Question: is DP-BiTFiT's time per step within 5% of non-private bias-only training at
+T = 256-1024, batch 1 and 4 on SmolLM2-135M? benchmarks/long_context.py answers it with one
+process per arm, run one after the other: at 40 CPU-seconds a step, three timed steps per arm
+and a machine whose speed drifts between the two processes, one setting's ratio moves by as
+much as the target allows. Here both arms live in one process (two copies of the model,
+built and set up exactly as long_context.py's `nonpriv-bias` and `dp-bitfit` arms), and each
+round runs one step of each, the order flipped every round, so that both arms of a pair meet
+the same machine. Each (T, batch) gets its own process, on one thread.
+
+    PYTHONPATH=src python benchmarks/long_context_paired.py \
+        [--lengths 256 512 1024] [--batches 1 4] [--warmup 2] [--rounds 5]
+
+Reported per (T, batch): each arm's median CPU seconds per step (the thread's own CPU time,
+which a shared core inflates less than wall time), the median of the per-round ratios
+DP / non-private with its smallest and largest, and the target (median ratio <= 1.05).
+Writes benchmarks/results/long_context_paired.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import long_context  # noqa: E402  (the arms, exactly as the memory benchmark builds them)
+
+RESULTS = ROOT / "benchmarks" / "results"
+ARMS = ("nonpriv-bias", "dp-bitfit")
+TARGET = 1.05
+
+
+def child(spec: dict) -> dict:
+    """Both arms at one (T, batch), alternating step by step."""
+    import torch
+
+    torch.set_num_threads(1)
+    steps = {}
+    for arm in ARMS:
+        model = long_context.build_model(spec["model"], arm)
+        steps[arm] = long_context.setup_arm(arm, model, spec["batch"])
+        vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(spec["length"])
+    ids = torch.randint(3, vocab, (spec["batch"], spec["length"]), generator=g)
+    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for r in range(spec["warmup"] + spec["rounds"]):
+        order = ARMS if r % 2 == 0 else ARMS[::-1]
+        for arm in order:
+            c0, w0 = time.thread_time(), time.perf_counter()
+            steps[arm](ids)
+            c1, w1 = time.thread_time(), time.perf_counter()
+            if r >= spec["warmup"]:
+                cpu[arm].append(c1 - c0)
+                wall[arm].append(w1 - w0)
+    return {"cpu_s": cpu, "wall_s": wall}
+
+
+def run_setting(model: str, length: int, batch: int, warmup: int, rounds: int) -> dict:
+    spec = {"model": model, "length": length, "batch": batch, "warmup": warmup, "rounds": rounds}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    load = os.getloadavg()[0]
+    out = subprocess.run(
+        [sys.executable, __file__, "--_child", json.dumps(spec)],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    dp, nonpriv = res["cpu_s"]["dp-bitfit"], res["cpu_s"]["nonpriv-bias"]
+    ratios = [d / n for d, n in zip(dp, nonpriv, strict=True)]
+    return {
+        **spec,
+        **res,
+        "load_before": load,
+        "median_cpu_s": {arm: statistics.median(res["cpu_s"][arm]) for arm in ARMS},
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratios": ratios,
+        "ratio_of_medians": statistics.median(dp) / statistics.median(nonpriv),
+    }
+
+
+def render(res: dict) -> str:
+    lines = [
+        "# DP-BiTFiT / non-private bias-only time at long T, paired step by step",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"Model: {res['model']} (causal LM, float32, SDPA), random token ids, no padding, one "
+        "thread; both arms in one process, as benchmarks/long_context.py builds them "
+        "(`nonpriv-bias`, `dp-bitfit`: PrivacyEngine mode bias, sigma 1, AdamW); "
+        f"{res['warmup']} warm-up rounds, then {res['rounds']} timed rounds of one step per "
+        "arm, the order flipped every round. CPU seconds of the thread per step.",
+        "",
+        "| T | batch | non-private bias-only, CPU s/step | DP-BiTFiT, CPU s/step | "
+        "DP / non-private per round: median [min, max] | ratio of the medians | load before |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in res["settings"]:
+        m = s["median_cpu_s"]
+        lines.append(
+            f"| {s['length']} | {s['batch']} | {m['nonpriv-bias']:.2f} | {m['dp-bitfit']:.2f} | "
+            f"{s['ratio_median']:.3f} [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}] | "
+            f"{s['ratio_of_medians']:.3f} | {s['load_before']:.1f} |"
+        )
+    worst = max(res["settings"], key=lambda s: s["ratio_median"])
+    verdict = "met" if worst["ratio_median"] <= TARGET else "NOT met"
+    lines += [
+        "",
+        f"Target: DP-BiTFiT / non-private bias-only time <= {TARGET} at every setting (median "
+        f"of the paired rounds). Largest: {worst['ratio_median']:.3f} at T={worst['length']}, "
+        f"batch {worst['batch']}: {verdict}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=RESULTS / "long_context_paired")
+    ap.add_argument("--_child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._child:
+        print(json.dumps(child(json.loads(args._child))))
+        return 0
+    command = "PYTHONPATH=src python benchmarks/long_context_paired.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    res = {
+        "command": command.strip(),
+        "model": args.model,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "settings": [],
+    }
+    for batch in args.batches:
+        for length in args.lengths:
+            s = run_setting(args.model, length, batch, args.warmup, args.rounds)
+            res["settings"].append(s)
+            print(
+                f"T={length} b={batch}: DP / non-private {s['ratio_median']:.3f} "
+                f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]",
+                flush=True,
+            )
+            args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(render(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

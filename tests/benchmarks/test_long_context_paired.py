@@ -1,0 +1,32 @@
+"""benchmarks/long_context_paired.py: both arms in one process, paired by round; the md is the
+JSON's rendering."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import long_context_paired  # noqa: E402
+
+
+def test_tiny_run_pairs_each_round(tmp_path):
+    out = tmp_path / "paired"
+    argv = ["--model", "tiny", "--lengths", "16", "--batches", "2", "--warmup", "1"]
+    assert long_context_paired.main([*argv, "--rounds", "3", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    (s,) = res["settings"]
+    assert (s["length"], s["batch"]) == (16, 2)
+    for arm in long_context_paired.ARMS:
+        assert len(s["cpu_s"][arm]) == 3 and all(c > 0 for c in s["cpu_s"][arm])
+    want = [d / n for d, n in zip(s["cpu_s"]["dp-bitfit"], s["cpu_s"]["nonpriv-bias"], strict=True)]
+    assert s["ratios"] == want and s["ratio_min"] <= s["ratio_median"] <= s["ratio_max"]
+    assert out.with_suffix(".md").read_text() == long_context_paired.render(res)
+
+
+def test_committed_table_is_the_json_rendered():
+    path = ROOT / "benchmarks" / "results" / "long_context_paired.json"
+    res = json.loads(path.read_text())
+    assert path.with_suffix(".md").read_text() == long_context_paired.render(res)
