@@ -1043,6 +1043,7 @@ def render(res: dict) -> str:
     total = res.get("machine", {}).get("mem_total_bytes")
     if total:
         model += f"The machine has {total / GIB:.1f} GiB of memory in all (MemTotal), no swap. "
+    model += _malloc_note(res["rows"])
     if "runs" in res:
         head = [
             model + "Each arm's process is capped (RLIMIT_AS) to what one process can safely "
@@ -1190,6 +1191,30 @@ def _steps_cell(res: dict, ran: list[dict]) -> str:
     return "; ".join(f"{k} (run {', '.join(map(str, sorted(v)))})" for k, v in seen.items())
 
 
+def _malloc_note(rows: list[dict]) -> str:
+    """Which rows ran with glibc's mmap threshold fixed (dpfit.memory.return_freed_memory)."""
+    fixed = {r.get("mmap_threshold") for r in rows if r.get("ran")}
+    if fixed in (set(), {None}):
+        return "glibc's malloc with its default settings in every arm. "
+    if None in fixed:
+        return (
+            "Some rows ran with glibc's mmap threshold fixed (their runs' commands say "
+            "--malloc-mmap-threshold), others with glibc's default: compare memory only "
+            "between rows of one setting. "
+        )
+    (size,) = fixed
+    return (
+        f"Every arm's process gave each block of {size:,} bytes or more its own mapping "
+        "(dpfit.memory.return_freed_memory, as `dpfit train --activation-checkpointing` "
+        "does), so a freed tensor's pages went back to the system at once and peak RSS "
+        "follows the live tensors; with glibc's default the heap keeps freed pages "
+        "mapped. "
+    )
+
+
+MALLOC = RESULTS / "long_context_malloc.json"  # rows measured with the threshold fixed
+
+
 def render_docs(res: dict, md: str, png_name: str) -> str:
     return (
         "# Long documents: memory and time against sequence length\n\n"
@@ -1206,6 +1231,26 @@ def render_docs(res: dict, md: str, png_name: str) -> str:
         "LM head's logits and the loss's tensors of their size.\n\n"
         f"![peak memory vs T](../benchmarks/results/{png_name})\n\n"
         + md.split("\n", 1)[1].lstrip("\n").replace("## ", "### ")
+        + _malloc_section()
+    )
+
+
+def _malloc_section() -> str:
+    """The rows measured with freed memory returned at once, rendered from their own result
+    (benchmarks/results/long_context_malloc.json), so that no ratio mixes allocator settings."""
+    if not MALLOC.is_file():
+        return ""
+    res = json.loads(MALLOC.read_text())
+    body = render(res).split("\n", 1)[1].lstrip("\n").replace("## ", "#### ")
+    return (
+        "\n\n## Freed memory returned at once (`dpfit train --activation-checkpointing`)\n\n"
+        "Peak RSS above also counts what glibc's heap keeps mapped after tensors are freed, "
+        "which can be far more than the live tensors (compare the chunked-loss arm's rows "
+        "above with its rows here). `dpfit train --activation-checkpointing` "
+        "therefore fixes glibc's mmap threshold at 1 MiB (dpfit.memory.return_freed_memory). "
+        "These rows ran every arm, DP full included, with that setting, and their targets "
+        "are computed among themselves "
+        "(`benchmarks/results/long_context_malloc.{md,json}`):\n\n" + body
     )
 
 

@@ -37,6 +37,7 @@ import long_context  # noqa: E402  (the arms, exactly as the memory benchmark bu
 RESULTS = ROOT / "benchmarks" / "results"
 ARMS = ("nonpriv-bias", "dp-bitfit")
 TARGET = 1.05
+MAX_ROUNDS = 400
 
 
 def child(spec: dict) -> dict:
@@ -53,7 +54,10 @@ def child(spec: dict) -> dict:
     ids = torch.randint(3, vocab, (spec["batch"], spec["length"]), generator=g)
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    for r in range(spec["warmup"] + spec["rounds"]):
+    r = 0
+    while r < spec["warmup"] + spec["rounds"] or (
+        sum(cpu["dp-bitfit"]) < spec["min_timed_s"] and r < MAX_ROUNDS
+    ):
         order = ARMS if r % 2 == 0 else ARMS[::-1]
         for arm in order:
             c0, w0 = time.thread_time(), time.perf_counter()
@@ -62,11 +66,15 @@ def child(spec: dict) -> dict:
             if r >= spec["warmup"]:
                 cpu[arm].append(c1 - c0)
                 wall[arm].append(w1 - w0)
+        r += 1
     return {"cpu_s": cpu, "wall_s": wall}
 
 
-def run_setting(model: str, length: int, batch: int, warmup: int, rounds: int) -> dict:
+def run_setting(
+    model: str, length: int, batch: int, warmup: int, rounds: int, min_timed_s: float
+) -> dict:
     spec = {"model": model, "length": length, "batch": batch, "warmup": warmup, "rounds": rounds}
+    spec["min_timed_s"] = min_timed_s
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     load = os.getloadavg()[0]
     out = subprocess.run(
@@ -98,17 +106,20 @@ def render(res: dict) -> str:
         f"Model: {res['model']} (causal LM, float32, SDPA), random token ids, no padding, one "
         "thread; both arms in one process, as benchmarks/long_context.py builds them "
         "(`nonpriv-bias`, `dp-bitfit`: PrivacyEngine mode bias, sigma 1, AdamW); "
-        f"{res['warmup']} warm-up rounds, then {res['rounds']} timed rounds of one step per "
-        "arm, the order flipped every round. CPU seconds of the thread per step.",
+        f"{res['warmup']} warm-up rounds, then timed rounds of one step per arm, the order "
+        f"flipped every round: at least {res['rounds']}, and more until DP-BiTFiT's timed "
+        f"steps add up to {res['min_timed_s']:g} CPU seconds. CPU seconds of the thread per "
+        "step.",
         "",
-        "| T | batch | non-private bias-only, CPU s/step | DP-BiTFiT, CPU s/step | "
-        "DP / non-private per round: median [min, max] | ratio of the medians | load before |",
-        "|---|---|---|---|---|---|---|",
+        "| T | batch | timed rounds | non-private bias-only, CPU s/step | DP-BiTFiT, CPU s/step "
+        "| DP / non-private per round: median [min, max] | ratio of the medians | load before |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in res["settings"]:
         m = s["median_cpu_s"]
         lines.append(
-            f"| {s['length']} | {s['batch']} | {m['nonpriv-bias']:.2f} | {m['dp-bitfit']:.2f} | "
+            f"| {s['length']} | {s['batch']} | {len(s['ratios'])} | {m['nonpriv-bias']:.2f} | "
+            f"{m['dp-bitfit']:.2f} | "
             f"{s['ratio_median']:.3f} [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}] | "
             f"{s['ratio_of_medians']:.3f} | {s['load_before']:.1f} |"
         )
@@ -130,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds, at least")
+    ap.add_argument(
+        "--min-timed-s",
+        type=float,
+        default=60.0,
+        help="more rounds until DP-BiTFiT's timed steps add up to this many CPU seconds "
+        "(short steps are noisier)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "long_context_paired")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -145,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "min_timed_s": args.min_timed_s,
         "settings": [],
     }
     for batch in args.batches:
         for length in args.lengths:
-            s = run_setting(args.model, length, batch, args.warmup, args.rounds)
+            s = run_setting(args.model, length, batch, args.warmup, args.rounds, args.min_timed_s)
             res["settings"].append(s)
             print(
                 f"T={length} b={batch}: DP / non-private {s['ratio_median']:.3f} "

@@ -244,3 +244,11 @@ def test_chunked_loss_arm_runs_and_is_compared_with_checkpointing_alone(tmp_path
         "DP-BiTFiT + activation checkpointing + chunked loss / DP-BiTFiT + activation "
         "checkpointing, memory" in md
     )
+
+
+def test_malloc_note_says_which_allocator_setting_the_rows_ran_under():
+    fixed = {"ran": True, "mmap_threshold": 1 << 20}
+    default = {"ran": True}
+    assert "default settings in every arm" in long_context._malloc_note([default, default])
+    assert "1,048,576 bytes" in long_context._malloc_note([fixed, fixed])
+    assert "only between rows of one setting" in long_context._malloc_note([fixed, default])

@@ -15,6 +15,7 @@ import long_context_paired  # noqa: E402
 def test_tiny_run_pairs_each_round(tmp_path):
     out = tmp_path / "paired"
     argv = ["--model", "tiny", "--lengths", "16", "--batches", "2", "--warmup", "1"]
+    argv += ["--min-timed-s", "0"]
     assert long_context_paired.main([*argv, "--rounds", "3", "--out", str(out)]) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     (s,) = res["settings"]
