@@ -343,3 +343,27 @@ def test_labels_with_spaces_after_commas_name_the_classes_without_them():
 
     args = build_parser().parse_args(["train", "--labels", "neg, pos ,", "--no-output"])
     assert train_config_from_args(args).labels == ("neg", "pos")
+
+
+class _Called(Exception):
+    pass
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_checkpointed_runs_return_freed_memory_at_once(flag, monkeypatch):
+    """dpfit train --activation-checkpointing fixes glibc's mmap threshold before the run
+    (dpfit.memory.return_freed_memory); other runs leave the allocator alone."""
+    import dpfit.cli as cli
+    import dpfit.memory as memory
+
+    calls = []
+    monkeypatch.setattr(memory, "return_freed_memory", lambda *a: calls.append(a) or True)
+
+    def stop(*args, **kwargs):
+        raise _Called
+
+    monkeypatch.setattr(cli, "run_config", stop)
+    argv = ["train", "--task", "causal-lm", "--non-private"]
+    with pytest.raises(_Called):
+        main(argv + (["--activation-checkpointing"] if flag else []))
+    assert len(calls) == (1 if flag else 0)
