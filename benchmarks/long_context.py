@@ -1226,9 +1226,15 @@ def render_docs(res: dict, md: str, png_name: str) -> str:
         "bias gradients; DP full keeps every weight's gradient and AdamW state, and per-example "
         "gradients (Opacus hooks: materialised; dpfit: per layer, T x T ghost-norm products or "
         "materialised rows, whichever is smaller). DP-BiTFiT + activation checkpointing "
-        "(`dpfit train --activation-checkpointing`) keeps only each decoder layer's input and "
-        "recomputes the layer in the backward pass: what still grows with T is then mostly the "
-        "LM head's logits and the loss's tensors of their size.\n\n"
+        "keeps only each decoder layer's input and recomputes the layer in the backward pass: "
+        "what still grows with T is then mostly the LM head's logits and the loss's tensors of "
+        "their size. DP-BiTFiT + activation checkpointing + chunked loss (what `dpfit train "
+        "--task causal-lm --activation-checkpointing` runs) also computes the head and the "
+        "cross entropy one chunk of positions at a time, forward and backward "
+        "(dpfit.chunked_head), so only one chunk's logits exist at once. The DP full arms "
+        "compute the whole logits: their head is trained, and a per-example gradient of a "
+        "vocabulary-sized head split over chunks would need each example's full head gradient "
+        "or cross-chunk ghost products, which no DP full arm here builds.\n\n"
         f"![peak memory vs T](../benchmarks/results/{png_name})\n\n"
         + md.split("\n", 1)[1].lstrip("\n").replace("## ", "### ")
         + _malloc_section()
