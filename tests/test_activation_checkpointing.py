@@ -9,38 +9,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from long_llama import T, tiny_long_llama, token_ids
-from oracle import assert_matches_oracle, engine_per_example, make_engine, oracle_per_example
+from long_llama import (
+    T,
+    assert_rows_match_oracle,
+    long_batch,
+    plain_loss_sum,
+    saved_bytes,
+    tiny_long_llama,
+)
+from oracle import make_engine
 
 from dpfit.activation_checkpointing import enable_activation_checkpointing
-from dpfit.causal_lm import Window, make_collate, per_example_token_nll
 from dpfit.errors import DPFitError
 
 pytest.importorskip("transformers")
 
-# three examples at the full length, one of them padded (a shorter text in the batch)
-LENGTHS = (T, T - 700, T)
-
 
 def _batch():
-    items = [Window(token_ids(n, seed=i)) for i, n in enumerate(LENGTHS)]
-    return make_collate(0)(items)
+    return long_batch()
 
 
-def _loss_sum(model, batch) -> torch.Tensor:
-    """Sum over examples of each example's mean token NLL (loss_reduction='sum')."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    total, count = per_example_token_nll(logits, batch["labels"])
-    return (total / count.clamp(min=1)).sum()
-
-
-def _oracle(model, batch):
-    def one(i: int) -> torch.Tensor:
-        n = int(batch["attention_mask"][i].sum())
-        alone = {k: v[i : i + 1, :n] for k, v in batch.items()}
-        return _loss_sum(model, alone)
-
-    return oracle_per_example(model, one, len(LENGTHS))
+_loss_sum = plain_loss_sum
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
@@ -48,15 +37,7 @@ def test_causal_lm_rows_match_oracle_at_2048_tokens(checkpointing):
     model = tiny_long_llama().train()
     batch = _batch()
     assert batch["input_ids"].shape == (3, T)
-    want = _oracle(model, batch)  # each example alone, no checkpointing
-    if checkpointing:
-        enable_activation_checkpointing(model, "bias")
-        assert model.model.gradient_checkpointing and model.model.layers[0].gradient_checkpointing
-    engine = make_engine(model)  # check_gradients on: rows must add up to autograd's .grad
-    got = engine_per_example(engine, lambda: _loss_sum(model, batch))
-    assert_matches_oracle(got, want)
-    assert len(got) == sum(p.requires_grad for p in model.parameters())
-    engine.detach()
+    assert_rows_match_oracle(model, batch, plain_loss_sum, checkpointing)
 
 
 def test_checkpointing_step_matches_plain_step():
@@ -91,16 +72,7 @@ def test_checkpointing_refused_for_a_model_without_it():
 
 def _saved_bytes(model, batch) -> int:
     """Bytes autograd keeps from the forward for the backward (what checkpointing cuts)."""
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss_sum(model, batch)
-    loss.backward()
+    total = saved_bytes(lambda: _loss_sum(model, batch))
     model.zero_grad(set_to_none=True)
     return total
 

@@ -7,25 +7,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from long_llama import T, tiny_long_llama, token_ids
-from oracle import assert_matches_oracle, engine_per_example, make_engine, oracle_per_example
+from long_llama import (
+    LENGTHS,
+    assert_rows_match_oracle,
+    long_batch,
+    saved_bytes,
+    tiny_long_llama,
+)
 
-from dpfit.activation_checkpointing import enable_activation_checkpointing
-from dpfit.causal_lm import Window, make_collate, per_example_token_nll
+from dpfit.causal_lm import per_example_token_nll
 from dpfit.chunked_head import chunk_positions, chunked_token_nll
 from dpfit.errors import DPFitError
 
 pytest.importorskip("transformers")
 
-LENGTHS = (T, T - 700, T)  # one example padded
 # a budget of 300 positions per chunk for 3 examples of the tiny model's 64 classes: 7 chunks,
 # the last one partial (2,047 predicted positions)
 BUDGET = 300 * 4 * 3 * 64
 
 
 def _batch(lengths=LENGTHS):
-    items = [Window(token_ids(n, seed=i)) for i, n in enumerate(lengths)]
-    return make_collate(0)(items)
+    return long_batch(lengths)
 
 
 def _plain(model, batch):
@@ -54,23 +56,7 @@ def test_same_losses_as_the_full_logits():
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_rows_match_oracle_at_2048_tokens(checkpointing):
-    model = tiny_long_llama().train()
-    batch = _batch()
-
-    def one(i: int) -> torch.Tensor:  # each example alone, the one-piece loss
-        n = int(batch["attention_mask"][i].sum())
-        alone = {k: v[i : i + 1, :n] for k, v in batch.items()}
-        total, count = _plain(model, alone)
-        return (total / count).sum()
-
-    want = oracle_per_example(model, one, len(LENGTHS))
-    if checkpointing:
-        enable_activation_checkpointing(model, "bias")
-    engine = make_engine(model)  # check_gradients on: rows must add up to autograd's .grad
-    got = engine_per_example(engine, lambda: _chunked_sum(model, batch))
-    assert_matches_oracle(got, want)
-    assert len(got) == sum(p.requires_grad for p in model.parameters())
-    engine.detach()
+    assert_rows_match_oracle(tiny_long_llama().train(), _batch(), _chunked_sum, checkpointing)
 
 
 def _big_vocab_llama():
@@ -89,27 +75,13 @@ def _big_vocab_llama():
     return model.train()
 
 
-def _saved_bytes(loss_fn) -> int:
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn()
-    loss.backward()
-    return total
-
-
 def test_keeps_no_full_logits_for_the_backward():
     model = _big_vocab_llama()
     ids = torch.randint(0, 4096, (2, 512))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     logits_bytes = 2 * 511 * 4096 * 4
-    plain = _saved_bytes(lambda: _plain(model, batch)[0].sum())
-    chunked = _saved_bytes(
+    plain = saved_bytes(lambda: _plain(model, batch)[0].sum())
+    chunked = saved_bytes(
         lambda: chunked_token_nll(model, batch, budget=2 * 64 * 4096 * 4)[0].sum()
     )
     assert plain > logits_bytes  # the one-piece loss keeps at least one full copy
