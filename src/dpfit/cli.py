@@ -414,7 +414,9 @@ def _window_rows(m: dict) -> list[tuple[str, object]]:
     """Long texts: how they were cut into windows (causal LM on documents, classification)."""
     if not m.get("window_length"):
         return []
-    what = f"{m['window_length']} tokens every {m['stride']}, {m['train_documents']} documents"
+    what = f"{m['window_length']} tokens every {m['stride']}"
+    if "train_documents" in m:  # a training run's; dpfit evaluate counts texts in "evaluated on"
+        what += f", {m['train_documents']} documents"
     return [("windows", what)]
 
 
@@ -554,6 +556,8 @@ def _eprint(msg: str, file=None) -> None:
 
 # -- evaluate --------------------------------------------------------------------------------
 
+EVAL_MAX_LENGTH = 128  # tokens a text is truncated at when the model has no windows
+
 
 def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a saved model folder (DIR/model)")
@@ -564,7 +568,21 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--text-column", default="text")
     p.add_argument("--label-column", default="label")
-    p.add_argument("--max-length", type=_positive_int, default=128)
+    p.add_argument(
+        "--max-length",
+        type=_positive_int,
+        help="tokens per text (default: a model trained on windows is scored on the same "
+        "windows, read from its dpfit.json; any other model on texts truncated at "
+        f"{EVAL_MAX_LENGTH}). For a model trained on windows, another length cuts windows of "
+        "that length, without overlap unless --stride is given",
+    )
+    p.add_argument(
+        "--stride",
+        type=_positive_int,
+        help="score long texts on windows of --max-length tokens, one every STRIDE tokens, "
+        "each text predicted from the mean of its windows' logits (default: the stride the "
+        "model was trained with, if it was trained on windows)",
+    )
     p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", default="auto", help="CPU threads for torch (a number, or auto)")
@@ -591,20 +609,30 @@ def run_evaluate(args: argparse.Namespace) -> int:
     names = [str(id2label[i]) for i in range(model.config.num_labels)]
     record_path = Path(args.model) / "dpfit.json"
     privacy = json.loads(record_path.read_text()) if record_path.is_file() else None
+    length, stride = _evaluation_windows(args, privacy)  # refused before any data is read
     if args.data is None:
         data = _bundled_test_split(args.model, privacy, names)
     else:
         data = load_texts(args.data, args.text_column, args.label_column, label_names=names)
     device = _device(args.device)
     model.to(device)
-    res = evaluate(model, loaded.tokenizer, data, args.max_length, args.batch_size, device)
+    res = evaluate(model, loaded.tokenizer, data, length, args.batch_size, device, stride=stride)
     out = {**res.as_dict(), "model": str(args.model), "data": str(args.data or data.source)}
+    # windowed: what was scored, in the words of `dpfit train`'s table
+    window = {} if stride is None else {"window_length": length, "stride": stride}
+    scored = {"eval_n": res.n, **window}
+    if window:
+        out.update(window, evaluated_on=_evaluated_on(scored))
     if privacy is not None:
         out["privacy"] = privacy
     if args.json:
         print(to_json(out, indent=None))
     else:
-        rows: list[tuple[str, object]] = [("accuracy", res.accuracy), ("examples", res.n)]
+        rows: list[tuple[str, object]] = [("accuracy", res.accuracy)]
+        if window:
+            rows += [("evaluated on", _evaluated_on(scored)), *_window_rows(scored)]
+        else:
+            rows.append(("examples", res.n))
         rows += [
             (f"class {k}", f"{v['correct']}/{v['n']} correct") for k, v in res.per_class.items()
         ]
@@ -615,6 +643,27 @@ def run_evaluate(args: argparse.Namespace) -> int:
             rows.append(("delta", privacy.get("delta")))
         print(format_table(rows, title=f"dpfit evaluate: {args.model}"))
     return 0
+
+
+def _evaluation_windows(args: argparse.Namespace, record: dict | None) -> tuple[int, int | None]:
+    """(max length, stride or None) to score at. A model trained on windows (its dpfit.json
+    has window_length and stride) is scored on the same windows, so that its score is its
+    training run's test figure; --max-length and --stride override. Another --max-length
+    alone cuts windows of that length without overlap (the recorded stride may not fit it).
+    Any other model: texts truncated at --max-length, or windows with --stride."""
+    from dpfit.windows import check_stride
+
+    cut = (record or {}).get("window_length")
+    if cut is None:
+        length, stride = args.max_length or EVAL_MAX_LENGTH, args.stride
+    else:
+        length = args.max_length or cut
+        stride = args.stride
+        if stride is None:
+            stride = record["stride"] if length == cut else length
+    if stride is not None:
+        check_stride(stride, length)
+    return length, stride
 
 
 def _bundled_test_split(model: str, privacy: dict | None, names: list[str]):

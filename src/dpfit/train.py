@@ -1141,7 +1141,13 @@ def _save_partial(
         write_json(out / "metrics.json", record)
         _merge_lora(model, config)
         task.save(prep, model, out / "model")
-        write_json(out / "model" / "dpfit.json", {"private": True, "status": status, **privacy})
+        window = {}  # long texts: how they were cut, so `dpfit evaluate` cuts them alike
+        if prep.state.get("stride") is not None:
+            window = {"window_length": prep.state["length"], "stride": prep.state["stride"]}
+        write_json(
+            out / "model" / "dpfit.json",
+            {"private": True, "status": status, **privacy, **window},
+        )
     except Exception:  # noqa: BLE001 - the error that stopped training is the one to raise
         logger.exception("could not write the record of the %s run to %s", status, out)
         return
@@ -1272,6 +1278,8 @@ def _privacy_file(result: TrainResult) -> dict:
     record.setdefault("steps", m.get("steps"))
     record["mode"] = m.get("mode")
     record["insecure_seed"] = m.get("insecure_seed", False)
+    if m.get("window_length") is not None:  # long texts: `dpfit evaluate` cuts them alike
+        record.update(window_length=m["window_length"], stride=m["stride"])
     config = m.get("config") or {}
     if config.get("task") == "classification" and config.get("data") is None:
         # `dpfit evaluate --model DIR/model` without --data scores the same held-out movies
