@@ -98,27 +98,37 @@ def run_setting(
 
 
 def render(res: dict) -> str:
+    runs = res.get("runs", [res["command"]])
     lines = [
         "# DP-BiTFiT / non-private bias-only time at long T, paired step by step",
         "",
-        f"Command: `{res['command']}`",
+        *(
+            [f"Command: `{res['command']}`"]
+            if len(runs) == 1
+            else [
+                "Commands (each row says which run measured it; a later run's row replaces "
+                "an earlier one's):",
+                "",
+                *[f"- run {i}: `{c}`" for i, c in enumerate(runs, 1)],
+            ]
+        ),  # fmt: skip
         "",
         f"Model: {res['model']} (causal LM, float32, SDPA), random token ids, no padding, one "
         "thread; both arms in one process, as benchmarks/long_context.py builds them "
         "(`nonpriv-bias`, `dp-bitfit`: PrivacyEngine mode bias, sigma 1, AdamW); "
         f"{res['warmup']} warm-up rounds, then timed rounds of one step per arm, the order "
-        f"flipped every round: at least {res['rounds']}, and more until DP-BiTFiT's timed "
-        f"steps add up to {res['min_timed_s']:g} CPU seconds. CPU seconds of the thread per "
-        "step.",
+        "flipped every round: at least --rounds, and more until DP-BiTFiT's timed steps add "
+        "up to --min-timed-s CPU seconds. CPU seconds of the thread per step.",
         "",
-        "| T | batch | timed rounds | non-private bias-only, CPU s/step | DP-BiTFiT, CPU s/step "
+        "| T | batch | run | timed rounds | non-private bias-only, CPU s/step | DP-BiTFiT, CPU s/step "
         "| DP / non-private per round: median [min, max] | ratio of the medians | load before |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in res["settings"]:
         m = s["median_cpu_s"]
         lines.append(
-            f"| {s['length']} | {s['batch']} | {len(s['ratios'])} | {m['nonpriv-bias']:.2f} | "
+            f"| {s['length']} | {s['batch']} | {s.get('run', 1)} | {len(s['ratios'])} | "
+            f"{m['nonpriv-bias']:.2f} | "
             f"{m['dp-bitfit']:.2f} | "
             f"{s['ratio_median']:.3f} [{s['ratio_min']:.3f}, {s['ratio_max']:.3f}] | "
             f"{s['ratio_of_medians']:.3f} | {s['load_before']:.1f} |"
@@ -150,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         "(short steps are noisier)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "long_context_paired")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        help="an earlier result JSON: keep its settings, replacing those this run measures",
+    )
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._child:
@@ -166,10 +181,20 @@ def main(argv: list[str] | None = None) -> int:
         "min_timed_s": args.min_timed_s,
         "settings": [],
     }
+    if args.merge:
+        old = json.loads(args.merge.read_text())
+        res["runs"] = [*old.get("runs", [old["command"]]), res["command"]]
+        res["settings"] = [{"run": 1, **x} for x in old["settings"]]
+    run = len(res.get("runs", [None]))
     for batch in args.batches:
         for length in args.lengths:
             s = run_setting(args.model, length, batch, args.warmup, args.rounds, args.min_timed_s)
+            s["run"] = run
+            res["settings"] = [
+                x for x in res["settings"] if (x["length"], x["batch"]) != (length, batch)
+            ]
             res["settings"].append(s)
+            res["settings"].sort(key=lambda x: (x["batch"], x["length"]))
             print(
                 f"T={length} b={batch}: DP / non-private {s['ratio_median']:.3f} "
                 f"[{s['ratio_min']:.3f}, {s['ratio_max']:.3f}]",

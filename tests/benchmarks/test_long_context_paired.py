@@ -31,3 +31,17 @@ def test_committed_table_is_the_json_rendered():
     path = ROOT / "benchmarks" / "results" / "long_context_paired.json"
     res = json.loads(path.read_text())
     assert path.with_suffix(".md").read_text() == long_context_paired.render(res)
+
+
+def test_merge_replaces_the_settings_measured_again(tmp_path):
+    base = ["--model", "tiny", "--batches", "1", "--warmup", "0", "--rounds", "1"]
+    base += ["--min-timed-s", "0"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert long_context_paired.main([*base, "--lengths", "8", "16", "--out", str(first)]) == 0
+    merge = ["--lengths", "16", "--out", str(second), "--merge", str(first.with_suffix(".json"))]
+    assert long_context_paired.main([*base, *merge]) == 0
+    res = json.loads(second.with_suffix(".json").read_text())
+    assert [(s["length"], s["run"]) for s in res["settings"]] == [(8, 1), (16, 2)]
+    assert len(res["runs"]) == 2
+    md = second.with_suffix(".md").read_text()
+    assert "- run 2: `" in md and md == long_context_paired.render(res)
