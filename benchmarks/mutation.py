@@ -961,6 +961,26 @@ MUTATIONS += (
         ),
         ("tests/test_document_unit.py", _TRAINER_DOCS, "-k", "noise_only"),
     ),
+    Mutation(
+        "trainer-distributed-document-split-among-ranks",
+        "DPTrainer under torchrun with privacy_unit='document': every rank keeps every "
+        "world-th row of the whole sample of documents, so each rank clips its part of a "
+        "document alone",
+        (
+            (
+                ENGINE,
+                "            part=part,\n",
+                '            part=None if self.config.privacy_unit == "document" else part,\n',
+            ),
+            (
+                "dpfit/sampling.py",
+                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]\n",
+                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]"
+                f"[{_RANK_OF}.get_rank() :: {_RANK_OF}.get_world_size()]\n",
+            ),
+        ),
+        ("tests/distributed/test_trainer.py", "-k", "documents"),
+    ),
 )
 
 
