@@ -287,6 +287,9 @@ def test_a_dataset_of_rows_is_refused_as_documents(make, tmp_path):
     construction, saying how to group rows, before anything is sampled."""
     model, docs, collator = make((2, 1))
     rows = [row for doc in docs for row in doc]
+    trainables = [p.requires_grad for p in model.parameters()]
     with pytest.raises(DPFitError, match=r"documents, each a list of rows.*dict"):
         DPTrainer(model=model, args=targs(tmp_path), train_dataset=rows, data_collator=collator,
                   privacy=document_privacy(noise_multiplier=1.0))  # fmt: skip
+    assert [p.requires_grad for p in model.parameters()] == trainables  # left as it was
+    assert all(trainables)  # as loaded: bias-only training would have frozen the weights

@@ -297,6 +297,9 @@ class DPTrainer(Trainer):
         if model is None:
             raise DPFitError("DPTrainer needs a model (no model_init)")
         self._task, self._per_example_loss = per_example_loss_for(model)
+        train_dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        if self.privacy.privacy_unit == "document" and train_dataset is not None:
+            _check_documents(train_dataset)  # before the model's trainables are changed
         loss_func = kwargs.get("compute_loss_func", args[7] if len(args) > 7 else None)
         if loss_func is not None:
             raise LossReductionError(
@@ -315,8 +318,6 @@ class DPTrainer(Trainer):
         super().__init__(*args, **kwargs)  # under torchrun this joins the process group
         if self.train_dataset is None:
             raise DPFitError("DPTrainer needs a train_dataset (its size sets the sampling rate)")
-        if self.privacy.privacy_unit == "document":
-            _check_documents(self.train_dataset)
         ctx = distributed.resolve(None)
         if ctx is not None:  # as DDP would when it wraps the model: every rank starts equal
             distributed.broadcast_module(self.model, ctx)
