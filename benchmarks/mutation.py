@@ -933,6 +933,74 @@ MUTATIONS += (
 )
 
 
+# DPTrainer with PrivacyArguments(privacy_unit="document"): its documents come through the
+# engine's document loader, each summed (across physical batches) and clipped once
+_TRAINER_DOCS = "tests/integrations/test_trainer_documents.py"
+MUTATIONS += (
+    Mutation(
+        "trainer-document-rows-clipped-separately",
+        "DPTrainer with privacy_unit='document' clips each row (window) of a document alone "
+        "(a document of k rows moves the sum by up to k R)",
+        (
+            (
+                ENGINE,
+                "        if document_unit:  # summed per document, clipped at the end",
+                "        if False:  # summed per document, clipped at the end",
+            ),
+        ),
+        (_TRAINER_DOCS, "-k", "oracle"),
+    ),
+    Mutation(
+        "trainer-document-clipped-per-physical-batch",
+        "DPTrainer with privacy_unit='document' and physical_batch_size: a document whose rows "
+        "straddle physical batches is clipped once per physical batch",
+        (
+            (
+                ENGINE,
+                "            self._documents.add(batch, ids, count, scale)\n",
+                "            self._documents.add(batch, ids, count, scale)\n"
+                "            self._documents.clip_into(self._clipped, self._clip_fn, "
+                "self.max_grad_norm)\n",
+            ),
+        ),
+        (_TRAINER_DOCS, "-k", "oracle"),
+    ),
+    Mutation(
+        "document-batch-without-rows-skipped",
+        "a logical batch whose sampled documents have no rows is skipped (no noise, not "
+        "accounted): the count of released steps then depends on the data",
+        (
+            (
+                "dpfit/sampling.py",
+                "            if not idx or (self.documents and not rows):\n",
+                "            if not idx:\n",
+            ),
+        ),
+        ("tests/test_document_unit.py", _TRAINER_DOCS, "-k", "noise_only"),
+    ),
+    Mutation(
+        "trainer-distributed-document-split-among-ranks",
+        "DPTrainer under torchrun with privacy_unit='document': every rank keeps every "
+        "world-th row of the whole sample of documents, so each rank clips its part of a "
+        "document alone",
+        (
+            (
+                ENGINE,
+                "            part=part,\n",
+                '            part=None if self.config.privacy_unit == "document" else part,\n',
+            ),
+            (
+                "dpfit/sampling.py",
+                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]\n",
+                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]"
+                f"[{_RANK_OF}.get_rank() :: {_RANK_OF}.get_world_size()]\n",
+            ),
+        ),
+        ("tests/distributed/test_trainer.py", "-k", "documents"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

@@ -128,3 +128,30 @@ def test_document_unit_needs_bias_mode():
             tiny_long_llama(), expected_batch_size=1, sample_size=10, noise_multiplier=1.0,
             mode="full", privacy_unit="document",
         )  # fmt: skip
+
+
+def test_a_logical_batch_of_documents_without_rows_is_a_noise_only_step():
+    """Sampled documents that have no rows give no physical batch, but the logical batch is
+    still a step: noised and accounted (inside the loader, or as EMPTY_BATCH for loops that
+    take one item per step), never skipped, which would make the number of released steps
+    depend on the data (and, data-parallel, leave that rank out of the step's reduce)."""
+    from dpfit.sampling import EMPTY_BATCH
+
+    for yield_empty in (False, True):
+        model = tiny_long_llama().train()
+        engine = dpfit.PrivacyEngine(
+            model, expected_batch_size=2, sample_size=2, noise_multiplier=1.0,
+            privacy_unit="document", insecure_seed=0,
+        )  # fmt: skip
+        opt = Capture(engine.parameters())
+        loader = engine.data_loader(
+            [[], []], make_collate(0), optimizer=opt, yield_empty=yield_empty
+        )
+        items = list(loader)  # q = 1: one logical step per pass, drawing both documents
+        assert items == ([EMPTY_BATCH] if yield_empty else [])
+        if yield_empty:
+            engine.empty_step(opt)
+        assert engine.steps_taken == 1
+        released = torch.cat([opt.grads[p].flatten() for p in engine.parameters()])
+        assert released.abs().sum() > 0  # the noise
+        engine.detach()

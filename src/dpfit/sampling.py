@@ -334,17 +334,22 @@ class PoissonDataLoader:
         for idx in self.sampler:
             if self.stop is not None and self.stop():
                 break
-            if not idx:
-                if self.yield_empty:
-                    yield EMPTY_BATCH
-                else:
-                    self.events.empty()
-                continue
+            rows: list = []
             if self.documents:  # rows: (document's place in this logical batch, item)
                 # data-parallel, `idx` holds this rank's whole documents (RankPart splits the
                 # sample by documents, not rows): a document's rows are all summed here, and
                 # clipped once, never in parts on several ranks
                 rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]
+            if not idx or (self.documents and not rows):
+                # no examples, or only documents without rows (their gradient is zero):
+                # still a step, of noise only, so every drawn logical batch is released
+                # and accounted
+                if self.yield_empty:
+                    yield EMPTY_BATCH
+                else:
+                    self.events.empty()
+                continue
+            if self.documents:
                 chunks = self._chunks(rows)
                 owners = tuple(tuple(j for j, _ in c) for c in chunks)
                 chunks = [[x for _, x in c] for c in chunks]

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("trainer")
-    codes = launch(out, 2, model_dir, "update", "update_physical", "resume",
+    codes = launch(out, 2, model_dir, "update", "update_physical", "resume", "update_documents",
                    script="trainer_worker.py", timeout=400)  # fmt: skip
     assert codes == [0, 0], launch.logs
     return results(out, 2)
@@ -55,6 +55,25 @@ def test_two_ranks_with_physical_batches_give_the_one_process_update(job, model_
         assert got["physical_sizes"] == [(5, 5, 2)] * 3
         assert got["steps"] == got["global_step"] == 3
         assert got["ddp_reduces"] == 0
+        err = (got["delta"] - ref["delta"]).norm()
+        assert err <= 1e-6 * ref["delta"].norm(), (rank, err)
+
+
+def test_two_ranks_with_documents_give_the_one_process_update(job, model_dir, tmp_path):
+    """privacy_unit="document", sigma=0, q=1, a clip norm that clips: each rank holds whole
+    documents (every other one, so its rows are theirs) in physical batches of 3 rows, each
+    document summed and clipped once on its rank; 3 steps match one process to 1e-6."""
+    ref = trainer_worker.run(1, tmp_path, model_dir, "update_documents")
+    unclipped = trainer_worker.run(1, tmp_path / "u", model_dir, "update_documents:1e6")
+    assert ref["delta"].norm() > 1e-2
+    assert (unclipped["delta"] - ref["delta"]).norm() > 1e-2 * ref["delta"].norm()  # it clips
+    rows = trainer_worker.DOC_ROWS
+    assert ref["physical_sizes"] == [(3,) * (sum(rows) // 3)] * 3
+    for rank in (0, 1):
+        got = job[rank]["update_documents"]
+        assert [sum(s) for s in got["physical_sizes"]] == [sum(rows[rank::2])] * 3
+        assert got["steps"] == got["global_step"] == 3 and got["ddp_reduces"] == 0
+        assert got["sample_rate"] == 1.0
         err = (got["delta"] - ref["delta"]).norm()
         assert err <= 1e-6 * ref["delta"].norm(), (rank, err)
 

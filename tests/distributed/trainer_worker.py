@@ -15,6 +15,9 @@ import warnings
 from pathlib import Path
 
 N = 24  # training examples
+# privacy_unit="document" scenarios: the N rows, in order, grouped into documents of these sizes
+DOC_ROWS = (1, 4, 2, 5, 3, 1, 2, 6)
+R_DOCUMENTS = 0.05  # the documents scenario's clip norm (the test checks that it clips)
 
 
 def set_env(rank: int, world: int, port: int) -> None:
@@ -46,6 +49,14 @@ def data(model_dir: str):
     return loaded.model, ds, DataCollatorWithPadding(loaded.tokenizer)
 
 
+def documents(ds) -> list[list[dict]]:
+    """The N rows grouped into documents of DOC_ROWS rows, each row the collator's fields."""
+    keep = [c for c in ds.column_names if c != "text"]
+    rows = [{k: ds[i][k] for k in keep} for i in range(len(ds))]
+    bounds = [sum(DOC_ROWS[:d]) for d in range(len(DOC_ROWS) + 1)]
+    return [rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
 def trainable(model):
     import torch
 
@@ -62,6 +73,12 @@ def settings(name: str, world: int):
         return PrivacyArguments(noise_multiplier=0.0, physical_batch_size=physical), dict(
             per_device_train_batch_size=N // world, max_steps=3, save_strategy="no"
         )
+    if name.startswith("update_documents"):  # sigma=0, q=1: every document, every step, in
+        # physical batches of 3 rows; "update_documents:R" clips at R instead of R_DOCUMENTS
+        r = float(name.split(":")[1]) if ":" in name else R_DOCUMENTS
+        return PrivacyArguments(
+            noise_multiplier=0.0, physical_batch_size=3, privacy_unit="document", max_grad_norm=r
+        ), dict(per_device_train_batch_size=len(DOC_ROWS) // world, max_steps=3, save_strategy="no")
     # sigma=1, q=2/24: each rank expects 2/world examples, so many of its batches are empty;
     # insecure_seed makes which ones fixed (the test asserts there were some)
     return PrivacyArguments(noise_multiplier=1.0, target_delta=1e-4, insecure_seed=11), dict(
@@ -109,6 +126,8 @@ def train(world: int, out: Path, model_dir: str, name: str, stop_at=None, resume
                 control.should_training_stop = True
 
     model, ds, collator = data(model_dir)
+    if privacy.privacy_unit == "document":
+        ds = documents(ds)
     targs = TrainingArguments(
         output_dir=str(out / f"rank{rank}"), learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", report_to=[], use_cpu=True, logging_steps=1, seed=0,

@@ -34,6 +34,12 @@ What changes, and why (docs/trainer.md has the user's view):
   keeps its part of one global Poisson sample, the engine reduces clipped sums once per step (rank 0 adds the noise),
   each training step runs under DDP's ``no_sync()`` (DDP never averages raw gradients), and an
   empty share is still a step (EMPTY_BATCH), so every rank counts the same steps.
+* ``PrivacyArguments(privacy_unit="document")``: each train_dataset item is a document, a
+  sequence of rows (the windows of a long text, each what the data collator takes). The
+  engine's loader samples documents and reports each row's document with every physical
+  batch, so the engine sums a document's rows (across physical batches) and clips the sum
+  once; n, q and the expected batch count documents, and epsilon protects a whole document.
+  The number of rows (windows) follows the private texts' lengths and is never logged.
 The user's model gets bias-only training (plus its new head) unless ``bias_only=False``; the
 user's ``TrainingArguments`` object is not modified.
 """
@@ -45,6 +51,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +68,7 @@ from transformers.trainer_utils import (
 
 from dpfit import distributed
 from dpfit.checkpoint import Continuation, claim_continuation, fork_report, load_checkpoint
+from dpfit.config import PRIVACY_UNITS
 from dpfit.engine import PrivacyEngine
 from dpfit.errors import DPFitError, LossReductionError
 from dpfit.integrations.losses import LossInputs, per_example_loss_for
@@ -127,8 +135,19 @@ class PrivacyArguments:
     # in physical batches of at most this many examples, clipped into one sum and noised once.
     # None: each logical batch is one forward/backward. Privacy and the update do not change.
     physical_batch_size: int | None = None
+    # What epsilon protects. "example": each train_dataset item. "document": each item is a
+    # document, a sequence of rows (e.g. the windows of a long text, each what the data
+    # collator takes); documents are sampled, a document's rows are summed and clipped as one
+    # contribution, and the batch size and n count documents (physical_batch_size: rows).
+    privacy_unit: str = "example"
 
     def __post_init__(self) -> None:
+        if self.privacy_unit not in PRIVACY_UNITS:
+            raise DPFitError(
+                f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}: "
+                "'example' protects each train_dataset item, 'document' a whole document "
+                "(each train_dataset item a list of rows, e.g. the windows of one long text)"
+            )
         if self.physical_batch_size is not None and self.physical_batch_size < 1:
             raise DPFitError(
                 f"physical_batch_size must be a positive number of examples or None, got "
@@ -238,6 +257,25 @@ def _check_training_arguments(targs) -> None:
         )
 
 
+def _check_documents(dataset) -> None:
+    """privacy_unit="document": the dataset's items must be documents (sequences of rows).
+    A dataset of rows (a datasets.Dataset, dicts) would have each row's fields or tokens
+    taken as its rows; refused before anything is sampled."""
+    if len(dataset) == 0:
+        return  # the engine refuses an empty dataset
+    item = dataset[0]
+    if isinstance(item, Mapping | str | bytes) or not (
+        hasattr(item, "__len__") and hasattr(item, "__iter__")
+    ):
+        raise DPFitError(
+            "PrivacyArguments(privacy_unit='document') needs a train_dataset whose items are "
+            "documents, each a list of rows (e.g. the windows of one long text, each row what "
+            f"data_collator takes); its first item is a {type(item).__name__}. Group the rows "
+            "by document (train_dataset=[[row, row], [row], ...]), or use "
+            "privacy_unit='example'"
+        )
+
+
 class DPTrainer(Trainer):
     """A ``Trainer`` whose training steps are DP-SGD steps of a dpfit ``PrivacyEngine``."""
 
@@ -259,6 +297,9 @@ class DPTrainer(Trainer):
         if model is None:
             raise DPFitError("DPTrainer needs a model (no model_init)")
         self._task, self._per_example_loss = per_example_loss_for(model)
+        train_dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        if self.privacy.privacy_unit == "document" and train_dataset is not None:
+            _check_documents(train_dataset)  # before the model's trainables are changed
         loss_func = kwargs.get("compute_loss_func", args[7] if len(args) > 7 else None)
         if loss_func is not None:
             raise LossReductionError(
@@ -310,6 +351,9 @@ class DPTrainer(Trainer):
             insecure_seed=p.insecure_seed,  # never TrainingArguments.seed
             secure_rng=p.secure_rng,
             loss_reduction="mean",
+            # "document": the engine's loader samples documents and tags each row with its
+            # document, so each document is summed and clipped once (dpfit.sampling)
+            privacy_unit=p.privacy_unit,
             **kwargs,
         )
 
