@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accounting_oracle import ADD_REMOVE, direct_epsilon
+from trainer_args import sgd_training_args, trainable
 
 pytest.importorskip("transformers")
 
-from transformers import DataCollatorWithPadding, TrainingArguments  # noqa: E402
+from transformers import DataCollatorWithPadding  # noqa: E402
 
 import dpfit  # noqa: E402
 import dpfit.engine  # noqa: E402
@@ -64,15 +65,9 @@ def make(tiny_folder):
 
 
 def targs(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1,
-                learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-                report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", seed=0,
-                disable_tqdm=True)  # fmt: skip
-    return TrainingArguments(**{**base, **kw})
-
-
-def trainable(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+    return sgd_training_args(
+        tmp_path, **{**dict(per_device_train_batch_size=4, max_steps=1, learning_rate=1.0), **kw}
+    )
 
 
 class Recording(DPTrainer):

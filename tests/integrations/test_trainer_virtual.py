@@ -4,11 +4,12 @@
 import dp_accounting
 import pytest
 import torch
+from trainer_args import sgd_training_args, trainable
 
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from transformers import DataCollatorWithPadding, TrainingArguments  # noqa: E402
+from transformers import DataCollatorWithPadding  # noqa: E402
 
 import dpfit.engine  # noqa: E402
 from dpfit.errors import DPFitError  # noqa: E402
@@ -45,15 +46,9 @@ def make(tiny_folder):
 
 
 def targs(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, max_steps=3,
-                learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-                report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", seed=0,
-                disable_tqdm=True)  # fmt: skip
-    return TrainingArguments(**{**base, **kw})
-
-
-def trainable(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+    return sgd_training_args(
+        tmp_path, **{**dict(per_device_train_batch_size=16, max_steps=3, learning_rate=0.5), **kw}
+    )
 
 
 class Recording(DPTrainer):
