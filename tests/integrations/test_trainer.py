@@ -21,7 +21,6 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from dpfit import clipping  # noqa: E402
 from dpfit.errors import DPFitError, LossReductionError  # noqa: E402
 from dpfit.integrations import (  # noqa: E402
     DPTrainer,
@@ -216,19 +215,6 @@ def test_resume_without_a_checkpoint_is_refused_not_started_over(make, tmp_path)
 
 
 # ----------------------------------------------------------------- per-example losses
-@pytest.fixture
-def recorded_norms(monkeypatch):
-    """A clipping rule that records the per-example norms the engine clips."""
-    seen = []
-
-    def recording(norms, max_grad_norm):
-        seen.append(norms.detach().clone())
-        return clipping.flat(norms, max_grad_norm)
-
-    monkeypatch.setitem(clipping._CLIP_FNS, "test-recording", recording)
-    return seen
-
-
 def _token_task(kind):
     torch.manual_seed(0)
     if kind == "causal-lm":

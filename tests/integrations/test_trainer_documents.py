@@ -17,7 +17,6 @@ from transformers import DataCollatorWithPadding  # noqa: E402
 
 import dpfit  # noqa: E402
 import dpfit.engine  # noqa: E402
-from dpfit import clipping  # noqa: E402
 from dpfit.errors import DPFitError  # noqa: E402
 from dpfit.integrations import DPTrainer, PrivacyArguments  # noqa: E402
 from dpfit.models import head_module_names, load_classifier, save_tiny_random_model  # noqa: E402
@@ -139,19 +138,6 @@ def test_one_step_is_the_engines_document_step(make, tmp_path):
 
 
 # ----------------------------------------------------------------- against the oracle
-@pytest.fixture
-def recorded_norms(monkeypatch):
-    """A clipping rule that records the norms the engine clips (one per document here)."""
-    seen = []
-
-    def recording(norms, max_grad_norm):
-        seen.append(norms.detach().clone())
-        return clipping.flat(norms, max_grad_norm)
-
-    monkeypatch.setitem(clipping._CLIP_FNS, "test-recording", recording)
-    return seen
-
-
 def row_gradients(make, rows_per_doc) -> tuple[torch.Tensor, torch.Tensor]:
     """float64: (rows, trainables), each row's loss backpropagated alone (a batch of one),
     and (documents, trainables), their sums over each document's rows."""
