@@ -159,7 +159,9 @@ def sum_positions(g: torch.Tensor, batch_dim: int, kept: int = 1) -> torch.Tenso
             return out.view(rows, *tail)
     dims = [i for i in range(d - kept) if i != b]
     if g.dtype in HALF_DTYPES:  # bf16 autocast: accumulate and return float32 (dpfit.precision)
-        return g.sum(dim=dims, dtype=torch.float32)
+        # an upcast, then a float32 reduction: the same float32 sums as sum(dtype=float32),
+        # whose CPU kernel was slower than both ops together on every BERT-step shape tried
+        return g.float().sum(dim=dims)
     return g.sum(dim=dims)  # leaves (batch, *tail)
 
 
