@@ -274,3 +274,8 @@ def test_a_dataset_of_rows_is_refused_as_documents(make, tmp_path):
                   privacy=document_privacy(noise_multiplier=1.0))  # fmt: skip
     assert [p.requires_grad for p in model.parameters()] == trainables  # left as it was
     assert all(trainables)  # as loaded: bias-only training would have frozen the weights
+    # a row among documents is found wherever it is, not only as the first item
+    mixed = [*docs, rows[0]]
+    with pytest.raises(DPFitError, match=rf"item {len(docs)} is a dict"):
+        DPTrainer(model=model, args=targs(tmp_path), train_dataset=mixed,
+                  data_collator=collator, privacy=document_privacy(noise_multiplier=1.0))  # fmt: skip

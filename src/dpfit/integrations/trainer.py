@@ -260,20 +260,20 @@ def _check_training_arguments(targs) -> None:
 def _check_documents(dataset) -> None:
     """privacy_unit="document": the dataset's items must be documents (sequences of rows).
     A dataset of rows (a datasets.Dataset, dicts) would have each row's fields or tokens
-    taken as its rows; refused before anything is sampled."""
-    if len(dataset) == 0:
-        return  # the engine refuses an empty dataset
-    item = dataset[0]
-    if isinstance(item, Mapping | str | bytes) or not (
-        hasattr(item, "__len__") and hasattr(item, "__iter__")
-    ):
-        raise DPFitError(
-            "PrivacyArguments(privacy_unit='document') needs a train_dataset whose items are "
-            "documents, each a list of rows (e.g. the windows of one long text, each row what "
-            f"data_collator takes); its first item is a {type(item).__name__}. Group the rows "
-            "by document (train_dataset=[[row, row], [row], ...]), or use "
-            "privacy_unit='example'"
-        )
+    taken as its rows; refused before anything is sampled. Every item is looked at, since a
+    row left among documents would otherwise fail (or be taken apart) only once drawn."""
+    for i in range(len(dataset)):  # the engine refuses an empty dataset
+        item = dataset[i]
+        if isinstance(item, Mapping | str | bytes) or not (
+            hasattr(item, "__len__") and hasattr(item, "__iter__")
+        ):
+            raise DPFitError(
+                "PrivacyArguments(privacy_unit='document') needs a train_dataset whose items "
+                "are documents, each a list of rows (e.g. the windows of one long text, each "
+                f"row what data_collator takes); its item {i} is a {type(item).__name__}. "
+                "Group the rows by document (train_dataset=[[row, row], [row], ...]), or use "
+                "privacy_unit='example'"
+            )
 
 
 class DPTrainer(Trainer):
