@@ -1,5 +1,6 @@
 """Shared pieces of the DPTrainer tests: plain-SGD training arguments that change nothing
-between steps but the update, and the trainable parameters as one vector."""
+between steps but the update, the trainable parameters as one vector, and a callback that
+stops a run after a given step (a run interrupted after its checkpoint)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,15 @@ def sgd_training_args(tmp_path, **kw):
 
 def trainable(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+def stop_at(step: int):
+    """A TrainerCallback that stops training after `step` (after that step's checkpoint)."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == step:
+                control.should_training_stop = True
+
+    return StopAt()

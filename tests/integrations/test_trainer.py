@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from trainer_args import stop_at  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForMaskedLM,
@@ -17,7 +18,6 @@ from transformers import (  # noqa: E402
     DataCollatorWithPadding,
     GPT2Config,
     GPT2LMHeadModel,
-    TrainerCallback,
     TrainingArguments,
 )
 
@@ -138,15 +138,6 @@ def test_training_seed_does_not_fix_noise_or_batches_unless_insecure_seed(make, 
 
 
 # ----------------------------------------------------------------- resume
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            control.should_training_stop = True  # after the checkpoint of this step is saved
-
-
 def test_resume_counts_every_step_and_continues_the_same_run(make, tmp_path):
     """2 steps, checkpoint, resume 2 more (mid-epoch): the same epsilon, steps and parameters
     as 4 uninterrupted steps (insecure_seed makes the two runs comparable)."""
@@ -159,7 +150,7 @@ def test_resume_counts_every_step_and_continues_the_same_run(make, tmp_path):
     first = DPTrainer(model=model, args=targs(tmp_path, save_strategy="steps", **kw),
                       train_dataset=ds, data_collator=collator,
                       privacy=dataclasses.replace(privacy, allow_fork=True),
-                      callbacks=[StopAt(2)])  # fmt: skip
+                      callbacks=[stop_at(2)])  # fmt: skip
     first.train()
     assert first.privacy_engine.steps_taken == 2
     checkpoint = tmp_path / "out" / "checkpoint-2"
@@ -186,7 +177,7 @@ def test_resume_without_engine_state_is_refused(make, tmp_path):
     kw = dict(max_steps=6, save_strategy="steps", save_steps=2)
     model, ds, collator = make()
     first = DPTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=ds,
-                      data_collator=collator, privacy=privacy, callbacks=[StopAt(4)])  # fmt: skip
+                      data_collator=collator, privacy=privacy, callbacks=[stop_at(4)])  # fmt: skip
     first.train()
     (tmp_path / "out" / "checkpoint-2" / ENGINE_STATE_NAME).unlink()
     model, ds, collator = make()
@@ -357,7 +348,7 @@ def test_resuming_one_checkpoint_twice_is_a_fork_refused_unless_asked(make, tmp_
     kw = dict(max_steps=4, per_device_train_batch_size=8, save_steps=2, save_strategy="steps")
     model, ds, collator = make()
     DPTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=ds, data_collator=collator,
-              privacy=privacy, callbacks=[StopAt(2)]).train()  # fmt: skip
+              privacy=privacy, callbacks=[stop_at(2)]).train()  # fmt: skip
     checkpoint = str(tmp_path / "out" / "checkpoint-2")
 
     def resume(name, lr, p):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accounting_oracle import ADD_REMOVE, direct_epsilon
-from trainer_args import sgd_training_args, trainable
+from trainer_args import sgd_training_args, stop_at, trainable
 
 pytest.importorskip("transformers")
 
@@ -19,6 +19,7 @@ import dpfit  # noqa: E402
 import dpfit.engine  # noqa: E402
 from dpfit.errors import DPFitError  # noqa: E402
 from dpfit.integrations import DPTrainer, PrivacyArguments  # noqa: E402
+from dpfit.integrations.trainer import ENGINE_STATE_NAME  # noqa: E402
 from dpfit.models import head_module_names, load_classifier, save_tiny_random_model  # noqa: E402
 from dpfit.params import make_bias_trainable  # noqa: E402
 from dpfit.sampling import EmptyBatch, PhysicalBatches  # noqa: E402
@@ -236,6 +237,38 @@ def test_nothing_published_depends_on_the_number_of_rows(make, tmp_path):
     assert drawn[1] == [3 * k for k in drawn[0]] and sum(drawn[0]) > 0  # same draws, 3x rows
     assert published[0] == published[1]
     assert published[0]["state"]["total_flos"] == 0
+
+
+def test_resume_continues_the_same_document_run(make, tmp_path):
+    """2 steps, checkpoint, resume 2 more: the same steps, epsilon (over documents) and
+    trainables as 4 uninterrupted steps, with documents straddling physical batches
+    (insecure_seed makes the two runs comparable)."""
+    rows_per_doc = (1, 3, 2, 1, 2, 3, 1, 2)
+    privacy = document_privacy(noise_multiplier=1.0, target_delta=1e-4, insecure_seed=7,
+                               physical_batch_size=2)  # fmt: skip
+    kw = dict(max_steps=4, per_device_train_batch_size=3, save_strategy="steps", save_steps=2)
+    whole, _ = run(make, tmp_path / "whole", rows_per_doc, privacy, **kw)
+    want = trainable(whole.model)
+
+    model, docs, collator = make(rows_per_doc)
+    first = DPTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=docs,
+                      data_collator=collator, privacy=privacy, callbacks=[stop_at(2)])  # fmt: skip
+    first.train()
+    assert first.privacy_engine.steps_taken == 2
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / ENGINE_STATE_NAME).is_file()
+
+    model, docs, collator = make(rows_per_doc)
+    resumed = DPTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=docs,
+                        data_collator=collator, privacy=privacy)  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.privacy_engine.steps_taken == whole.privacy_engine.steps_taken == 4
+    assert resumed.privacy_engine.epsilon() == pytest.approx(
+        whole.privacy_engine.epsilon(), rel=1e-9
+    )
+    assert resumed.privacy_engine.config.sample_size == len(rows_per_doc)  # documents, not rows
+    torch.testing.assert_close(trainable(model), want, rtol=0, atol=1e-6)
+    assert not torch.equal(want, trainable(make(rows_per_doc)[0]))  # it trained
 
 
 # ----------------------------------------------------------------- edge cases and errors
