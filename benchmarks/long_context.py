@@ -1213,6 +1213,7 @@ def _malloc_note(rows: list[dict]) -> str:
 
 
 MALLOC = RESULTS / "long_context_malloc.json"  # rows measured with the threshold fixed
+PAIRED = RESULTS / "long_context_paired.md"  # the time target, both arms in one process
 
 
 def render_docs(res: dict, md: str, png_name: str) -> str:
@@ -1238,6 +1239,21 @@ def render_docs(res: dict, md: str, png_name: str) -> str:
         f"![peak memory vs T](../benchmarks/results/{png_name})\n\n"
         + md.split("\n", 1)[1].lstrip("\n").replace("## ", "### ")
         + _malloc_section()
+        + _paired_section()
+    )
+
+
+def _paired_section() -> str:
+    """DP-BiTFiT's time against non-private bias-only training measured with both arms in one
+    process, step by step (benchmarks/long_context_paired.py), which answers the time target
+    with less of the machine's drift than the rows above, each arm a process of its own."""
+    if not PAIRED.is_file():
+        return ""
+    body = PAIRED.read_text().split("\n", 1)[1].lstrip("\n")
+    return (
+        "\n\n## Time, both bias-only arms paired step by step in one process\n\n"
+        "From `benchmarks/results/long_context_paired.{md,json}` "
+        "(`benchmarks/long_context_paired.py`):\n\n" + body
     )
 
 
