@@ -24,8 +24,17 @@ def _run(tmp_path: Path, name: str, *extra: str) -> dict:
     return json.loads(out.with_suffix(".json").read_text())
 
 
-def test_smallest_run_and_forced_out_of_memory(tmp_path):
-    res = _run(tmp_path, "small", "--lengths", "16", "--arms", "nonpriv-bias", "dp-bitfit")
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> tuple[Path, dict]:
+    """(folder, result) of the smallest run, DP-BiTFiT and its non-private arm at T=16: read
+    by the test of its structure and merged into by the merge test (each arm is a process
+    that imports torch, most of a tiny run's time)."""
+    folder = tmp_path_factory.mktemp("small")
+    return folder, _run(folder, "small", "--lengths", "16", "--arms", "nonpriv-bias", "dp-bitfit")
+
+
+def test_smallest_run_and_forced_out_of_memory(small, tmp_path):
+    folder, res = small
     rows = {(r["arm"], r["length"]): r for r in res["rows"]}
     assert set(rows) == {("nonpriv-bias", 16), ("dp-bitfit", 16)}
     for r in rows.values():
@@ -39,10 +48,10 @@ def test_smallest_run_and_forced_out_of_memory(tmp_path):
     assert t["worst"]["ratio"] == pytest.approx(
         rows["dp-bitfit", 16]["peak_rss_bytes"] / rows["nonpriv-bias", 16]["peak_rss_bytes"]
     )
-    md = (tmp_path / "small.md").read_text()
+    md = (folder / "small.md").read_text()
     assert res["command"] in md and "| 16 | 0+1 |" in md
-    assert (tmp_path / "small.png").stat().st_size > 0
-    assert "do not edit by hand" in (tmp_path / "small_doc.md").read_text()
+    assert (folder / "small.png").stat().st_size > 0
+    assert "do not edit by hand" in (folder / "small_doc.md").read_text()
 
     # a cap just above what the set-up takes: T=16 fits, T=2048's logits (2048 x 32000 floats,
     # several copies in the loss) do not; T=4096 is then not run
@@ -76,10 +85,27 @@ def test_schedule_takes_the_nearest_listed_length_below():
     assert long_context.steps_for(sched, 128) == (1, 2)
 
 
-def test_merge_keeps_the_earlier_rows_and_says_which_run_each_came_from(tmp_path):
-    first = _run(tmp_path, "first", "--lengths", "16", "--arms", "nonpriv-bias", "dp-bitfit")
+def _copied_child(real: dict):
+    """A run_child that starts no process: every spec gets the record a real child gave
+    (``real``, a measured row without the driver's own fields), its peak told apart by T.
+    For tests of what the driver does with records; the real children run in the tests of
+    the smallest run and of the chunked loss."""
+    record = {k: v for k, v in real.items() if k not in ("arm", "length", "batch", "run")}
+
+    def run_child(spec: dict, timeout_s: float) -> dict:
+        return {**record, "peak_rss_bytes": record["peak_rss_bytes"] + spec["length"]}
+
+    return run_child
+
+
+def test_merge_keeps_the_earlier_rows_and_says_which_run_each_came_from(
+    small, tmp_path, monkeypatch
+):
+    folder, first = small  # nonpriv-bias and dp-bitfit at T=16, measured
+    (bitfit,) = [r for r in first["rows"] if r["arm"] == "dp-bitfit"]
+    monkeypatch.setattr(long_context, "run_child", _copied_child(bitfit))
     res = _run(tmp_path, "second", "--lengths", "16", "32", "--arms", "dp-bitfit",
-               "dp-bitfit-ckpt", "--merge", str(tmp_path / "first.json"))  # fmt: skip
+               "dp-bitfit-ckpt", "--merge", str(folder / "small.json"))  # fmt: skip
     rows = {(r["arm"], r["length"]): r for r in res["rows"]}
     assert set(rows) == {("nonpriv-bias", 16), ("dp-bitfit", 16), ("dp-bitfit", 32),
                          ("dp-bitfit-ckpt", 16), ("dp-bitfit-ckpt", 32)}  # fmt: skip

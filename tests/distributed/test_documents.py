@@ -33,15 +33,9 @@ def _job(tmp_path_factory, *specs: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """The deterministic scenarios (sigma = 0, or a refusal)."""
-    return _job(tmp_path_factory, "update", STRADDLE, "refused")
-
-
-@pytest.fixture(scope="module")
-def noise_job(tmp_path_factory):
-    """Noisy steps with OS-seeded sampling (a separate job, so that a test of the others
-    alone does not run it)."""
-    return _job(tmp_path_factory, "noise")
+    """Every scenario in one job (starting the two ranks costs more than any scenario): the
+    deterministic ones (sigma = 0, or a refusal) and noisy steps with OS-seeded sampling."""
+    return _job(tmp_path_factory, "update", STRADDLE, "refused", "noise")
 
 
 def _documents_of(rows: list[tuple[int, int]]) -> dict[int, list[int]]:
@@ -122,16 +116,16 @@ def test_a_document_is_clipped_once_whole_on_one_rank(job):
     assert (split - want).abs().max() > 1e-2 * want.abs().max()
 
 
-def test_noise_is_drawn_once_per_step_across_ranks(noise_job):
+def test_noise_is_drawn_once_per_step_across_ranks(job):
     """Zero gradients: each update is N(0, (sigma R / B)^2) per coordinate, for 1 and 2 ranks
     (a draw on every rank would show sqrt(2) times that)."""
     std = 1.0 * 1.0 / 4
-    assert_std(noise_job[0]["noise"]["deltas"], std)
+    assert_std(job[0]["noise"]["deltas"], std)
     assert_std(worker.noise(1, steps=16)["deltas"], std)
 
 
-def test_ranks_stay_identical_and_epsilon_is_the_one_process_figure_over_documents(noise_job):
-    a, b = noise_job[0]["noise"], noise_job[1]["noise"]
+def test_ranks_stay_identical_and_epsilon_is_the_one_process_figure_over_documents(job):
+    a, b = job[0]["noise"], job[1]["noise"]
     assert a["steps"] == b["steps"] == 32
     assert torch.equal(a["params"], b["params"]) and torch.equal(a["deltas"], b["deltas"])
     assert a["deltas"].abs().sum() > 0

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from dpfit.federated.cli import add_arguments, run
+from dpfit.models import save_tiny_random_model
 
 BIN = Path(sys.executable).parent
 REFUSED = "No SuperNode found with the given public key"  # the SuperLink's log line (flwr 1.42)
@@ -47,18 +48,24 @@ def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
     )
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a process we started and its children (its own session), by its id."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
-    except ProcessLookupError:
-        pass
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Stop processes we started and their children (each its own session), by their ids:
+    SIGTERM to all first, so that they shut down side by side, then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=5)
 
 
 def _sh(cmd: list[str], env: dict | None = None, timeout: float = 120) -> str:
@@ -100,6 +107,19 @@ def _wait_for(path: Path, seconds: float, logs: list[Path]) -> None:
         pytest.fail(f"no {path.name} after {seconds:.0f}s\n{tails}")
 
 
+def _connect(port: int, seconds: float) -> socket.socket:
+    """A connection to the SuperLink's port once it listens (it takes seconds to start):
+    SuperNodes started after that connect at once instead of backing off."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _check_outputs(out: Path, rounds: int, tmp_path: Path) -> None:
     rows = list(csv.DictReader(open(out / "rounds.csv")))
     assert [int(r["round"]) for r in rows] == list(range(1, rounds + 1))
@@ -108,6 +128,14 @@ def _check_outputs(out: Path, rounds: int, tmp_path: Path) -> None:
         assert "train" in (tmp_path / f"supernode{i}.log").read_text().lower()
     assert 0 < float(rows[-1]["epsilon"]) <= 8.0 * (1 + 1e-6)
     assert json.loads((out / "metrics.json").read_text())["rounds"] == rounds
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> str:
+    """A tiny random BERT: what is under test is the deployment (processes, connections,
+    TLS, authentication, outputs), which does not depend on the model's size; every
+    ClientApp process loads it (the bundled MiniLM runs in tests/federated/test_cli.py)."""
+    return str(save_tiny_random_model(tmp_path_factory.mktemp("bert"), arch="bert"))
 
 
 def _needs(*tools: str) -> None:
@@ -120,16 +148,16 @@ def _needs(*tools: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_flwr_run_on_local_superlink_and_two_supernodes(tmp_path):
+def test_flwr_run_on_local_superlink_and_two_supernodes(tmp_path, bert):
     _needs()
     home, port, out = tmp_path / "flwr_home", _free_port(), tmp_path / "out"
     _connection(home, port, None)
     env = _env(home)
     _write_app(
         tmp_path / "app",
-        ["--method", "lac", "--clients", "2", "--clients-per-round", "2", "--rounds", "2",
-         "--vote-noise", "2", "--examples-per-client", "8", "--eval-examples", "32",
-         "--max-length", "32", "--output", str(out)],
+        ["--model", bert, "--method", "lac", "--clients", "2", "--clients-per-round", "2",
+         "--rounds", "2", "--vote-noise", "2", "--examples-per-client", "8",
+         "--eval-examples", "32", "--max-length", "32", "--output", str(out)],
     )  # fmt: skip
     procs: list[subprocess.Popen] = []
     try:
@@ -145,6 +173,7 @@ def test_flwr_run_on_local_superlink_and_two_supernodes(tmp_path):
                 env,
             )
         )  # fmt: skip
+        _connect(port, seconds=60).close()
         for i in range(2):
             procs.append(
                 _start(
@@ -158,14 +187,12 @@ def test_flwr_run_on_local_superlink_and_two_supernodes(tmp_path):
                     env,
                 )
             )  # fmt: skip
-        time.sleep(3)
         _sh([str(BIN / "flwr"), "run", str(tmp_path / "app"), "deploy"], env)
         logs = [tmp_path / n for n in ("superlink.log", "supernode0.log", "supernode1.log")]
         _wait_for(out / "metrics.json", 360, logs)
         _check_outputs(out, 2, tmp_path)
     finally:
-        for p in reversed(procs):
-            _stop(p)
+        _stop(procs[::-1])
     assert all(p.poll() is not None for p in procs)
 
 
@@ -186,16 +213,7 @@ def _certificates(d: Path) -> tuple[Path, Path, Path]:
 def _tls_handshake(port: int, ca: Path, seconds: float) -> None:
     """Wait for the SuperLink, then check that it serves TLS that verifies against ``ca``."""
     ctx = ssl.create_default_context(cafile=str(ca))
-    deadline = time.time() + seconds
-    while True:
-        try:
-            raw = socket.create_connection(("127.0.0.1", port), timeout=5)
-            break
-        except OSError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.5)
-    with raw, ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+    with _connect(port, seconds) as raw, ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
         assert tls.version() in ("TLSv1.2", "TLSv1.3")
 
 
@@ -208,7 +226,7 @@ def _node_key(d: Path, name: str) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_secure_deployment_tls_and_supernode_authentication(tmp_path):
+def test_secure_deployment_tls_and_supernode_authentication(tmp_path, bert):
     _needs("openssl", "ssh-keygen")
     home, port, out = tmp_path / "flwr_home", _free_port(), tmp_path / "out"
     certs = tmp_path / "certs"
@@ -221,9 +239,9 @@ def test_secure_deployment_tls_and_supernode_authentication(tmp_path):
     # the shortest run that trains on both SuperNodes: one round, no vote
     _write_app(
         tmp_path / "app",
-        ["--method", "fixed", "--clients", "2", "--clients-per-round", "2", "--rounds", "1",
-         "--examples-per-client", "8", "--eval-examples", "16", "--max-length", "24",
-         "--output", str(out)],
+        ["--model", bert, "--method", "fixed", "--clients", "2", "--clients-per-round", "2",
+         "--rounds", "1", "--examples-per-client", "8", "--eval-examples", "16",
+         "--max-length", "24", "--output", str(out)],
     )  # fmt: skip
     flwr = str(BIN / "flwr")
     procs: list[subprocess.Popen] = []
@@ -268,6 +286,5 @@ def test_secure_deployment_tls_and_supernode_authentication(tmp_path):
         assert REFUSED in (tmp_path / "superlink.log").read_text()
         assert "SuperNode ID" not in (tmp_path / "stranger.log").read_text()
     finally:
-        for p in reversed(procs):
-            _stop(p)
+        _stop(procs[::-1])
     assert all(p.poll() is not None for p in procs)
