@@ -111,6 +111,9 @@ def noise(world: int, steps: int = 32) -> dict:
     )
     deltas = []
     prev, prev_steps = trainable(model), 0
+    # the parameters after each step count this rank saw: where a rank's share was empty it
+    # steps inside the loader, so two ranks see different counts (and group deltas apart)
+    seen = {0: prev}
 
     def observe() -> None:
         nonlocal prev, prev_steps
@@ -119,6 +122,7 @@ def noise(world: int, steps: int = 32) -> dict:
             now = trainable(model)
             deltas.append((now - prev) / k**0.5)
             prev, prev_steps = now, engine.steps_taken
+            seen[prev_steps] = now
 
     while engine.steps_taken < steps:
         for _rows, batch in loader:
@@ -129,6 +133,7 @@ def noise(world: int, steps: int = 32) -> dict:
         observe()
     return {
         "deltas": torch.stack(deltas),
+        "seen": seen,
         "params": trainable(model),
         "steps": engine.steps_taken,
         "epsilon": engine.epsilon(),

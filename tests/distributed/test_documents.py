@@ -127,7 +127,12 @@ def test_noise_is_drawn_once_per_step_across_ranks(job):
 def test_ranks_stay_identical_and_epsilon_is_the_one_process_figure_over_documents(job):
     a, b = job[0]["noise"], job[1]["noise"]
     assert a["steps"] == b["steps"] == 32
-    assert torch.equal(a["params"], b["params"]) and torch.equal(a["deltas"], b["deltas"])
+    assert torch.equal(a["params"], b["params"])
+    # equal after every step count both ranks saw (which counts each rank sees depends on
+    # the draws: a rank with an empty share steps inside the loader)
+    both = sorted(a["seen"].keys() & b["seen"].keys())
+    assert both[-1] == 32 and len(both) > 2
+    assert all(torch.equal(a["seen"][k], b["seen"][k]) for k in both)
     assert a["deltas"].abs().sum() > 0
     q = 4 / len(worker.UPDATE_DOCS)
     acc = dp_accounting.rdp.RdpAccountant()
