@@ -123,9 +123,53 @@ def test_checkpointed_run_with_chunked_loss_trains_the_same_model():
     assert moved > 0  # the biases (added, from zero) trained
 
 
+def test_padding_to_the_window_length_gives_every_step_one_shape_and_the_same_model():
+    """--pad-to-max-length: every physical batch the model sees is (rows, window length),
+    whatever documents were drawn, and the trained biases are those of the run padded to
+    each batch's longest window (same draws and noise: insecure seed)."""
+    runs, widths = [], []
+    for pad in (False, True):
+        model = tiny_llama()
+        seen: list[int] = []
+
+        def record(m, a, kw, seen=seen):
+            if torch.is_grad_enabled():  # training steps, not perplexity or samples
+                seen.append(kw["input_ids"].shape[1])
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
+        task = CausalLMTask(eval_examples=8, sample_prompts=("we",), sample_tokens=2)
+        cfg = TrainConfig(
+            task="causal-lm", max_length=32, stride=24, privacy_unit="document", batch_size=4,
+            physical_batch_size=3, epochs=1, epsilon=4.0, insecure_reproducible_noise=True,
+            seed=5, pad_to_max_length=pad,
+        )  # fmt: skip
+        prep = task.prepare_documents(model, CharTokenizer(), TEXTS, GROUPS, cfg, "speeches")
+        runs.append(train(cfg, prepared=prep, task=task))
+        widths.append(seen)
+    assert len(set(widths[0])) > 1  # unpadded, the shape follows the sampled documents
+    assert set(widths[1]) == {32}
+    a, b = (dict(r.model.named_parameters()) for r in runs)
+    moved = 0.0
+    for name, p in a.items():
+        if p.requires_grad:
+            torch.testing.assert_close(b[name], p, rtol=1e-5, atol=1e-6)
+            moved += float(p.abs().sum())
+    assert moved > 0
+
+
+def test_collate_pads_to_the_given_width_and_refuses_longer_items():
+    batch = make_collate(0, width=6)([torch.tensor([5, 6, 7]), torch.tensor([8])])
+    assert batch["input_ids"].shape == (2, 6)
+    assert batch["attention_mask"].sum(1).tolist() == [3, 1]
+    assert (batch["labels"][:, 3:] == IGNORE).all()
+    with pytest.raises(ValueError, match="longer than the padded width"):
+        make_collate(0, width=2)([torch.tensor([5, 6, 7])])
+
+
 @pytest.mark.parametrize(
     "changes,match",
     [
+        ({"task": "classification", "pad_to_max_length": True}, "--task causal-lm"),
         (
             {"task": "image-classification", "privacy_unit": "document"},
             "causal-lm or classification only",
@@ -145,8 +189,9 @@ class _TinyTask(CausalLMTask):
         return tiny_llama(), CharTokenizer()
 
 
-def test_document_flags_on_line_data_are_refused():
-    cfg = TrainConfig(task="causal-lm", privacy_unit="document", max_length=32)
+@pytest.mark.parametrize("flag", [{"privacy_unit": "document"}, {"pad_to_max_length": True}])
+def test_document_flags_on_line_data_are_refused(flag):
+    cfg = TrainConfig(task="causal-lm", max_length=32, **flag)
     with pytest.raises(DPFitError, match="--data convention-speeches"):
         _TinyTask().prepare(cfg)
 

@@ -66,12 +66,19 @@ def document_ids(text: str, tokenizer) -> torch.Tensor:
     return torch.tensor([*ids, eos] if eos is not None else ids, dtype=torch.long)
 
 
-def make_collate(pad_id: int) -> Callable[[list[torch.Tensor | Window]], dict]:
-    """Pad token sequences (or Windows, whose context tokens get no label) into a batch."""
+def make_collate(
+    pad_id: int, width: int | None = None
+) -> Callable[[list[torch.Tensor | Window]], dict]:
+    """Pad token sequences (or Windows, whose context tokens get no label) into a batch: to
+    the longest item, or to `width` for every batch (shapes that do not depend on the data)."""
 
     def collate(items: list[torch.Tensor | Window]) -> dict:
         items = [x if isinstance(x, Window) else Window(x) for x in items]
         n = max(len(x.ids) for x in items)
+        if width is not None:
+            if n > width:
+                raise ValueError(f"an item of {n} tokens is longer than the padded width {width}")
+            n = width
         ids = torch.full((len(items), n), pad_id, dtype=torch.long)
         mask = torch.zeros((len(items), n), dtype=torch.long)
         for i, x in enumerate(items):

@@ -222,6 +222,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "the output head's logits are also computed in chunks, never all at once",
     )
     g.add_argument(
+        "--pad-to-max-length",
+        action="store_true",
+        help="causal LM on documents: pad every physical batch to the window length, so that "
+        "no step's shape, memory or time depends on the sampled documents' lengths (the peak "
+        "is reached at the first step; short documents cost as much as long ones)",
+    )
+    g.add_argument(
         "--precision",
         choices=("fp32", "bf16", "auto"),
         default="fp32",
@@ -300,6 +307,7 @@ def train_config_from_args(args: argparse.Namespace):
         stride=args.stride,
         privacy_unit=args.privacy_unit,
         activation_checkpointing=args.activation_checkpointing,
+        pad_to_max_length=args.pad_to_max_length,
         pooling=args.pooling,
         head_first=args.head_first,
         head_epochs=args.head_epochs,

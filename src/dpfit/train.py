@@ -108,6 +108,9 @@ class TrainConfig:
     privacy_unit: str = "window"
     # bias mode: recompute activations in the backward pass (dpfit.activation_checkpointing)
     activation_checkpointing: bool = False
+    # causal LM on documents: every physical batch padded to the window length, so its shape,
+    # memory and time never depend on how long the sampled documents are
+    pad_to_max_length: bool = False
     pooling: str = "auto"  # auto | cls | pooler | mean | last
     # private linear probe on frozen features, then biases + head; None: the recipe decides
     head_first: bool | None = None
@@ -211,6 +214,7 @@ class TrainConfig:
         "eval_batch_size",
         "precision",
         "activation_checkpointing",
+        "pad_to_max_length",
     )
 
     RECIPE_FIELDS = (
@@ -431,6 +435,11 @@ def _check_options(config: TrainConfig) -> None:
         raise DPFitError(
             "--privacy-unit document sums a document's per-example bias gradients before the "
             "clip: --mode bias only (without --full-epochs); use --privacy-unit window"
+        )
+    if config.pad_to_max_length and config.task != "causal-lm":
+        raise DPFitError(
+            "--pad-to-max-length pads the windows of documents for --task causal-lm; drop it "
+            f"for --task {config.task}"
         )
     if config.activation_checkpointing and (config.mode != "bias" or config.full_epochs):
         raise DPFitError(

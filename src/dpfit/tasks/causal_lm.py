@@ -114,9 +114,10 @@ class CausalLMTask:
             texts, groups, what = read_documents(config)
             prompts = DOCUMENT_PROMPTS.get(source, self.sample_prompts)
             return self.prepare_documents(model, tokenizer, texts, groups, config, what, prompts)
-        if config.privacy_unit != "window" or config.stride is not None:
+        if config.privacy_unit != "window" or config.stride is not None or config.pad_to_max_length:
             raise DPFitError(
-                "--privacy-unit document and --stride cut documents into windows: give "
+                "--privacy-unit document, --stride and --pad-to-max-length act on documents "
+                "cut into windows: give "
                 "documents with --data convention-speeches or --data FILE.jsonl (one "
                 "document per line)"
             )
@@ -241,6 +242,7 @@ class CausalLMTask:
                 "stride": stride,
                 "unit": unit,
                 "prompts": tuple(prompts or self.sample_prompts),
+                "width": length if config.pad_to_max_length else None,
             },
             biases_added=True,
             privacy_unit=unit,
@@ -260,7 +262,7 @@ class CausalLMTask:
         return sorted(data.items, key=len)  # physical batches of similar length pad little
 
     def collate(self, prep: Prepared, position_ids: bool) -> Callable[[list], dict]:
-        base = make_collate(prep.state["pad"])
+        base = make_collate(prep.state["pad"], prep.state.get("width"))
         if not position_ids:
             return base
 
