@@ -56,6 +56,9 @@ class Config:
     markers: tuple[str, str]
     title: str  # the md's heading, after "`dpfit train` on long documents: SmolLM2-135M, "
     produced_by: str
+    # the data's shape at this length (which documents fill a window), in the md and docs:
+    # where few documents reach the window, whether the steps ran at that length is a chance
+    data_profile: bool = False
 
 
 CONFIGS = {
@@ -87,6 +90,7 @@ CONFIGS = {
         ),
         title="4,096-token windows, physical batch 4",
         produced_by="nice -n 15 python benchmarks/long_document_train.py --config 4096x4",
+        data_profile=True,
     ),
 }
 DEFAULT_CONFIG = "2048"
@@ -172,10 +176,84 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {name: runs[name] for name in RUNS if name in runs},
         "not_run": [name for name in RUNS if name not in runs],  # stopped (--stopped)
     }
+    if config.data_profile and runs:
+        record["data"] = data_profile(config.flags, list(runs.values()))
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     if not record["not_run"]:  # a stopped run keeps its partial result, to resume
         partial.unlink(missing_ok=True)
     return _render(record, out, config)
+
+
+def data_profile(flags: str, runs: list[dict]) -> dict:
+    """The run's documents at its window length, from dpfit train's own reading, split and
+    windows, computed again here: a run does not record which documents its Poisson steps
+    drew, and a physical batch is only as long as its longest window, so this says how many
+    documents can make a step run at the full length, and the chance that the steps drew one."""
+    from transformers import AutoTokenizer
+
+    from dpfit.causal_lm import document_ids
+    from dpfit.data.bundled import TextExample, split_by_group
+    from dpfit.data.smollm import smollm2_folder
+    from dpfit.tasks.causal_lm import HELD_OUT_DOCUMENTS, CausalLMTask, read_documents
+    from dpfit.windows import windows
+
+    words = shlex.split(flags)
+    option = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+    length = int(option["--max-length"])
+    data = argparse.Namespace(data=option["--data"], text_column="text")
+    texts, groups, _ = read_documents(data)
+    examples = [TextExample(t, 0, g) for t, g in zip(texts, groups, strict=True)]
+    train, held = split_by_group(examples, (1 - HELD_OUT_DOCUMENTS, HELD_OUT_DOCUMENTS), seed=0)
+    held = held[: CausalLMTask.eval_examples]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    train_tokens = [len(document_ids(d.text, tokenizer)) for d in train]
+    held_windows = [w for d in held for w in windows(document_ids(d.text, tokenizer), length)]
+    metrics = runs[0]["metrics"]
+    for run in runs:  # the same documents as the runs read, or this says nothing about them
+        m = run["metrics"]
+        if (m["train_documents"], m["eval_n"]) != (len(train), len(held_windows)):
+            raise SystemExit(
+                f"the data profile has {len(train)} training documents and "
+                f"{len(held_windows)} held-out windows, the run {m['train_documents']} and "
+                f"{m['eval_n']}: the profile no longer reads the data as dpfit train does"
+            )
+    full = sum(n >= length for n in train_tokens)
+    q, steps = metrics["sample_rate"], metrics["steps"]
+    return {
+        "window_length": length,
+        "train_documents": len(train),
+        "full_window_documents": full,
+        "longest_train_document_tokens": max(train_tokens),
+        "sample_rate": q,
+        "steps": steps,
+        "chance_a_step_drew_a_full_window": 1 - (1 - q) ** full,
+        "chance_the_steps_drew_a_full_window": 1 - (1 - q) ** (full * steps),
+        "held_out_windows": len(held_windows),
+        "longest_held_out_window_tokens": max(len(w.ids) for w in held_windows),
+    }
+
+
+def _profile_lines(data: dict) -> list[str]:
+    """The data's shape at the window length, as a second table of the md."""
+    length = data["window_length"]
+    return [
+        f"Documents at {length:,}-token windows (dpfit train's split and windows of the same "
+        "data, computed again by the script: a run does not record which documents its "
+        "Poisson steps drew, and a physical batch is as long as its longest window):",
+        "",
+        "| the data at this window length | |",
+        "|---|---|",
+        f"| training documents with a full {length}-token window | "
+        f"{data['full_window_documents']} of {data['train_documents']} |",
+        f"| longest training document | {data['longest_train_document_tokens']} tokens |",
+        f"| chance that one Poisson step (q = {data['sample_rate']:.4f}) drew one of them | "
+        f"{data['chance_a_step_drew_a_full_window']:.0%} |",
+        f"| chance that the {data['steps']} steps drew at least one | "
+        f"{data['chance_the_steps_drew_a_full_window']:.0%} |",
+        f"| longest held-out window (of {data['held_out_windows']}) | "
+        f"{data['longest_held_out_window_tokens']} tokens |",
+        "",
+    ]
 
 
 def _render(record: dict, out: Path, config: Config) -> int:
@@ -204,6 +282,7 @@ def _render(record: dict, out: Path, config: Config) -> int:
             for key in table[names[0]]
         ],
         "",
+        *(_profile_lines(record["data"]) if "data" in record else []),
     ]
     out.with_suffix(".md").write_text("\n".join(lines))
     if out.resolve() == config.out.resolve():  # the committed result: its table in the docs
@@ -216,8 +295,14 @@ def docs_table(md_lines: list[str]) -> str:
     """The md's table, as docs/long_documents.md quotes it, after the runs not run if any
     (so the docs say so too, not only the md)."""
     not_run = [line for line in md_lines if line.startswith("* ") and ": not run (" in line]
-    table = [line for line in md_lines if line.startswith("|")]
-    return "\n".join([*not_run, ""] + table if not_run else table)
+    tables, previous = [], ""
+    for line in md_lines:
+        if line.startswith("|"):
+            if not previous.startswith("|") and tables:  # a second table: a blank line first
+                tables.append("")
+            tables.append(line)
+        previous = line
+    return "\n".join([*not_run, ""] + tables if not_run else tables)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,23 @@ def _metrics(flags: str) -> dict:
     }
 
 
+def _fake_profile(flags: str, runs: list[dict]) -> dict:
+    """Stands for data_profile (which tokenizes the bundled speeches)."""
+    m = runs[0]["metrics"]
+    return {
+        "window_length": m["window_length"],
+        "train_documents": m["train_documents"],
+        "full_window_documents": 3,
+        "longest_train_document_tokens": 5000,
+        "sample_rate": m["sample_rate"],
+        "steps": m["steps"],
+        "chance_a_step_drew_a_full_window": 0.07,
+        "chance_the_steps_drew_a_full_window": 0.25,
+        "held_out_windows": m["eval_n"],
+        "longest_held_out_window_tokens": 1500,
+    }
+
+
 class FakeRuns:
     """Stands for `_run`: records each command and stops (as a killed run) after `stop_after`."""
 
@@ -112,6 +129,7 @@ def docs(tmp_path, monkeypatch):
         )
     )
     monkeypatch.setattr(ldt, "DOCS", page)
+    monkeypatch.setattr(ldt, "data_profile", _fake_profile)
     configs = {n: dataclasses.replace(c, out=tmp_path / c.out.name) for n, c in ldt.CONFIGS.items()}
     monkeypatch.setattr(ldt, "CONFIGS", configs)
     return page
@@ -134,6 +152,13 @@ def test_4096x4_runs_the_private_command_first_into_its_own_result_and_block(doc
     assert md.startswith("# `dpfit train` on long documents: SmolLM2-135M, 4,096-token windows")
     assert "| window length, stride | 4096, 4096 | 4096, 4096 |" in md
     assert _block(docs, config) == ldt.docs_table(md.splitlines())
+    assert "| training documents with a full 4096-token window | 3 of 171 |" in md
+    assert "| chance that the 4 steps drew at least one | 25% |" in md
+    # the runs' table, a blank line, the data's table: two tables in the docs, not one
+    assert "| wall time | 100 s | 100 s |\n\n| the data at this window length | |" in (
+        _block(docs, config)
+    )
+    assert json.loads(config.out.with_suffix(".json").read_text())["data"]["steps"] == 4
     assert _block(docs, ldt.CONFIGS["2048"]) == "old"  # the other block is left alone
     assert not config.out.with_suffix(".partial.json").exists()
     assert not ldt.CONFIGS["2048"].out.with_suffix(".json").exists()
@@ -149,6 +174,8 @@ def test_2048_still_runs_the_control_first_into_its_own_block(docs, monkeypatch)
     assert md.startswith("# `dpfit train` on long documents: SmolLM2-135M, 2,048-token windows\n")
     assert _block(docs, config) == ldt.docs_table(md.splitlines())
     assert "not run" not in _block(docs, config)
+    assert "data" not in json.loads(config.out.with_suffix(".json").read_text())
+    assert "the data at this window length" not in md
     assert _block(docs, ldt.CONFIGS["4096x4"]) == "old"
 
 
@@ -205,3 +232,24 @@ def test_render_redraws_the_configs_md_from_its_json(docs, monkeypatch):
     md.unlink()
     assert ldt.main(["--config", "4096x4", "--render"]) == 0
     assert md.read_text() == first
+
+
+def test_the_data_profile_reads_the_documents_the_committed_4096_run_read():
+    """Computed again from the bundled speeches: the same counts as the run's metrics (the
+    profile checks them) and the same figures as the committed record."""
+    config = ldt.CONFIGS["4096x4"]
+    record = json.loads(config.out.with_suffix(".json").read_text())
+    runs = list(record["runs"].values())
+    assert ldt.data_profile(config.flags, runs) == record["data"]
+    data = record["data"]
+    assert 0 < data["full_window_documents"] < data["train_documents"]
+    assert data["longest_held_out_window_tokens"] <= data["window_length"]
+
+
+def test_the_data_profile_refuses_runs_that_read_other_documents():
+    config = ldt.CONFIGS["4096x4"]
+    record = json.loads(config.out.with_suffix(".json").read_text())
+    run = json.loads(json.dumps(record["runs"]["private"]))
+    run["metrics"]["eval_n"] += 1
+    with pytest.raises(SystemExit, match="no longer reads the data as dpfit train does"):
+        ldt.data_profile(config.flags, [run])
