@@ -39,12 +39,14 @@ def test_the_committed_result_is_of_the_configs_command(name):
 
 
 def test_the_default_is_the_2048_command_and_the_4096_one_differs_only_in_its_shape():
+    """The 4096 x 4 command is the 2,048 one at another shape, every batch padded to it."""
     assert ldt.FLAGS == ldt.CONFIGS["2048"].flags
     assert ldt.DEFAULT_OUT == ldt.CONFIGS["2048"].out
     short, long = (_flags(ldt.CONFIGS[k].flags) for k in ("2048", "4096x4"))
     assert short["--max-length"] == "2048" and short["--physical-batch-size"] == "1"
     assert long["--max-length"] == "4096" and long["--physical-batch-size"] == "4"
-    shape = ("--max-length", "--physical-batch-size")
+    shape = ("--max-length", "--physical-batch-size", "--pad-to-max-length")
+    assert "--pad-to-max-length" in long and "--pad-to-max-length" not in short
     assert {k: v for k, v in short.items() if k not in shape} == {
         k: v for k, v in long.items() if k not in shape
     }
