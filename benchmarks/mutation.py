@@ -852,25 +852,29 @@ MUTATIONS += (
 # data-parallel with privacy_unit="document": ranks hold whole documents, so each document is
 # summed and clipped once, on one rank
 _RANK_OF = '__import__("dpfit.distributed").distributed'
+# the engine's loader gives no rank whole documents: each keeps every world-th row of the
+# whole sample, so a document split over W ranks is clipped in W parts (moving the sum by
+# up to W R); the engine and DPTrainer mutations below share it
+_DOCUMENTS_SPLIT_AMONG_RANKS = (
+    (
+        ENGINE,
+        "            part=part,\n",
+        '            part=None if self.config.privacy_unit == "document" else part,\n',
+    ),
+    (
+        "dpfit/sampling.py",
+        "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]\n",
+        "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]"
+        f"[{_RANK_OF}.get_rank() :: {_RANK_OF}.get_world_size()]\n",
+    ),
+)
 MUTATIONS += (
     Mutation(
         "distributed-document-split-among-ranks",
         "data-parallel privacy_unit='document': every rank takes the whole sample of documents "
         "and keeps every world-th window, so each rank clips its part of a document alone (a "
         "document split over W ranks moves the sum by up to W R)",
-        (
-            (
-                ENGINE,
-                "            part=part,\n",
-                '            part=None if self.config.privacy_unit == "document" else part,\n',
-            ),
-            (
-                "dpfit/sampling.py",
-                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]\n",
-                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]"
-                f"[{_RANK_OF}.get_rank() :: {_RANK_OF}.get_world_size()]\n",
-            ),
-        ),
+        _DOCUMENTS_SPLIT_AMONG_RANKS,
         ("tests/distributed/test_documents.py", "-k", "clipped_once"),
     ),
     Mutation(
@@ -983,19 +987,7 @@ MUTATIONS += (
         "DPTrainer under torchrun with privacy_unit='document': every rank keeps every "
         "world-th row of the whole sample of documents, so each rank clips its part of a "
         "document alone",
-        (
-            (
-                ENGINE,
-                "            part=part,\n",
-                '            part=None if self.config.privacy_unit == "document" else part,\n',
-            ),
-            (
-                "dpfit/sampling.py",
-                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]\n",
-                "                rows = [(j, x) for j, i in enumerate(idx) for x in self.dataset[i]]"
-                f"[{_RANK_OF}.get_rank() :: {_RANK_OF}.get_world_size()]\n",
-            ),
-        ),
+        _DOCUMENTS_SPLIT_AMONG_RANKS,
         ("tests/distributed/test_trainer.py", "-k", "documents"),
     ),
 )
