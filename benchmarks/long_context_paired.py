@@ -197,9 +197,7 @@ def render(res: dict) -> str:
 
 
 def _user_cells(s: dict) -> str:
-    if "user_ratio_median" not in s:
-        return "- | - | -"
-    if s["user_ratio_median"] is None:
+    if s.get("user_ratio_median") is None:  # recorded before these columns, or no ticks
         return "- | - | -"
     k, f = s["median_kernel_s"], s["median_minor_faults"]
     return (

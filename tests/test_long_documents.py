@@ -57,8 +57,8 @@ def test_stride_longer_than_the_window_is_refused():
         windows(torch.arange(10), 4, 5)
 
 
-def _run(unit: str, **kw):
-    model = tiny_llama()
+def _run(unit: str, model=None, **kw):
+    model = model if model is not None else tiny_llama()
     task = CausalLMTask(eval_examples=8, sample_prompts=("we",), sample_tokens=2)
     cfg = TrainConfig(
         task="causal-lm", max_length=32, stride=24, privacy_unit=unit, batch_size=4,
@@ -114,11 +114,16 @@ def test_checkpointed_run_with_chunked_loss_trains_the_same_model():
     (_, plain), (_, ckpt) = runs
     assert any(n.startswith("chunked loss") for n in ckpt.notes)
     assert not any(n.startswith("chunked loss") for n in plain.notes)
-    a, b = (dict(r.model.named_parameters()) for r in (plain, ckpt))
+    _assert_same_trained_biases(plain, ckpt)
+
+
+def _assert_same_trained_biases(a, b) -> None:
+    """The two runs trained the same biases up to float rounding, and they did train."""
+    pa, pb = (dict(r.model.named_parameters()) for r in (a, b))
     moved = 0.0
-    for name, p in a.items():
+    for name, p in pa.items():
         if p.requires_grad:
-            torch.testing.assert_close(b[name], p, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(pb[name], p, rtol=1e-5, atol=1e-6)
             moved += float(p.detach().abs().sum())
     assert moved > 0  # the biases (added, from zero) trained
 
@@ -137,24 +142,13 @@ def test_padding_to_the_window_length_gives_every_step_one_shape_and_the_same_mo
                 seen.append(kw["input_ids"].shape[1])
 
         model.register_forward_pre_hook(record, with_kwargs=True)
-        task = CausalLMTask(eval_examples=8, sample_prompts=("we",), sample_tokens=2)
-        cfg = TrainConfig(
-            task="causal-lm", max_length=32, stride=24, privacy_unit="document", batch_size=4,
-            physical_batch_size=3, epochs=1, epsilon=4.0, insecure_reproducible_noise=True,
-            seed=5, pad_to_max_length=pad,
-        )  # fmt: skip
-        prep = task.prepare_documents(model, CharTokenizer(), TEXTS, GROUPS, cfg, "speeches")
-        runs.append(train(cfg, prepared=prep, task=task))
+        _, res = _run("document", model=model, insecure_reproducible_noise=True, seed=5,
+                      pad_to_max_length=pad)  # fmt: skip
+        runs.append(res)
         widths.append(seen)
     assert len(set(widths[0])) > 1  # unpadded, the shape follows the sampled documents
     assert set(widths[1]) == {32}
-    a, b = (dict(r.model.named_parameters()) for r in runs)
-    moved = 0.0
-    for name, p in a.items():
-        if p.requires_grad:
-            torch.testing.assert_close(b[name], p, rtol=1e-5, atol=1e-6)
-            moved += float(p.detach().abs().sum())
-    assert moved > 0
+    _assert_same_trained_biases(*runs)
 
 
 def test_collate_pads_to_the_given_width_and_refuses_longer_items():
