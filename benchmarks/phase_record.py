@@ -73,8 +73,23 @@ def _predictions(model, tokenizer, test, config, device) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _canonical(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names without peft's `base_layer.`: a LoRA run's probe is scored on the wrapped model
+    and its final model after the adapters are merged, so the same weight has two names."""
+    return {n.replace(".base_layer.", "."): t for n, t in params.items()}
+
+
 def _l2(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:
-    return float(sum(((after[n] - before[n]).double() ** 2).sum() for n in before) ** 0.5)
+    """L2 change over the parameters trainable in both snapshots (LoRA factors, merged away
+    in the final model, are counted by `_only_in_one`, not here)."""
+    after, before = _canonical(after), _canonical(before)
+    common = [n for n in before if n in after]
+    return float(sum(((after[n] - before[n]).double() ** 2).sum() for n in common) ** 0.5)
+
+
+def _only_in_one(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> int:
+    after, before = _canonical(after), _canonical(before)
+    return len(set(after) ^ set(before))
 
 
 def _norm(params: dict[str, torch.Tensor]) -> float:
@@ -107,6 +122,8 @@ def phase_record(recorder: PhaseRecorder, rows: list[StepRow]) -> dict | None:
         "newly_wrong": sum(a == t and b != t for a, b, t in pairs),
         "backbone_change_l2": _l2(final.backbone, probe.backbone),
         "backbone_norm": _norm(probe.backbone),
+        # trainable in one snapshot only (LoRA factors): not in backbone_change_l2
+        "backbone_not_compared": _only_in_one(final.backbone, probe.backbone),
         "head_change_l2": _l2(final.head, probe.head),
         "epoch_losses": epoch_losses(rows),
     }

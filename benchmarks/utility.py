@@ -56,6 +56,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -66,6 +67,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import baselines  # noqa: E402
+from doc_block import write_between_markers  # noqa: E402
 from phase_record import PhaseRecorder, phase_record  # noqa: E402
 
 from dpfit.data.tasks import HELD_OUT, TASKS, TaskSplits, load_task, write_csv  # noqa: E402
@@ -169,8 +171,15 @@ def task_data(name: str, seed: int, scale: Scale) -> tuple[TaskSplits, Path, Pat
     train = task.train.subsample(scale.max_train, seed=seed) if scale.max_train else task.train
     folder = CACHE / "tasks" / f"{name}_s{seed}_{scale.tag()}"
     if not (folder / "test.csv").exists():
-        write_csv(task.train, folder / "train.csv")
-        write_csv(test, folder / "test.csv")
+        # written aside and renamed into place: parallel workers (utility_workers.py) never
+        # read a half-written file
+        part = folder.with_name(f"{folder.name}.part{os.getpid()}")
+        write_csv(task.train, part / "train.csv")
+        write_csv(test, part / "test.csv")
+        try:
+            part.rename(folder)
+        except OSError:  # another worker's copy is in place: the same files
+            shutil.rmtree(part)
     return (
         dataclasses.replace(task, train=train, test=test),
         folder / "train.csv",
@@ -699,6 +708,39 @@ def _moves(dp: dict, npb: dict) -> str:
     )
 
 
+# the rows docs/bias_lora.md quotes, in this order, and its markers
+MODE_ROWS = ("np-full", "np-bias", "dp-full-8", "dp-8", "dp-lora-8", "dp-bias-lora-8", "dp-1",
+             "dp-bias-lora-1")  # fmt: skip
+MODES_DOC_MARKERS = ("<!-- utility modes: begin -->", "<!-- utility modes: end -->")
+
+
+def modes_block(summary: dict, source: str) -> str:
+    """docs/bias_lora.md's block: each mode's accuracy per task, the two mode targets, and each
+    LoRA mode minus DP-BiTFiT paired by seed, from `source`'s runs."""
+    tasks = list(summary)
+
+    def cell(s: dict | None) -> str:
+        if s is None:
+            return "not run"
+        sd = f" ± {s['sd']:.1f}" if s["sd"] is not None else ""
+        return f"{s['mean']:.1f}{sd} ({len(s['seeds'])})"
+
+    lines = [
+        f"From `{source}` (test accuracy %, mean ± sd over seeds, number of seeds):",
+        "",
+        "| row | " + " | ".join(task_label(t) for t in tasks) + " |",
+        "|---|" + "---|" * len(tasks),
+    ]
+    for key in MODE_ROWS:
+        name = ROW_BY_KEY[key].name
+        cells = [cell(summary[t].get(name)) for t in tasks]
+        if any(c != "not run" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Targets:", "", *mode_targets(summary), "", "Paired by seed:", ""]
+    lines += interval_lines(summary)
+    return "\n".join(lines)
+
+
 def markdown(summary: dict, header: str, failures: list[dict]) -> str:
     tasks = list(summary)
     names = row_order(summary)
@@ -853,11 +895,35 @@ def failed_runs(records: list[dict], scale: Scale) -> list[dict]:
     ]
 
 
+def machine() -> dict:
+    """Where a run ran: its table's wall times mean nothing without it."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    return {"device": f"{platform.machine()} CPU", "torch": torch.__version__}
+
+
+def where(records: list[dict]) -> str:
+    """The header's machine clause: the devices the runs recorded, else this machine's."""
+    import torch
+
+    devices = sorted({r["device"] for r in records if r.get("device")})
+    if devices and any("CPU" not in d for d in devices):
+        versions = sorted({r["torch"] for r in records if r.get("torch")})
+        return (
+            f"runs on {', '.join(devices)}, torch {', '.join(versions)}: wall times are one "
+            "run's, with other runs sharing the device."
+        )
+    return (
+        f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        "shared CPU: wall times are upper bounds."
+    )
+
+
 def write_outputs(
     records: list[dict], scale: Scale, out: Path, tag: str, seeds, precision: str = "fp32"
 ) -> str:
-    import torch
-
     summary = summarize(records, scale)
     size = (
         f"quick mode: a random {scale.max_train} training examples per task (seeded) and a "
@@ -868,9 +934,7 @@ def write_outputs(
     header = (
         f"# Utility suite: bundled all-MiniLM-L6-v2, dpfit defaults only\n\n{size}; seeds run: "
         f"{sorted({r['seed'] for r in records if r.get('scale') == scale.tag()})} (asked: "
-        f"{list(seeds)}). delta = dpfit's default min(1e-5, 1/n^1.1). {platform.machine()}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, shared CPU: wall times "
-        "are upper bounds."
+        f"{list(seeds)}). delta = dpfit's default min(1e-5, 1/n^1.1). {where(records)}"
         + (f" dpfit rows run with `--precision {precision}`." if precision != "fp32" else "")
     )
     md = markdown(summary, header, failed_runs(records, scale))
@@ -958,6 +1022,11 @@ def main(argv=None) -> int:
         help="dpfit rows' compute precision; bf16 runs get their own log and table",
     )
     p.add_argument("--table-only", action="store_true", help="rebuild outputs from the log")
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="also write the modes block of docs/bias_lora.md from this tag's log",
+    )
     args = p.parse_args(argv)
     if args.tag is None:
         args.tag = "utility" if args.precision == "fp32" else f"utility_{args.precision}"
@@ -991,7 +1060,13 @@ def main(argv=None) -> int:
                         continue
                     logger.info("run %s", key)
                     t0, c0 = time.perf_counter(), time.process_time()
-                    base = {"key": key, "task": task, "seed": seed, "scale": scale.tag()}
+                    base = {
+                        "key": key,
+                        "task": task,
+                        "seed": seed,
+                        "scale": scale.tag(),
+                        **machine(),
+                    }
                     try:
                         recs = run_row(row, task, seed, scale, args.precision)
                     except Exception as e:
@@ -1010,6 +1085,9 @@ def main(argv=None) -> int:
                         read_log(log), scale, args.out, table_tag, args.seeds, args.precision
                     )
     print(write_outputs(read_log(log), scale, args.out, table_tag, args.seeds, args.precision))
+    if args.docs:
+        block = modes_block(summarize(read_log(log), scale), f"benchmarks/results/{table_tag}.md")
+        write_between_markers(HERE.parent / "docs" / "bias_lora.md", MODES_DOC_MARKERS, block)
     if args.precision != "fp32":
         command = (
             f"python benchmarks/utility.py --precision {args.precision} --rows "

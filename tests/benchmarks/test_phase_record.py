@@ -66,3 +66,25 @@ def test_an_unchanged_accuracy_with_changed_predictions_is_told_apart(phase):
 
 def test_no_probe_no_record(phase):
     assert phase.phase_record(phase.PhaseRecorder(), []) is None
+
+
+def test_lora_runs_compare_each_weight_under_one_name_and_count_the_merged_factors(phase):
+    """A LoRA run's probe is scored on the peft-wrapped model (`query.base_layer.bias`, the
+    factors trainable) and its final model after the factors are merged (`query.bias`)."""
+    import torch
+
+    rec = phase.PhaseRecorder()
+    rec.labels = (0, 1)
+    before = {
+        "q.base_layer.bias": torch.zeros(3),
+        "q.lora_A.default.weight": torch.ones(2, 3),
+        "q.lora_B.default.weight": torch.zeros(3, 2),
+    }
+    after = {"q.bias": torch.full((3,), 2.0)}
+    rec.snapshots = [
+        phase.Snapshot((0, 1), before, {"w": torch.zeros(2)}),
+        phase.Snapshot((0, 1), after, {"w": torch.zeros(2)}),
+    ]
+    out = phase.phase_record(rec, [])
+    assert out["backbone_change_l2"] == pytest.approx(12**0.5)  # the bias, matched by name
+    assert out["backbone_not_compared"] == 2  # the two factors, merged away

@@ -22,8 +22,15 @@ def _utility():
     return load_benchmark("utility", "utility_bench")
 
 
+TAGS = ("utility", "utility_gpu")  # the CPU machines' runs, and the runs on a lent GPU
+
+
 def _private_runs() -> list[dict]:
-    runs = [json.loads(x) for x in (RESULTS / "utility_runs.jsonl").read_text().splitlines()]
+    runs = [
+        json.loads(x)
+        for tag in TAGS
+        for x in (RESULTS / f"{tag}_runs.jsonl").read_text().splitlines()
+    ]
     return [r for r in runs if r.get("noise_multiplier") and "accuracy" in r]
 
 
@@ -41,20 +48,35 @@ def _mechanisms() -> dict[tuple, list[dict]]:
 MECHANISMS = _mechanisms()  # read and grouped once, not once per parametrized case
 
 
-def test_committed_table_is_rendered_from_the_committed_log():
+@pytest.mark.parametrize("tag", TAGS)
+def test_committed_table_is_rendered_from_the_committed_log(tag):
     """No figure in utility.md is typed by hand: re-rendering the log gives the file."""
     u = _utility()
-    payload = json.loads((RESULTS / "utility.json").read_text())
-    records = u.read_log(RESULTS / "utility_runs.jsonl")
+    payload = json.loads((RESULTS / f"{tag}.json").read_text())
+    records = u.read_log(RESULTS / f"{tag}_runs.jsonl")
     scale = u.Scale(None, None)
     assert payload["scale"] == scale.tag()
     md = u.markdown(u.summarize(records, scale), payload["header"], u.failed_runs(records, scale))
-    assert md == (RESULTS / "utility.md").read_text()
+    assert md == (RESULTS / f"{tag}.md").read_text()
+
+
+def test_the_gpu_runs_say_where_they_ran_and_the_docs_quote_them():
+    u = _utility()
+    records = u.read_log(RESULTS / "utility_gpu_runs.jsonl")
+    assert records and all("H200" in r["device"] for r in records)
+    assert "runs on NVIDIA H200" in json.loads((RESULTS / "utility_gpu.json").read_text())["header"]
+    block = u.modes_block(
+        u.summarize(records, u.Scale(None, None)), "benchmarks/results/utility_gpu.md"
+    )
+    begin, end = u.MODES_DOC_MARKERS
+    doc = (ROOT / "docs" / "bias_lora.md").read_text()
+    assert doc.split(begin, 1)[1].split(end, 1)[0] == f"\n{block}\n"
 
 
 def test_the_log_has_private_runs_of_every_kind():
     rows = {r["row"] for r in _private_runs()}
     assert {"DP-BiTFiT eps=8", "DP full eps=8", "DP hashed n-gram LR eps=8"} <= rows
+    assert {"DP LoRA-only eps=8", "DP bias+LoRA eps=8", "DP bias+LoRA eps=1"} <= rows
 
 
 @pytest.mark.parametrize("mechanism", sorted(MECHANISMS), ids=str)
