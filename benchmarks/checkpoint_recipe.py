@@ -57,7 +57,11 @@ ROWS = ("dp-full", "1+bitfit")
 # the same walks whatever TRAINED_WALK is now, and seeds added later join their group.
 REF_WALK = {"full": 1e-3, "bias": 1e-2}
 WALK_SCALE = {f"walk/{k}": 1 / k for k in (3, 10, 30, 100, 300)}
-VARIANTS = ("default", "before", *WALK_SCALE)
+# flat,walk/k: the same rates with flat clipping at the recipe's R instead of automatic
+# clipping (which scales every example's gradient to about norm R, the many small gradients
+# of examples a trained model already gets right included)
+FLAT = {f"flat,{w}": w for w in WALK_SCALE}
+VARIANTS = ("default", "before", *WALK_SCALE, *FLAT)
 # the rule's constant is chosen among these (_choice)
 CANDIDATES = tuple(WALK_SCALE)
 MIN_SEEDS = 3  # a validation row takes part in the choice with at least this many seeds
@@ -141,6 +145,9 @@ def run_spec(task: str, row: str, variant: str, seed: int, split: str, work: Pat
         train["full_epochs"] = 1
     if variant == "before":
         train.update(BEFORE[row])
+    if variant in FLAT:
+        train["clipping"] = "flat"
+        variant = FLAT[variant]
     if variant in WALK_SCALE:  # the rule's own rates, at walks REF_WALK / k
         from dpfit.recipe import TRAINED_WALK
 
