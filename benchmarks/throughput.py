@@ -262,6 +262,35 @@ def profile_kinds(arm: Arm, prec: str, steps: int = 3) -> dict:
     return {k: v / total for k, v in kinds.items()}
 
 
+def profile_overhead(base: Arm, arm: Arm, prec: str, steps: int = 5, top: int = 4) -> dict:
+    """What `arm` spends beyond `base`, op by op: torch.profiler self CPU ms per step of each,
+    the `top` ops with the largest difference (and the calls per step, which tell an op the
+    engine adds from one both run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_op = {}
+    for a in (base, arm):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                a.step(prec)
+        per_op[a.name] = {
+            e.key: (e.self_cpu_time_total / steps / 1e3, e.count / steps)
+            for e in prof.key_averages()
+        }
+    b, d = per_op[base.name], per_op[arm.name]
+    rows = [
+        {"op": k, "base_ms": b.get(k, (0.0, 0))[0], "base_calls": b.get(k, (0.0, 0))[1],
+         "arm_ms": d.get(k, (0.0, 0))[0], "arm_calls": d.get(k, (0.0, 0))[1]}
+        for k in set(b) | set(d)
+    ]  # fmt: skip
+    rows.sort(key=lambda r: r["arm_ms"] - r["base_ms"], reverse=True)
+    return {
+        "base_total_ms": sum(v[0] for v in b.values()),
+        "arm_total_ms": sum(v[0] for v in d.values()),
+        "top": rows[:top],
+    }
+
+
 def measure(arms: list[Arm], n: int, warmup: int, timed: int) -> dict:
     """Seconds per step (wall and process CPU), interleaved round by round."""
     combos = [(a, p) for a in arms for p in PRECISIONS]
@@ -316,6 +345,7 @@ def run(args) -> dict:
     collate = make_collate(tokenizer.pad_token_id)
     rows = []
     profiles: dict[int, dict] = {}
+    overheads: dict[int, dict] = {}
     for length in lengths:
         enc = tokenizer(
             list(train.texts[: physical * 4]), truncation=True, padding="max_length",
@@ -336,6 +366,12 @@ def run(args) -> dict:
         for arm in arms:
             if arm.name == "dp-bitfit":
                 profiles[length] = {p: profile_kinds(arm, p) for p in PRECISIONS}
+        by_name = {a.name: a for a in arms}
+        if "dp-bitfit" in by_name and "nonprivate-bias" in by_name:
+            overheads[length] = {
+                p: profile_overhead(by_name["nonprivate-bias"], by_name["dp-bitfit"], p)
+                for p in PRECISIONS
+            }
         for arm in arms:
             flops = model_flops(cfg, length, 2, weights_train=arm.name == "dp-full")
             for prec in PRECISIONS:
@@ -378,6 +414,7 @@ def run(args) -> dict:
         "peaks": peaks,
         "rows": rows,
         "profiles": profiles,
+        "overheads": overheads,
         "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
     }
 
@@ -495,8 +532,39 @@ def render(res: dict) -> str:
         ]
         for k in kinds:
             lines.append(f"| {k} | {100 * prof['fp32'][k]:.0f}% | {100 * prof['bf16'][k]:.0f}% |")
+    lines += render_overheads(res.get("overheads") or {})
     lines += render_targets(res, arms)
     return "\n".join(lines) + "\n"
+
+
+def render_overheads(overheads: dict) -> list[str]:
+    """DP-BiTFiT minus non-private bias-only, op by op (profile_overhead's records)."""
+    lines: list[str] = []
+    for length, by_prec in overheads.items():
+        lines += [
+            "",
+            f"What DP-BiTFiT adds to a step, op by op (len {length}; torch.profiler self CPU ms "
+            "per step over 5 steps of each arm, after the timed rounds; the ops with the "
+            "largest difference, with their calls per step). The profiler's own cost inflates "
+            "the totals beyond the timed difference above, and an op both arms call equally "
+            "often differs only by noise: what DP-BiTFiT adds are the ops whose calls differ.",
+            "",
+            "| precision | op | non-private bias-only ms (calls) | DP-BiTFiT ms (calls) | "
+            "difference ms |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for p, o in by_prec.items():
+            lines.append(
+                f"| {p} | all ops | {o['base_total_ms']:.1f} | {o['arm_total_ms']:.1f} | "
+                f"{o['arm_total_ms'] - o['base_total_ms']:+.1f} |"
+            )
+            for r in o["top"]:
+                lines.append(
+                    f"| {p} | `{r['op']}` | {r['base_ms']:.2f} ({r['base_calls']:.0f}) | "
+                    f"{r['arm_ms']:.2f} ({r['arm_calls']:.0f}) | "
+                    f"{r['arm_ms'] - r['base_ms']:+.2f} |"
+                )
+    return lines
 
 
 def render_targets(res: dict, arms: list[str]) -> list[str]:

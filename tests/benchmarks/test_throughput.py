@@ -71,3 +71,30 @@ def test_peak_ceiling_is_the_achieved_share_over_the_matmul_share():
     assert "15.0% / 0.25 = 60% of the peak" in text
     del res["profiles"]
     assert "of the peak; a step" not in "\n".join(throughput.render_targets(res, ["dp-bitfit"]))
+
+
+def test_overhead_profile_finds_the_op_one_arm_adds():
+    """profile_overhead on two toy arms, one of which also runs an extra upcast-and-sum: that
+    op is on top with its extra calls, and the table renders it."""
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    w = torch.randn(256, 256, dtype=torch.bfloat16)
+
+    def base(prec):
+        x @ w
+
+    def extra(prec):
+        x @ w
+        for _ in range(4):
+            x.float().sum(0)
+
+    out = throughput.profile_overhead(
+        throughput.Arm("nonprivate-bias", base, None), throughput.Arm("dp-bitfit", extra, None),
+        "bf16", steps=3, top=2,
+    )  # fmt: skip
+    ops = {r["op"]: r for r in out["top"]}
+    assert "aten::sum" in ops or "aten::copy_" in ops, out["top"]
+    assert all(r["arm_calls"] >= 4 and r["base_calls"] == 0 for r in out["top"]), out["top"]
+    lines = "\n".join(
+        line for line in throughput.render_overheads({"28": {"bf16": out}}) if "`aten::" in line
+    )
+    assert "| bf16 | `aten::" in lines
