@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from dpfit import checkpoint as ckpt
 from dpfit import outputs, progress
 from dpfit.accounting import check_neighbouring
+from dpfit.attention import EAGER_MAX_LENGTH, choose_attention
 from dpfit.config import LORA_MODES
 from dpfit.distributed import is_main_process
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
@@ -851,6 +852,9 @@ def train(
     if config.precision != "fp32":  # resolved once; metrics.json records what ran
         config = dataclasses.replace(config, precision=resolve_precision(config.precision, device))
         note(f"compute precision: {config.precision} (forward and backward; float32 masters)")
+    text_classifier = config.task == "classification"  # the task the kernels were timed on
+    if text_classifier and choose_attention(model, device, config.max_length, config.precision):
+        note(f"attention: eager (faster than SDPA on CPU in bf16, up to {EAGER_MAX_LENGTH} tokens)")
 
     items = task.items(prep, config.max_length)
     if len(items) != n:
