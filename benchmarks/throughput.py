@@ -19,9 +19,12 @@ CPU time). Main job: the bundled all-MiniLM-L6-v2 classifier as
 
 Arms: non-private bias-only training (AdamW on the biases + head), DP-BiTFiT (PrivacyEngine,
 mode "bias", sigma 1, the gradient check on, as `dpfit train` runs it), DP full (mode "full",
-ghost norms), each with the frozen weights cast to bf16 once (dpfit.frozen_casts) as
-`dpfit train` does; and DP-BiTFiT with autocast recasting them on every call (the previous
-behaviour), to measure what casting once saves. Each step is timed side by side: every timed round runs every (arm, precision)
+ghost norms), each with the frozen weights cast to bf16 once (dpfit.frozen_casts) and the
+attention kernel `dpfit train` chooses (dpfit.attention: eager in bf16, SDPA in float32), as
+`dpfit train` runs them; DP-BiTFiT with SDPA in both precisions (`dp-bitfit-sdpa`), to
+measure what that choice gains; and, with `--arms ...,dp-bitfit-recast`, DP-BiTFiT with
+autocast recasting the frozen weights on every call (the earlier behaviour; the Intel AMX
+result `throughput_intel_amx.md` has it). Each step is timed side by side: every timed round runs every (arm, precision)
 once, in a rotating order, so the shared machine's load falls on all of them alike; 2 warm-up
 rounds, then medians of the timed ones. Achieved rate = model FLOPs per example (from the
 shapes, `model_flops`) x examples per (wall or CPU) second.
@@ -81,8 +84,9 @@ ARMS = {
     "dp-bitfit": "DP-BiTFiT",
     "dp-full": "DP full",
     "dp-bitfit-recast": "DP-BiTFiT, frozen weights recast per call",
+    "dp-bitfit-sdpa": "DP-BiTFiT, SDPA attention in both precisions",
 }
-DEFAULT_ARMS = "nonprivate-bias,dp-bitfit,dp-full,dp-bitfit-recast"
+DEFAULT_ARMS = "nonprivate-bias,dp-bitfit,dp-full,dp-bitfit-sdpa"
 # the issue's targets, checked in the rendered table
 TARGET_SPEEDUP = 1.8  # bf16 / fp32 examples/s
 TARGET_PEAK_FRACTION = 0.60  # of the bf16 matrix-product peak
@@ -160,6 +164,7 @@ def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
 
     import dpfit
     from dpfit import precision
+    from dpfit.attention import EAGER_MAX_LENGTH
     from dpfit.frozen_casts import FrozenWeightCasts
     from dpfit.models import load_classifier
 
@@ -199,11 +204,21 @@ def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
         # the -recast arm leaves that to autocast, which casts them again on every call
         recast = name == "dp-bitfit-recast"
         casts = {p: FrozenWeightCasts(model, p, "cpu") for p in PRECISIONS}
+        # the attention kernel `dpfit train` runs in each precision (dpfit.attention); the
+        # -sdpa arm keeps SDPA in both, to measure what the choice gains
+        width = int(inputs["input_ids"].shape[1])
+        kernels = {
+            p: "eager" if name != "dp-bitfit-sdpa" and p == "bf16" and width <= EAGER_MAX_LENGTH
+            else "sdpa"
+            for p in PRECISIONS
+        }  # fmt: skip
 
         def step(
             prec: str, model=model, opt=opt, engine=engine, inputs=inputs, casts=casts,
-            recast=recast,
+            recast=recast, kernels=kernels,
         ) -> None:  # fmt: skip
+            if model.backbone.config._attn_implementation != kernels[prec]:
+                model.backbone.set_attn_implementation(kernels[prec])
             with contextlib.nullcontext() if recast else casts[prec].active():
                 with precision.autocast(prec, "cpu"):
                     loss = model(**inputs).loss
@@ -515,6 +530,24 @@ def render(res: dict) -> str:
             for p in PRECISIONS:
                 a = _row(res, length, "dp-bitfit", p)
                 b = _row(res, length, "dp-bitfit-recast", p)
+                lines.append(
+                    f"| {length} | {p} | {a['cpu_s_per_step']:.3f} | {b['cpu_s_per_step']:.3f} "
+                    f"| {b['cpu_s_per_step'] / a['cpu_s_per_step']:.3f} |"
+                )
+    if "dp-bitfit" in arms and "dp-bitfit-sdpa" in arms:
+        lines += [
+            "",
+            "The attention kernel `dpfit train` runs (dpfit.attention: eager attention on CPU "
+            "under bf16 autocast, SDPA in float32) against SDPA in both precisions:",
+            "",
+            "| len | precision | DP-BiTFiT CPU s/step, `dpfit train`'s kernel | SDPA | "
+            "SDPA / chosen |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        for length in res["lengths"]:
+            for p in PRECISIONS:
+                a = _row(res, length, "dp-bitfit", p)
+                b = _row(res, length, "dp-bitfit-sdpa", p)
                 lines.append(
                     f"| {length} | {p} | {a['cpu_s_per_step']:.3f} | {b['cpu_s_per_step']:.3f} "
                     f"| {b['cpu_s_per_step'] / a['cpu_s_per_step']:.3f} |"

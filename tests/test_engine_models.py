@@ -18,7 +18,7 @@ SMALL_ENCODER = dict(
 )
 
 
-def bert_minilm_sized():
+def bert_minilm_sized(kernel: str = "sdpa"):
     cfg = transformers.BertConfig(
         vocab_size=200,
         hidden_size=384,
@@ -26,6 +26,7 @@ def bert_minilm_sized():
         num_attention_heads=12,
         intermediate_size=1536,
         num_labels=2,
+        attn_implementation=kernel,
         **NO_DROPOUT,
     )
     return transformers.BertForSequenceClassification(cfg), "classifier"
@@ -54,7 +55,13 @@ def gpt2():
     return transformers.GPT2ForSequenceClassification(cfg), "score"
 
 
-TEXT_MODELS = {"bert": bert_minilm_sized, "roberta": roberta, "gpt2": gpt2}
+TEXT_MODELS = {
+    "bert": bert_minilm_sized,
+    # the kernel `dpfit train` runs a text classifier with on CPU in bf16 (dpfit.attention)
+    "bert-eager-attention": lambda: bert_minilm_sized("eager"),
+    "roberta": roberta,
+    "gpt2": gpt2,
+}
 
 
 @pytest.mark.parametrize("name", sorted(TEXT_MODELS))
