@@ -164,7 +164,7 @@ def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
 
     import dpfit
     from dpfit import precision
-    from dpfit.attention import EAGER_MAX_LENGTH
+    from dpfit.attention import eager_is_faster
     from dpfit.frozen_casts import FrozenWeightCasts
     from dpfit.models import load_classifier
 
@@ -207,11 +207,11 @@ def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
         # the attention kernel `dpfit train` runs in each precision (dpfit.attention); the
         # -sdpa arm keeps SDPA in both, to measure what the choice gains
         width = int(inputs["input_ids"].shape[1])
+        cpu = torch.device("cpu")
         kernels = {
-            p: "eager" if name != "dp-bitfit-sdpa" and p == "bf16" and width <= EAGER_MAX_LENGTH
-            else "sdpa"
+            p: "eager" if name != "dp-bitfit-sdpa" and eager_is_faster(cpu, width, p) else "sdpa"
             for p in PRECISIONS
-        }  # fmt: skip
+        }
 
         def step(
             prec: str, model=model, opt=opt, engine=engine, inputs=inputs, casts=casts,
@@ -259,16 +259,23 @@ OP_KINDS = {
 }
 
 
-def profile_kinds(arm: Arm, prec: str, steps: int = 3) -> dict:
-    """Where one step's CPU time goes (torch.profiler self CPU time by kind of op, summed over
-    `steps` steps). The profiler's own cost inflates small ops, so read the shares, not the
-    milliseconds."""
+def _op_times(arm: Arm, prec: str, steps: int) -> dict[str, tuple[float, float]]:
+    """torch.profiler over `steps` steps: {op name: (self CPU ms per step, calls per step)}."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             arm.step(prec)
-    by_name = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    return {
+        e.key: (e.self_cpu_time_total / steps / 1e3, e.count / steps) for e in prof.key_averages()
+    }
+
+
+def profile_kinds(arm: Arm, prec: str, steps: int = 3) -> dict:
+    """Where one step's CPU time goes (torch.profiler self CPU time by kind of op, over `steps`
+    steps). The profiler's own cost inflates small ops, so read the shares, not the
+    milliseconds."""
+    by_name = {k: ms for k, (ms, _) in _op_times(arm, prec, steps).items()}
     total = sum(by_name.values())
     kinds = {k: sum(by_name.get(n, 0.0) for n in names) for k, names in OP_KINDS.items()}
     kinds["other (elementwise, norms, softmax, reductions, optimizer, ...)"] = total - sum(
@@ -281,21 +288,11 @@ def profile_overhead(base: Arm, arm: Arm, prec: str, steps: int = 5, top: int = 
     """What `arm` spends beyond `base`, op by op: torch.profiler self CPU ms per step of each,
     the `top` ops with the largest difference (and the calls per step, which tell an op the
     engine adds from one both run)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    per_op = {}
-    for a in (base, arm):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                a.step(prec)
-        per_op[a.name] = {
-            e.key: (e.self_cpu_time_total / steps / 1e3, e.count / steps)
-            for e in prof.key_averages()
-        }
-    b, d = per_op[base.name], per_op[arm.name]
+    b, d = _op_times(base, prec, steps), _op_times(arm, prec, steps)
+    none = (0.0, 0.0)
     rows = [
-        {"op": k, "base_ms": b.get(k, (0.0, 0))[0], "base_calls": b.get(k, (0.0, 0))[1],
-         "arm_ms": d.get(k, (0.0, 0))[0], "arm_calls": d.get(k, (0.0, 0))[1]}
+        {"op": k, "base_ms": b.get(k, none)[0], "base_calls": b.get(k, none)[1],
+         "arm_ms": d.get(k, none)[0], "arm_calls": d.get(k, none)[1]}
         for k in set(b) | set(d)
     ]  # fmt: skip
     rows.sort(key=lambda r: r["arm_ms"] - r["base_ms"], reverse=True)
@@ -359,8 +356,9 @@ def run(args) -> dict:
         lengths.append(int(statistics.median_low(pads)) if spec == "recipe" else int(spec))
     collate = make_collate(tokenizer.pad_token_id)
     rows = []
-    profiles: dict[int, dict] = {}
-    overheads: dict[int, dict] = {}
+    # keyed by str(length), as the JSON holds them: a fresh run renders as its JSON does
+    profiles: dict[str, dict] = {}
+    overheads: dict[str, dict] = {}
     for length in lengths:
         enc = tokenizer(
             list(train.texts[: physical * 4]), truncation=True, padding="max_length",
@@ -380,10 +378,10 @@ def run(args) -> dict:
         times = measure(arms, physical, args.warmup, args.timed)
         for arm in arms:
             if arm.name == "dp-bitfit":
-                profiles[length] = {p: profile_kinds(arm, p) for p in PRECISIONS}
+                profiles[str(length)] = {p: profile_kinds(arm, p) for p in PRECISIONS}
         by_name = {a.name: a for a in arms}
         if "dp-bitfit" in by_name and "nonprivate-bias" in by_name:
-            overheads[length] = {
+            overheads[str(length)] = {
                 p: profile_overhead(by_name["nonprivate-bias"], by_name["dp-bitfit"], p)
                 for p in PRECISIONS
             }

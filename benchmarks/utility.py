@@ -321,11 +321,11 @@ def row_order(summary: dict) -> list[str]:
     return sorted(names, key=key)
 
 
-def _cell(s: dict | None) -> str:
+def _cell(s: dict | None, wall: bool = True) -> str:
     if s is None:
         return "not run"
     sd = f" ± {s['sd']:.1f}" if s["sd"] is not None else ""
-    return f"{s['mean']:.1f}{sd} ({len(s['seeds'])}) {s['wall_s']:.0f} s"
+    return f"{s['mean']:.1f}{sd} ({len(s['seeds'])})" + (f" {s['wall_s']:.0f} s" if wall else "")
 
 
 def targets(summary: dict) -> list[str]:
@@ -718,13 +718,6 @@ def modes_block(summary: dict, source: str) -> str:
     """docs/bias_lora.md's block: each mode's accuracy per task, the two mode targets, and each
     LoRA mode minus DP-BiTFiT paired by seed, from `source`'s runs."""
     tasks = list(summary)
-
-    def cell(s: dict | None) -> str:
-        if s is None:
-            return "not run"
-        sd = f" ± {s['sd']:.1f}" if s["sd"] is not None else ""
-        return f"{s['mean']:.1f}{sd} ({len(s['seeds'])})"
-
     lines = [
         f"From `{source}` (test accuracy %, mean ± sd over seeds, number of seeds):",
         "",
@@ -733,7 +726,7 @@ def modes_block(summary: dict, source: str) -> str:
     ]
     for key in MODE_ROWS:
         name = ROW_BY_KEY[key].name
-        cells = [cell(summary[t].get(name)) for t in tasks]
+        cells = [_cell(summary[t].get(name), wall=False) for t in tasks]
         if any(c != "not run" for c in cells):
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Targets:", "", *mode_targets(summary), "", "Paired by seed:", ""]

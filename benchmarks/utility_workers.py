@@ -48,7 +48,7 @@ def parse_slice(text: str) -> list[str]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"a slice is TASKS:ROWS:SEEDS, got {text!r}") from None
     parts = [tasks.split(","), rows.split(","), seeds.split(",")]
-    if not all(all(parts_) for parts_ in parts):
+    if not all(all(names) for names in parts):
         raise argparse.ArgumentTypeError(f"empty name in slice {text!r}")
     return ["--tasks", *parts[0], "--rows", *parts[1], "--seeds", *parts[2]]
 
@@ -81,14 +81,15 @@ def main(argv=None) -> int:
     work = args.work or args.out / "work"
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    procs, logs = [], []
+    procs, logs, outs = [], [], []
     for i, extra in enumerate(args.slice):
         folder = work / f"w{i}"
         folder.mkdir(parents=True, exist_ok=True)
         tag = f"{args.tag}_w{i}"
         logs.append(folder / f"{tag}_runs.jsonl")
         cmd = [sys.executable, str(HERE / "utility.py"), "--out", str(folder), "--tag", tag]
-        out = open(folder / "stderr.log", "w")
+        out = open(folder / "stderr.log", "w")  # open while the worker runs
+        outs.append(out)
         procs.append(
             subprocess.Popen(
                 cmd + extra + args.utility_args.split(),
@@ -110,8 +111,9 @@ def main(argv=None) -> int:
         n, before = merge(logs, merged), n
         if n != before:
             print(f"{time.monotonic() - start:.0f} s: {n} records", flush=True)
-    for pr in procs:
+    for pr, out in zip(procs, outs, strict=True):
         pr.wait()
+        out.close()
     n = merge(logs, merged)
     codes = [pr.returncode for pr in procs]
     print(f"merged {n} records into {merged}; worker exit codes {codes}", flush=True)

@@ -12,25 +12,29 @@ are never changed: this is for the models `dpfit train` loads itself.
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger(__name__)
 
 # the longest padded length at which eager attention was measured faster on CPU in bf16
 EAGER_MAX_LENGTH = 512
+
+
+def eager_is_faster(device: torch.device, max_length: int | None, precision: str) -> bool:
+    """Where eager attention was measured faster than SDPA: CPU, bf16 autocast, inputs of at
+    most EAGER_MAX_LENGTH tokens."""
+    return (
+        device.type == "cpu"
+        and precision == "bf16"
+        and max_length is not None
+        and max_length <= EAGER_MAX_LENGTH
+    )
 
 
 def choose_attention(
     model: torch.nn.Module, device: torch.device, max_length: int | None, precision: str
 ) -> bool:
     """Switch the transformers models inside `model` from SDPA to eager attention where that is
-    the faster kernel (CPU, bf16 autocast, inputs of at most EAGER_MAX_LENGTH tokens). True if
-    it did."""
-    if device.type != "cpu" or precision != "bf16":
-        return False
-    if max_length is None or max_length > EAGER_MAX_LENGTH:
+    the faster kernel (`eager_is_faster`). True if it did (the caller reports it)."""
+    if not eager_is_faster(device, max_length, precision):
         return False
     switched = False
     for module in model.modules():
@@ -41,6 +45,4 @@ def choose_attention(
         ):
             module.set_attn_implementation("eager")
             switched = True
-    if switched:
-        logger.info("attention: eager (CPU, bf16, inputs of at most %d tokens)", max_length)
     return switched
