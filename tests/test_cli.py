@@ -367,3 +367,17 @@ def test_checkpointed_runs_return_freed_memory_at_once(flag, monkeypatch):
     with pytest.raises(_Called):
         main(argv + (["--activation-checkpointing"] if flag else []))
     assert len(calls) == (1 if flag else 0)
+
+
+def test_train_runs_auto_precision_by_default(tiny, tmp_path, monkeypatch):
+    """README and docs/precision.md promise `--precision auto` as the default: bf16 where it is
+    native. Where it is (forced here, so the test means the same on every CPU), a run with no
+    --precision flag records bf16; where it is not, fp32."""
+    import dpfit.precision
+
+    assert build_parser().parse_args(["train"]).precision == "auto"
+    for native, want in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(dpfit.precision, "bf16_is_fast", lambda device, native=native: native)
+        out = tmp_path / want
+        assert main(train_args(tiny, "--epsilon", "2", "--output", str(out))) == 0
+        assert json.loads((out / "metrics.json").read_text())["config"]["precision"] == want

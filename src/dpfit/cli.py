@@ -231,9 +231,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--precision",
         choices=("fp32", "bf16", "auto"),
-        default="fp32",
+        default="auto",
         help="forward/backward dtype: bf16 autocast keeps float32 parameters, norms, clipping "
-        "and noise; auto = bf16 where the CPU has avx512_bf16/amx_bf16 or the GPU supports it",
+        "and noise; auto (the default) = bf16 where the CPU has avx512_bf16/amx_bf16 or the GPU "
+        "supports it, else fp32",
     )
     g.add_argument(
         "--threads",
