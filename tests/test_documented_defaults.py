@@ -136,8 +136,9 @@ def test_private_recipe_defaults():
     assert r.head_epochs == r.epochs and r.head_lr == 0.1
     assert resolve_recipe(1_000, 2, 8.0, 1e-5, 22_000_000).batch_size == 100  # at most n/10
     assert resolve_recipe(100, 2, 8.0, 1e-5, 22_000_000).batch_size == 25  # n/4 on tiny data
-    for mode in ("bias+lora", "lora"):
-        assert resolve_recipe(10_000, 2, 8.0, 1e-5, 22_000_000, mode).lr == 5e-3
+    for mode in ("bias+lora", "lora"):  # head-first in every mode (docs/train.md)
+        lora = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_000_000, mode)
+        assert lora.lr == 5e-3 and lora.head_epochs == lora.epochs
     full = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_000_000, "full")
     assert full.lr == 5e-4 and full.head_epochs == full.epochs
     two = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_000_000, full_epochs=1)
