@@ -62,7 +62,14 @@ def _bf16_per_example(model: nn.Module, ids, labels) -> dict[str, torch.Tensor]:
         engine.detach()
 
 
-def test_bf16_per_example_gradients_are_bounded_by_the_float64_oracle():
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole-upcast", "sliced-upcast"])
+def test_bf16_per_example_gradients_are_bounded_by_the_float64_oracle(sliced, monkeypatch):
+    """sliced: every sum over positions takes the large-gradient path (UPCAST_SLICE_ABOVE)."""
+    if sliced:
+        from dpfit.grad_sample import registry
+
+        monkeypatch.setattr(registry, "UPCAST_SLICE_ABOVE", 0)
+        monkeypatch.setattr(registry, "UPCAST_SLICE_BYTES", 1)  # one example per slice
     model = _bert()
     ids, labels = _data()
     ref = copy.deepcopy(model).double()
@@ -98,6 +105,25 @@ def test_bf16_sums_over_positions_accumulate_and_return_float32(shape, batch_dim
     want = g.double().sum(dim=1 - batch_dim)
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("shape,batch_dim", [((7, 33, 24), 0), ((33, 7, 24), 1), ((7, 5, 6, 8), 0)])
+def test_large_bf16_sums_in_slices_of_examples_equal_the_whole_upcast(
+    shape, batch_dim, monkeypatch
+):
+    """Above UPCAST_SLICE_ABOVE the upcast runs a few examples at a time (in cache): every
+    example's float32 sum is exactly the one the whole upcast gives, the last, partial slice
+    included (thresholds lowered so that 7 examples make 3 slices)."""
+    from dpfit.grad_sample import registry
+
+    g = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) + 0.3).bfloat16()
+    per_example = 4 * g.numel() // g.shape[batch_dim]
+    monkeypatch.setattr(registry, "UPCAST_SLICE_ABOVE", per_example)  # any 2+ examples slice
+    monkeypatch.setattr(registry, "UPCAST_SLICE_BYTES", 3 * per_example)  # 3 + 3 + 1
+    dims = [i for i in range(g.dim() - 1) if i != batch_dim]
+    got = sum_positions(g, batch_dim)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, g.float().sum(dim=dims))
 
 
 def test_bf16_sums_to_channel_return_float32():
