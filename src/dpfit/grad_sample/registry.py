@@ -176,13 +176,12 @@ def sum_positions(g: torch.Tensor, batch_dim: int, kept: int = 1) -> torch.Tenso
 def _float32_sums(g: torch.Tensor, b: int, dims: list[int]) -> torch.Tensor:
     """Per-example float32 sums of a half-precision `g` over `dims`, batch axis `b`: upcast
     whole, or, for a large `g`, a slice of examples at a time (UPCAST_SLICE_ABOVE)."""
-    rows = g.shape[b]
-    per_example = 4 * g.numel() // max(rows, 1)  # bytes of one example's float32 copy
-    if g.device.type != "cpu" or per_example * rows <= UPCAST_SLICE_ABOVE or rows < 2:
+    rows, copy_bytes = g.shape[b], 4 * g.numel()  # the float32 copy's size
+    if g.device.type != "cpu" or copy_bytes <= UPCAST_SLICE_ABOVE or rows < 2:
         return g.float().sum(dim=dims)
-    step = max(1, UPCAST_SLICE_BYTES // per_example)
-    out = g.new_empty((rows, *[g.shape[i] for i in range(g.dim()) if i != b and i not in dims]),
-                      dtype=torch.float32)  # fmt: skip
+    step = max(1, UPCAST_SLICE_BYTES * rows // copy_bytes)  # examples per slice
+    tail = [size for i, size in enumerate(g.shape) if i != b and i not in dims]
+    out = g.new_empty((rows, *tail), dtype=torch.float32)
     for start in range(0, rows, step):
         n = min(step, rows - start)
         torch.sum(g.narrow(b, start, n).float(), dim=dims, out=out.narrow(0, start, n))
