@@ -146,6 +146,18 @@ class Arm:
     model: object
 
 
+def padded_batch(tokenizer, train, physical: int, length: int, collate) -> dict:
+    """The first `physical` training texts, every one padded (or cut) to `length` tokens."""
+    enc = tokenizer(
+        list(train.texts[:physical]), truncation=True, padding="max_length", max_length=length
+    )
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    items = [
+        {**{k: enc[k][i] for k in keys}, "labels": int(train.labels[i])} for i in range(physical)
+    ]
+    return collate(items)
+
+
 def recipe_lengths(tokenizer, texts, physical: int, logical: int, max_length: int, seed=0):
     """Padded lengths of the physical batches of one recipe-sized logical batch."""
     import random
@@ -159,7 +171,11 @@ def recipe_lengths(tokenizer, texts, physical: int, logical: int, max_length: in
     return [max(chosen[i : i + physical]) for i in range(0, len(chosen), physical)]
 
 
-def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
+def build_arms(
+    batch: dict, names: list[str], lr: float = 1e-3, dropout: float | str | None = None
+) -> list[Arm]:
+    """dropout: the backbone's rate (dpfit.dropout; None: the model's own), the same in every
+    arm so that the arms differ only in what they compute."""
     import torch
 
     import dpfit
@@ -171,7 +187,7 @@ def build_arms(batch: dict, names: list[str], lr: float = 1e-3) -> list[Arm]:
     arms = []
     n = int(batch["labels"].shape[0])
     for name in names:
-        loaded = load_classifier(None, ["rotten", "fresh"], seed=0)
+        loaded = load_classifier(None, ["rotten", "fresh"], seed=0, dropout=dropout)
         model = loaded.model
         if name == "dp-full":
             for p in model.parameters():
@@ -334,9 +350,11 @@ def run(args) -> dict:
     from dpfit.data.text import bundled_rotten_tomatoes
     from dpfit.models import load_classifier
     from dpfit.precision import cpu_bf16_flags
-    from dpfit.recipe import MAX_LENGTH, physical_batch_for, resolve_recipe
+    from dpfit.recipe import MAX_LENGTH, default_dropout, physical_batch_for, resolve_recipe
     from dpfit.tasks.classification import make_collate
 
+    # every arm with the rate a private `dpfit train` builds the model with (dpfit.recipe)
+    dropout = default_dropout(True) if args.dropout is None else args.dropout
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     peaks = {
@@ -360,17 +378,8 @@ def run(args) -> dict:
     profiles: dict[str, dict] = {}
     overheads: dict[str, dict] = {}
     for length in lengths:
-        enc = tokenizer(
-            list(train.texts[: physical * 4]), truncation=True, padding="max_length",
-            max_length=length,
-        )  # fmt: skip
-        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
-        items = [
-            {**{k: enc[k][i] for k in keys}, "labels": int(train.labels[i])}
-            for i in range(physical)
-        ]
-        batch = collate(items)
-        arms = build_arms(batch, args.arms.split(","))
+        batch = padded_batch(tokenizer, train, physical, length, collate)
+        arms = build_arms(batch, args.arms.split(","), dropout=dropout)
         for arm in arms:  # the engine's first step also runs its one-example batch-axis probe
             arm.step("fp32")
         mem = {(a.name, p): saved_bytes(a, p) for a in arms for p in PRECISIONS}
@@ -422,6 +431,7 @@ def run(args) -> dict:
         "warmup": args.warmup,
         "timed": args.timed,
         "physical_batch": physical,
+        "dropout": dropout,
         "recipe_padded_lengths": pads,
         "lengths": lengths,
         "peaks": peaks,
@@ -439,6 +449,18 @@ def _row(res: dict, length: int, arm: str, prec: str) -> dict | None:
     return None
 
 
+def _dropout_clause(res: dict) -> str:
+    """Results recorded before `dpfit train` turned dropout off ran the model's own rates."""
+    rate = res.get("dropout", "model")
+    if rate == "model":
+        return " Every arm with the model's own dropout rates (0.1)."
+    return (
+        " Every arm with dropout off, as a private `dpfit train` builds the model."
+        if (rate == 0)
+        else f" Every arm with dropout {rate:g}."
+    )
+
+
 def render(res: dict) -> str:
     pk = res["peaks"]
     lines = [
@@ -449,7 +471,8 @@ def render(res: dict) -> str:
         f"{', '.join(res['cpu_bf16_flags']) or 'none'}; load average at start "
         f"{res['load_average_at_start'][0]:.1f} (a shared machine: read the ratios, measured "
         f"side by side, more than the absolute figures). {res['warmup']} warm-up + "
-        f"{res['timed']} timed rounds, every (arm, precision) once per round; medians.",
+        f"{res['timed']} timed rounds, every (arm, precision) once per round; medians."
+        + _dropout_clause(res),
         "",
         "| matrix-product peak | GFLOP/s per wall s | at size | GFLOP/s per CPU s | at size |",
         "|---|---:|---:|---:|---:|",
@@ -775,6 +798,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timed", type=int, default=5)
     ap.add_argument("--lengths", default="recipe,128", help="comma list: recipe and/or numbers")
     ap.add_argument("--arms", default=DEFAULT_ARMS)
+    ap.add_argument(
+        "--dropout",
+        type=lambda v: v if v == "model" else float(v),
+        help="every arm's dropout rate, or 'model' (default: private dpfit train's, off)",
+    )
     ap.add_argument("--peak-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
                     default=PEAK_SIZES)  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "throughput"))

@@ -188,7 +188,13 @@ def task_data(name: str, seed: int, scale: Scale) -> tuple[TaskSplits, Path, Pat
 
 
 def run_dpfit(
-    row: Row, train_csv: Path, test_csv: Path, seed: int, scale: Scale, precision: str = "fp32"
+    row: Row,
+    train_csv: Path,
+    test_csv: Path,
+    seed: int,
+    scale: Scale,
+    precision: str = "fp32",
+    dropout: float | str | None = None,
 ) -> dict:
     from dpfit.train import TrainConfig, train
 
@@ -203,6 +209,7 @@ def run_dpfit(
         max_train_examples=scale.max_train,
         **row.train,
         **({"precision": precision} if precision != "fp32" else {}),
+        **({"dropout": dropout} if dropout is not None else {}),
     )
     recorder = PhaseRecorder()  # the classification task, keeping the probe's predictions
     result = train(cfg, task=recorder)
@@ -215,6 +222,8 @@ def run_dpfit(
     out = {k: m.get(k) for k in keep if k in m}
     for k in ("lr", "max_length", "pooling", "precision"):  # older builds: only in the config
         out.setdefault(k, m.get("config", {}).get(k))
+    if "dropout" in m.get("config", {}):  # builds since the dropout rule: the rate that ran
+        out["dropout"] = m["config"]["dropout"]
     phase = phase_record(recorder, result.steps)
     if phase is not None:  # what the main phase did to the head-first probe's model
         out["after_probe"] = phase
@@ -222,7 +231,12 @@ def run_dpfit(
 
 
 def run_row(
-    row: Row, task_name: str, seed: int, scale: Scale, precision: str = "fp32"
+    row: Row,
+    task_name: str,
+    seed: int,
+    scale: Scale,
+    precision: str = "fp32",
+    dropout: float | str | None = None,
 ) -> list[dict]:
     """One or more result records (the probe gives one per pooling)."""
     task, train_csv, test_csv = task_data(task_name, seed, scale)
@@ -242,7 +256,7 @@ def run_row(
     if row.kind == "probe":
         res = baselines.probe(task, baselines.PROBE_MAX_LENGTH, seed, load_task(task_name, seed))
         return [{"row": f"frozen probe, {p}", **r, **sizes} for p, r in res.items()]
-    res = run_dpfit(row, train_csv, test_csv, seed, scale, precision)
+    res = run_dpfit(row, train_csv, test_csv, seed, scale, precision, dropout)
     return [{"row": row.name, **sizes, **res}]
 
 
@@ -1014,6 +1028,11 @@ def main(argv=None) -> int:
         default="fp32",
         help="dpfit rows' compute precision; bf16 runs get their own log and table",
     )
+    p.add_argument(
+        "--dropout",
+        type=lambda v: v if v == "model" else float(v),
+        help="dpfit rows' dropout rate (or 'model'); default: dpfit's rule",
+    )
     p.add_argument("--table-only", action="store_true", help="rebuild outputs from the log")
     p.add_argument(
         "--docs",
@@ -1061,7 +1080,7 @@ def main(argv=None) -> int:
                         **machine(),
                     }
                     try:
-                        recs = run_row(row, task, seed, scale, args.precision)
+                        recs = run_row(row, task, seed, scale, args.precision, args.dropout)
                     except Exception as e:
                         logger.warning("%s failed: %s", key, traceback.format_exc(limit=3))
                         recs = [{"row": row.name, "error": f"{type(e).__name__}: {e}"}]

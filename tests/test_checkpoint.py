@@ -92,6 +92,31 @@ def test_resume_with_other_settings_is_refused(tiny, tmp_path, capsys):
     assert "lr: 0.05 -> 0.1" in capsys.readouterr().err
 
 
+def test_resume_keeps_the_dropout_rate_and_reads_older_checkpoints_as_the_models(
+    tiny, tmp_path, capsys
+):
+    ck = tmp_path / "ck"
+
+    def run(out, *extra):
+        return main(
+            _args(tiny, tmp_path / out, "--checkpoint-dir", str(ck), "--max-steps", "2", *extra)
+        )
+
+    assert run("a") == 0
+    ckpt.latest_checkpoint(ck).unlink()  # as if killed after step 1: one step left
+    assert run("b", "--resume", "--dropout", "0.1") == 2
+    assert "dropout: 0.0 -> 0.1" in capsys.readouterr().err
+    # a checkpoint written before the dropout rule ran the model's own rates: it resumes with
+    # --dropout model, and a resume under the new default is refused, not silently changed
+    path = ckpt.latest_checkpoint(ck)
+    state = ckpt.load_checkpoint(path)
+    del state["config"]["dropout"]
+    torch.save(state, path)
+    assert run("c", "--resume") == 2
+    assert "dropout: 'model' -> 0.0" in capsys.readouterr().err
+    assert run("d", "--resume", "--dropout", "model") == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra,first_kill",
     [

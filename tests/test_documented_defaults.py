@@ -126,7 +126,9 @@ def test_image_folder_geometry_defaults():
 def test_private_recipe_defaults():
     """docs/train.md recipe table: B = 10 sqrt(n), >= 30 steps, automatic R = 1, lr 5e-3, 128."""
     args = parse("train")
-    for flag in ("batch_size", "epochs", "lr", "max_grad_norm", "clipping", "head_first"):
+    for flag in (
+        "batch_size", "epochs", "lr", "max_grad_norm", "clipping", "head_first", "dropout"
+    ):  # fmt: skip
         assert getattr(args, flag) is None  # left to the recipe
     assert args.optimizer == "adamw"
     r = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_000_000)
@@ -134,6 +136,8 @@ def test_private_recipe_defaults():
     assert r.clipping == "automatic" and r.max_grad_norm == 1.0
     assert r.optimizer == "adamw" and r.lr == 5e-3 and r.max_length == 128
     assert r.head_epochs == r.epochs and r.head_lr == 0.1
+    assert r.dropout == 0.0  # docs/train.md: dropout off when private
+    assert resolve_recipe(10_000, 2, 8.0, 1e-5, 22_000_000, tokens=False).dropout == "model"
     assert resolve_recipe(1_000, 2, 8.0, 1e-5, 22_000_000).batch_size == 100  # at most n/10
     assert resolve_recipe(100, 2, 8.0, 1e-5, 22_000_000).batch_size == 25  # n/4 on tiny data
     for mode in ("bias+lora", "lora"):  # head-first in every mode (docs/train.md)
@@ -150,6 +154,7 @@ def test_non_private_recipe_defaults():
     r = resolve_recipe(10_000, 2, None, None, 22_000_000, private=False)
     assert r.batch_size == 32 and r.epochs == 3 and r.lr == 1e-3 and r.clipping is None
     assert r.head_epochs == 3 and r.head_lr == 1e-2 and r.max_length == 128
+    assert r.dropout == "model"  # the reference keeps the model's own rates
     full = resolve_recipe(10_000, 2, None, None, 22_000_000, "full", private=False)
     assert full.lr == 5e-5 and full.head_epochs == 3
 

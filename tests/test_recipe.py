@@ -237,3 +237,14 @@ def test_two_phase_runs_each_phase_at_its_own_rate(tmp_path, monkeypatch):
     assert seen[: len(full)] == [(most, m["full_lr"])] * len(full)  # full first, then bias
     with pytest.raises(Exception, match="--full-lr is the rate of the --full-epochs phase"):
         train(TrainConfig(model=model, data=_csv(tmp_path / "e.csv", _rows()), full_lr=1e-4))
+
+
+def test_dropout_is_off_when_private_and_the_models_own_otherwise():
+    assert R.default_dropout(True) == R.PRIVATE_DROPOUT == 0.0
+    assert R.default_dropout(False) == "model"
+    assert R.default_dropout(True, tokens=False) == "model"  # image models: dpfit's have none
+    private = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000)
+    assert "dropout off" in private.describe()
+    ref = resolve_recipe(10_000, 2, None, None, 22_700_000, private=False)
+    assert "dropout" not in ref.describe()
+    assert "dropout 0.2" in dataclasses.replace(private, dropout=0.2).describe()

@@ -444,3 +444,40 @@ def test_classification_items_are_sorted_by_length_for_cheap_padding(tiny, tmp_p
     lengths = [len(item["input_ids"]) for item in task.items(prep, 128)]
     assert len(lengths) == prep.n and len(set(lengths)) > 3
     assert lengths == sorted(lengths)
+
+
+def _dropout_rates(model) -> set[float]:
+    return {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+
+
+def test_private_runs_train_without_dropout_and_the_reference_keeps_the_models(tiny):
+    notes: list[str] = []
+    res = train(cfg(tiny, epochs=1), on_note=notes.append)
+    assert res.metrics["config"]["dropout"] == 0.0 and _dropout_rates(res.model) == {0.0}
+    assert any(n.startswith("dropout: off (") for n in notes)
+    assert any("dropout off" in n for n in notes if n.startswith("recipe"))
+    ref = train(cfg(tiny, epochs=1, non_private=True))
+    assert ref.metrics["config"]["dropout"] == "model" and _dropout_rates(ref.model) == {0.1}
+
+
+def test_a_dropout_flag_overrides_the_recipe(tiny):
+    notes: list[str] = []
+    res = train(cfg(tiny, epochs=1, dropout=0.2), on_note=notes.append)
+    assert res.metrics["config"]["dropout"] == 0.2 and _dropout_rates(res.model) == {0.2}
+    (recipe,) = [n for n in notes if n.startswith("recipe")]
+    assert "overridden by flags" in recipe and "dropout" in recipe.split("overridden")[1]
+    own = train(cfg(tiny, epochs=1, dropout="model"))
+    assert _dropout_rates(own.model) == {0.1}
+
+
+def test_dropout_cannot_be_set_for_models_it_cannot_reach():
+    from dpfit.train import _dropout_for
+
+    assert _dropout_for(TrainConfig(), as_given=True) == "model"
+    assert _dropout_for(TrainConfig(), as_given=False) == 0.0
+    assert _dropout_for(TrainConfig(non_private=True), as_given=False) == "model"
+    for task in ("image-classification", "classification"):
+        with pytest.raises(dpfit.DPFitError, match="--dropout"):
+            _dropout_for(TrainConfig(task=task, dropout=0.1), as_given=True)
+    with pytest.raises(ValueError, match="dropout"):
+        TrainConfig(dropout=1.0)

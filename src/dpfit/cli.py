@@ -32,6 +32,18 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _dropout_rate(text: str) -> float | str:
+    if text == "model":
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate < 1:
+        raise argparse.ArgumentTypeError(f"expected a rate in [0, 1) or 'model', got {text!r}")
+    return rate
+
+
 def _positive_float(s: str) -> float:
     v = float(s)
     if not v > 0:
@@ -193,6 +205,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "last non-pad token for decoders, the trained pooler of other encoders, else mean",
     )
     g.add_argument(
+        "--dropout",
+        type=_dropout_rate,
+        help="the backbone's dropout rate, set in its config before it is built, or 'model' "
+        "for its own rates (recipe: off when private, the model's own without privacy)",
+    )
+    g.add_argument(
         "--head-first",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -310,6 +328,7 @@ def train_config_from_args(args: argparse.Namespace):
         activation_checkpointing=args.activation_checkpointing,
         pad_to_max_length=args.pad_to_max_length,
         pooling=args.pooling,
+        dropout=args.dropout,
         head_first=args.head_first,
         head_epochs=args.head_epochs,
         head_lr=args.head_lr,

@@ -35,6 +35,7 @@ class LoadedModel:
     pooling: str = "native"  # cls | pooler | mean | last, or the folder's own head
     pooling_reason: str = ""
     head_trained: bool = False  # a dpfit-saved classifier's own head, for the same classes
+    dropout_note: str = ""  # what load_classifier(dropout=...) set (dpfit.dropout)
 
 
 def hub_offline() -> bool:
@@ -124,6 +125,7 @@ def load_classifier(
     *,
     seed: int | None = None,
     pooling: str = "auto",
+    dropout: float | str | None = None,
 ) -> LoadedModel:
     """A classifier (backbone -> pooling -> zero-initialised linear head) + tokenizer.
 
@@ -134,6 +136,8 @@ def load_classifier(
             (evaluation); a folder dpfit saved keeps its head when the labels are the same.
         seed: seeds torch before the model is built (dropout-free parts are deterministic).
         pooling: auto | cls | pooler | mean | last (dpfit.tasks.pooling.resolve_pooling).
+        dropout: a rate for every dropout rate in the backbone's config, set before it is
+            built (dpfit.dropout); None or "model": the saved rates.
 
     A transformers ``*ForSequenceClassification`` folder that dpfit did not write is loaded
     with its own head when `label_names` is None, so ``dpfit evaluate`` scores it as it is.
@@ -141,6 +145,9 @@ def load_classifier(
     import torch
     from transformers import AutoConfig, AutoModel
 
+    from dpfit.dropout import MODEL as MODEL_DROPOUT
+    from dpfit.dropout import describe as dropout_describe
+    from dpfit.dropout import modules_off_rate, set_config_rates
     from dpfit.tasks.pooling import (
         CONFIG_KEY,
         PooledClassifier,
@@ -164,6 +171,9 @@ def load_classifier(
         config.pad_token_id = tokenizer.pad_token_id
     own = [str(config.id2label[i]) for i in range(config.num_labels)] if saved_by_dpfit else None
     names = list(label_names) if label_names is not None else own
+    rate_names: tuple[str, ...] = ()
+    if dropout is not None and dropout != MODEL_DROPOUT:
+        rate_names = set_config_rates(config, dropout)
     if seed is not None:
         torch.manual_seed(seed)
     try:
@@ -193,7 +203,12 @@ def load_classifier(
     if head_trained:
         load_head(model, target)
     logger.info("loaded %s (%s), pooling %s (%s)", target, type(backbone).__name__, how, why)
-    return LoadedModel(model, tokenizer, target, ("head",), how, why, head_trained)
+    rate = MODEL_DROPOUT if dropout is None else dropout
+    stray = [] if rate == MODEL_DROPOUT else modules_off_rate(backbone, float(rate))
+    return LoadedModel(
+        model, tokenizer, target, ("head",), how, why, head_trained,
+        dropout_describe(rate, rate_names, stray),
+    )  # fmt: skip
 
 
 def _load_native_classifier(target, kwargs, local, config, name_or_path) -> LoadedModel:

@@ -144,6 +144,12 @@ TRAINED_WALK.update({"bias+lora": TRAINED_WALK["bias"], "lora": TRAINED_WALK["bi
 LM_WALK = {"full": 3e-4, "bias": 3e-3}
 LM_WALK.update({"bias+lora": LM_WALK["bias"], "lora": LM_WALK["bias"]})
 STARTS = ("pretrained", "trained")  # a backbone not yet trained for the task / one that is
+# Private runs train with the model's dropout off (dpfit.dropout sets its config's rates): DP
+# noise already regularises, a dropout mask adds its own variance to every clipped gradient,
+# and on CPU its random draws were a quarter of a bf16 DP-BiTFiT step on 2 threads
+# (benchmarks/results/dropout.md, which also holds the utility check behind this choice).
+# Non-private reference runs keep the model's own rates ("model").
+PRIVATE_DROPOUT = 0.0
 # -- compute only (no effect on the result or the guarantee) -----------------------------------
 MAX_LENGTH = 128
 PHYSICAL_TOKENS = 8192  # tokens per physical batch at max length for a ~20M-parameter model
@@ -169,6 +175,7 @@ class Recipe:
     mode: str = "bias"
     start: str = "pretrained"  # "trained": a checkpoint already trained for the task
     language_model: bool = False  # no new head: the LM's own head does the task (walk rule)
+    dropout: float | str = "model"  # the backbone's dropout rate; "model": its own rates
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -181,6 +188,8 @@ class Recipe:
             parts.append(f"{self.clipping} clipping, R={self.max_grad_norm:g}")
         if self.max_length is not None:
             parts.append(f"max length {self.max_length}")
+        if self.dropout != "model":
+            parts.append("dropout off" if self.dropout == 0 else f"dropout {self.dropout:g}")
         if self.start == "trained" and self.clipping is not None:
             parts.append(
                 "from a checkpoint trained for the task: lr = noise walk / sqrt(phase steps)"
@@ -224,6 +233,13 @@ def physical_batch_for(model_params: int, max_length: int) -> int:
     """Examples per forward/backward: a fixed token budget scaled down for larger models."""
     scale = max(1.0, model_params / 20e6)
     return max(1, min(256, int(PHYSICAL_TOKENS / (max_length * scale))))
+
+
+def default_dropout(private: bool, tokens: bool = True) -> float | str:
+    """The backbone's dropout rate for a run (PRIVATE_DROPOUT): off in private runs of a
+    transformers text model; the model's own rates without privacy, and for image models,
+    whose dpfit builds have none."""
+    return PRIVATE_DROPOUT if private and tokens else "model"
 
 
 def trained_lr(mode: str, steps: int, walks: dict[str, float] = TRAINED_WALK) -> float:
@@ -297,6 +313,7 @@ def resolve_recipe(
             head_lr=NON_PRIVATE_HEAD_LR,
             mode=mode,
             start=start,
+            dropout=default_dropout(False, tokens),
             rule=(
                 f"non-private reference: batch {NON_PRIVATE_BATCH}, epochs for >= "
                 f"{NON_PRIVATE_MIN_STEPS} steps in [{NON_PRIVATE_MIN_EPOCHS}, {MAX_EPOCHS}], "
@@ -339,6 +356,7 @@ def resolve_recipe(
         mode=mode,
         start=start,
         language_model=language_model,
+        dropout=default_dropout(True, tokens),
         rule=(
             f"private: B = {BATCH_PER_SQRT_N:g} sqrt(n) (<= n/{MIN_STEPS_PER_EPOCH}), "
             f"epochs for >= {MIN_STEPS} steps in [{MIN_EPOCHS}, {MAX_EPOCHS}], "

@@ -32,12 +32,20 @@ from dpfit.accounting import check_neighbouring
 from dpfit.attention import EAGER_MAX_LENGTH, choose_attention
 from dpfit.config import LORA_MODES
 from dpfit.distributed import is_main_process
+from dpfit.dropout import MODEL as DROPOUT_MODEL
+from dpfit.dropout import check_rate as check_dropout_rate
 from dpfit.errors import BudgetExhaustedError, DPFitError, NoTrainableParametersError
 from dpfit.frozen_casts import FrozenWeightCasts
 from dpfit.lr_schedules import LR_SCHEDULES, lr_factor, set_lr
 from dpfit.models import count_bias_parameters
 from dpfit.precision import PRECISIONS, autocast, resolve_precision
-from dpfit.recipe import Recipe, default_delta, physical_batch_for, resolve_recipe
+from dpfit.recipe import (
+    Recipe,
+    default_delta,
+    default_dropout,
+    physical_batch_for,
+    resolve_recipe,
+)
 from dpfit.reporting import StepRow, peak_memory_mb, plot_steps, write_json, write_steps_csv
 from dpfit.tasks import Prepared, Task, get_task
 from dpfit.tasks.classification import (  # noqa: F401 - re-exported for scripts and benchmarks
@@ -113,6 +121,9 @@ class TrainConfig:
     # memory and time never depend on how long the sampled documents are
     pad_to_max_length: bool = False
     pooling: str = "auto"  # auto | cls | pooler | mean | last
+    # the backbone's dropout rate, set in its config before it is built (dpfit.dropout):
+    # None: the recipe's (off when private); "model": the model's own rates
+    dropout: float | str | None = None
     # private linear probe on frozen features, then biases + head; None: the recipe decides
     head_first: bool | None = None
     head_epochs: int | None = None  # epochs of the head-first phase
@@ -176,6 +187,7 @@ class TrainConfig:
             raise ValueError(
                 f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}"
             )
+        check_dropout_rate(self.dropout)
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.precision not in PRECISIONS:
@@ -229,6 +241,7 @@ class TrainConfig:
         "head_epochs",
         "head_lr",
         "full_lr",
+        "dropout",
     )
 
     def overrides(self) -> tuple[str, ...]:
@@ -747,6 +760,23 @@ def _score_before(
     return scores
 
 
+def _dropout_for(config: TrainConfig, as_given: bool) -> float | str:
+    """The dropout rate the model is built with: the flag's, else the recipe's. A model passed
+    in ready-made, and image models (dpfit's have none), run with their own rates."""
+    if as_given:
+        if config.dropout not in (None, DROPOUT_MODEL):
+            raise DPFitError(
+                "--dropout sets a transformers text model's config before it is built; "
+                + ("image models run with their own rates (dpfit's have no dropout)"
+                   if config.task == "image-classification"
+                   else "a model passed in is used as it is: set its rates before passing it")
+            )  # fmt: skip
+        return DROPOUT_MODEL
+    if config.dropout is not None:
+        return config.dropout
+    return default_dropout(not config.non_private)
+
+
 def _resolve_sigma(config: TrainConfig, q: float, steps: int, delta: float) -> float:
     """One noise multiplier for all the run's steps (head-first phase included)."""
     from dpfit.accounting import noise_multiplier_for
@@ -803,7 +833,13 @@ def train(
     device = _device(config.device)
     _seed_everything(config.seed)
     task = task if task is not None else get_task(config.task)
-    prep = prepared if prepared is not None else task.prepare(config)
+    images = config.task == "image-classification"  # no token length
+    dropout = _dropout_for(config, images or prepared is not None)
+    prep = (
+        prepared
+        if prepared is not None
+        else task.prepare(dataclasses.replace(config, dropout=dropout))
+    )
     for n_ in prep.notes:
         note(n_)
     model = prep.model
@@ -819,14 +855,16 @@ def train(
         # a schedule of its own, a model without a pooled head, or documents of windows (the
         # probe's examples are single windows)
         head_first = False
-    images = config.task == "image-classification"  # no token length
     recipe = resolve_recipe(
         n, prep.num_classes, config.epsilon, delta, summary.total, config.mode,
         private=not config.non_private, head_first=head_first, full_epochs=config.full_epochs,
         start="trained" if prep.starts_trained else "pretrained", tokens=not images,
     )  # fmt: skip
+    recipe = dataclasses.replace(
+        recipe, dropout=dropout if config.dropout is None else recipe.dropout
+    )
     overrides = config.overrides()
-    config = config.with_recipe(recipe)
+    config = dataclasses.replace(config.with_recipe(recipe), dropout=dropout)
     _check_phases(config)
     if not images:  # image models have no token positions
         config = _fit_max_length(model, config, "max_length" in overrides, note)
@@ -940,7 +978,8 @@ def train(
 
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path)
-        ckpt.check_compatible(state["config"], config.fingerprint(), tuple(config.fingerprint()))
+        saved = {"dropout": DROPOUT_MODEL, **state["config"]}  # older checkpoints: model's own
+        ckpt.check_compatible(saved, config.fingerprint(), tuple(config.fingerprint()))
         ckpt.load_trainable_state(model, state["trainable"])
         if engine is not None and config.full_epochs and int(state["epoch"]) >= config.full_epochs:
             optimizer = _enter_bias_phase(engine, optimizer, config.lr, note)

@@ -108,35 +108,63 @@ class CausalLMTask:
 
     # -- reading -------------------------------------------------------------------------
     def prepare(self, config) -> Prepared:
-        model, tokenizer = self._load_model(config)
+        model, tokenizer, dropout_note = self._load_model(config)
         source = _document_source(config.data)
         if source is not None:
             texts, groups, what = read_documents(config)
             prompts = DOCUMENT_PROMPTS.get(source, self.sample_prompts)
-            return self.prepare_documents(model, tokenizer, texts, groups, config, what, prompts)
-        if config.privacy_unit != "window" or config.stride is not None or config.pad_to_max_length:
-            raise DPFitError(
-                "--privacy-unit document, --stride and --pad-to-max-length act on documents "
-                "cut into windows: give "
-                "documents with --data convention-speeches or --data FILE.jsonl (one "
-                "document per line)"
-            )
-        return self.prepare_from(model, tokenizer, self._lines(config), config)
+            prep = self.prepare_documents(model, tokenizer, texts, groups, config, what, prompts)
+        else:
+            if (
+                config.privacy_unit != "window"
+                or config.stride is not None
+                or config.pad_to_max_length
+            ):
+                raise DPFitError(
+                    "--privacy-unit document, --stride and --pad-to-max-length act on "
+                    "documents cut into windows: give documents with --data "
+                    "convention-speeches or --data FILE.jsonl (one document per line)"
+                )
+            prep = self.prepare_from(model, tokenizer, self._lines(config), config)
+        if dropout_note:
+            prep.notes.append(dropout_note)
+        return prep
 
     def _load_model(self, config):
+        """(model, tokenizer, dropout note): the model built with config.dropout's rates."""
+        from dpfit.dropout import MODEL, config_rates, describe, modules_off_rate, set_config_rates
+
+        rate = getattr(config, "dropout", None)
+        rate = MODEL if rate is None else rate
         if config.model is None:
             from dpfit.data.smollm import load_smollm2
 
             lm = load_smollm2()
-            return lm.model, lm.tokenizer
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+            rates = config_rates(lm.model.config)
+            if rate != MODEL and any(v != rate for v in rates.values()):
+                raise DPFitError(
+                    f"the bundled SmolLM2 has dropout rates {rates}; pass --model smollm2 to "
+                    f"build it with dropout {rate}, or --dropout model"
+                )
+            names = tuple(sorted(rates))
+            note = "" if rate == MODEL else describe(rate, names, [])
+            return lm.model, lm.tokenizer, note
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from dpfit.models import _resolve
 
         target, kwargs, local = _resolve(config.model)
+        names: tuple[str, ...] = ()
+        if rate != MODEL:
+            cfg = AutoConfig.from_pretrained(target, local_files_only=local, **kwargs)
+            names = set_config_rates(cfg, rate)
+            kwargs = {**kwargs, "config": cfg}
         model = AutoModelForCausalLM.from_pretrained(target, local_files_only=local, **kwargs)
+        kwargs.pop("config", None)
         tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=local, **kwargs)
-        return model, tokenizer
+        if rate == MODEL:
+            return model, tokenizer, ""
+        return model, tokenizer, describe(rate, names, modules_off_rate(model, float(rate)))
 
     @staticmethod
     def _lines(config) -> list[str]:

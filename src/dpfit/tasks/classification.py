@@ -312,14 +312,17 @@ class ClassificationTask:
     def prepare(self, config) -> Prepared:
         data = prepare_data(config)
         loaded = load_classifier(
-            config.model, data.train.label_names, seed=config.seed, pooling=config.pooling
-        )
+            config.model, data.train.label_names, seed=config.seed, pooling=config.pooling,
+            dropout=getattr(config, "dropout", None),
+        )  # fmt: skip
         notes = [
             *data.notes,
             f"head: {loaded.pooling} pooling ({loaded.pooling_reason}), "
             + ("the saved model's trained linear layer" if loaded.head_trained
                else "zero-initialised linear layer"),
         ]  # fmt: skip
+        if loaded.dropout_note and getattr(config, "dropout", None) not in (None, "model"):
+            notes.append(loaded.dropout_note)
         prep = Prepared(
             model=loaded.model,
             tokenizer=loaded.tokenizer,
