@@ -107,9 +107,12 @@ def test_causal_lm_from_a_folder_is_built_with_the_rate(tmp_path):
     folder = save_tiny_random_model(tmp_path / "llama", arch="llama")
     cfg_path = folder / "config.json"
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "attention_dropout": 0.3}))
-    config = TrainConfig(model=str(folder), task="causal-lm", dropout=0.0)
-    model, _, note = CausalLMTask()._load_model(config)
-    assert model.config.attention_dropout == 0.0 and note == "dropout: off (attention_dropout)"
-    own = TrainConfig(model=str(folder), task="causal-lm", dropout=MODEL)
-    model, _, note = CausalLMTask()._load_model(own)
-    assert model.config.attention_dropout == 0.3 and note == ""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(f"the good movie number {i}" for i in range(80)))
+    config = TrainConfig(model=str(folder), data=str(lines), task="causal-lm", dropout=0.0)
+    prep = CausalLMTask().prepare(config)
+    assert prep.model.config.attention_dropout == 0.0
+    assert "dropout: off (attention_dropout)" in prep.notes
+    own = CausalLMTask().prepare(TrainConfig(**{**config.__dict__, "dropout": MODEL}))
+    assert own.model.config.attention_dropout == 0.3
+    assert not any(n.startswith("dropout") for n in own.notes)

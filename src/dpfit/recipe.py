@@ -29,6 +29,11 @@ The rule for private runs follows the DP fine-tuning literature:
   cancels, R = 1.
 * **Learning rate by what trains.** Bias terms and a zero-initialised head need a large step
   (Bu et al. BiTFiT: 5e-3 with Adam); all weights a small one (Li et al.: 5e-4).
+* **Dropout off** (PRIVATE_DROPOUT, transformers text models): DP noise already regularises
+  and a dropout mask adds its own variance to every clipped gradient; on the suite's three
+  tasks (3 seeds, eps 8) the runs without it were level with those with the model's 0.1,
+  and on CPU the masks' draws cost a large share of a bf16 step
+  (benchmarks/results/dropout.md).
 * **Max length** is a fixed default (no length statistic of the private data is used);
   examples are sorted by length into physical batches, so short texts pay only for their
   own length.

@@ -31,6 +31,9 @@ from dpfit.causal_lm import (
     sample_lines,
     split_examples,
 )
+from dpfit.dropout import MODEL as MODEL_DROPOUT
+from dpfit.dropout import config_rates, modules_off_rate, set_config_rates
+from dpfit.dropout import describe as describe_dropout
 from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
 from dpfit.windows import (
@@ -108,7 +111,7 @@ class CausalLMTask:
 
     # -- reading -------------------------------------------------------------------------
     def prepare(self, config) -> Prepared:
-        model, tokenizer, dropout_note = self._load_model(config)
+        model, tokenizer = self._load_model(config)
         source = _document_source(config.data)
         if source is not None:
             texts, groups, what = read_documents(config)
@@ -126,45 +129,40 @@ class CausalLMTask:
                     "convention-speeches or --data FILE.jsonl (one document per line)"
                 )
             prep = self.prepare_from(model, tokenizer, self._lines(config), config)
-        if dropout_note:
-            prep.notes.append(dropout_note)
+        rate = getattr(config, "dropout", None)
+        if rate is not None and rate != MODEL_DROPOUT:
+            names = tuple(sorted(config_rates(model.config)))
+            prep.notes.append(describe_dropout(rate, names, modules_off_rate(model, rate)))
         return prep
 
     def _load_model(self, config):
-        """(model, tokenizer, dropout note): the model built with config.dropout's rates."""
-        from dpfit.dropout import MODEL, config_rates, describe, modules_off_rate, set_config_rates
-
+        """(model, tokenizer), the model built with config.dropout's rates (dpfit.dropout)."""
         rate = getattr(config, "dropout", None)
-        rate = MODEL if rate is None else rate
+        rate = MODEL_DROPOUT if rate is None else rate
         if config.model is None:
             from dpfit.data.smollm import load_smollm2
 
             lm = load_smollm2()
             rates = config_rates(lm.model.config)
-            if rate != MODEL and any(v != rate for v in rates.values()):
+            if rate != MODEL_DROPOUT and any(v != rate for v in rates.values()):
                 raise DPFitError(
                     f"the bundled SmolLM2 has dropout rates {rates}; pass --model smollm2 to "
                     f"build it with dropout {rate}, or --dropout model"
                 )
-            names = tuple(sorted(rates))
-            note = "" if rate == MODEL else describe(rate, names, [])
-            return lm.model, lm.tokenizer, note
+            return lm.model, lm.tokenizer
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from dpfit.models import _resolve
 
         target, kwargs, local = _resolve(config.model)
-        names: tuple[str, ...] = ()
-        if rate != MODEL:
+        build = dict(kwargs)
+        if rate != MODEL_DROPOUT:
             cfg = AutoConfig.from_pretrained(target, local_files_only=local, **kwargs)
-            names = set_config_rates(cfg, rate)
-            kwargs = {**kwargs, "config": cfg}
-        model = AutoModelForCausalLM.from_pretrained(target, local_files_only=local, **kwargs)
-        kwargs.pop("config", None)
+            set_config_rates(cfg, rate)
+            build["config"] = cfg
+        model = AutoModelForCausalLM.from_pretrained(target, local_files_only=local, **build)
         tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=local, **kwargs)
-        if rate == MODEL:
-            return model, tokenizer, ""
-        return model, tokenizer, describe(rate, names, modules_off_rate(model, float(rate)))
+        return model, tokenizer
 
     @staticmethod
     def _lines(config) -> list[str]:
