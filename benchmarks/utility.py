@@ -928,6 +928,18 @@ def where(records: list[dict]) -> str:
     )
 
 
+def dropout_clause(records: list[dict]) -> str:
+    """The dropout the dpfit rows ran with: recorded since private runs turned it off
+    (dpfit.recipe.PRIVATE_DROPOUT); a run without the field ran the model's own (0.1)."""
+    rates = sorted({str(r["dropout"]) for r in records if "dropout" in r})
+    if not rates:
+        return " dpfit rows ran with the model's dropout (0.1)."
+    return (
+        f" dpfit rows' dropout rates: {', '.join(rates)} (per run in the log; 'model' = the "
+        "model's 0.1, as in runs that record none)."
+    )
+
+
 def write_outputs(
     records: list[dict], scale: Scale, out: Path, tag: str, seeds, precision: str = "fp32"
 ) -> str:
@@ -943,6 +955,7 @@ def write_outputs(
         f"{sorted({r['seed'] for r in records if r.get('scale') == scale.tag()})} (asked: "
         f"{list(seeds)}). delta = dpfit's default min(1e-5, 1/n^1.1). {where(records)}"
         + (f" dpfit rows run with `--precision {precision}`." if precision != "fp32" else "")
+        + dropout_clause(records)
     )
     md = markdown(summary, header, failed_runs(records, scale))
     (out / f"{tag}.md").write_text(md)

@@ -175,3 +175,11 @@ def test_precision_verdict_needs_three_bf16_seeds_inside_the_fp32_range(utility)
     assert "Verdict: not met (0 of 1 tasks inside)" in below  # mean 68.3 below 70
     one_seed = utility.precision_comparison(*_bf16_and_fp32((0.72,)), scale)
     assert "Verdict: not enough bf16 seeds" in one_seed
+
+
+def test_the_header_says_which_dropout_the_dpfit_rows_ran_with(utility):
+    old = _records("text-source")  # logs from before the dropout rule record none
+    assert "the model's dropout (0.1)" in utility.dropout_clause(old)
+    new = [{**r, "dropout": 0.0 if r["row"].startswith("DP") else "model"} for r in old]
+    clause = utility.dropout_clause(new)
+    assert "0.0, model" in clause and "per run in the log" in clause
