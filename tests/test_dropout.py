@@ -116,3 +116,18 @@ def test_causal_lm_from_a_folder_is_built_with_the_rate(tmp_path):
     own = CausalLMTask().prepare(TrainConfig(**{**config.__dict__, "dropout": MODEL}))
     assert own.model.config.attention_dropout == 0.3
     assert not any(n.startswith("dropout") for n in own.notes)
+
+
+def test_the_engine_docs_recipe_builds_a_model_without_dropout(bert_folder):
+    """docs/engine.md's snippet, run as written on the tiny BERT."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
+    section = doc.split("**Dropout.**", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope = {"name": str(bert_folder)}
+    exec(code, scope)
+    model = scope["model"]
+    assert modules_off_rate(model, 0.0) == [] and any(
+        isinstance(m, torch.nn.Dropout) for m in model.modules()
+    )
