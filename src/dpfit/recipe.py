@@ -151,8 +151,9 @@ LM_WALK.update({"bias+lora": LM_WALK["bias"], "lora": LM_WALK["bias"]})
 STARTS = ("pretrained", "trained")  # a backbone not yet trained for the task / one that is
 # Private runs train with the model's dropout off (dpfit.dropout sets its config's rates): DP
 # noise already regularises, a dropout mask adds its own variance to every clipped gradient,
-# and on CPU its random draws were a quarter of a bf16 DP-BiTFiT step on 2 threads
-# (benchmarks/results/dropout.md, which also holds the utility check behind this choice).
+# and on CPU its random draws took 23% (length 28) to 35% (length 128) of a bf16 DP-BiTFiT
+# step on 2 threads (benchmarks/results/dropout.md, which also holds the utility check behind
+# this choice).
 # Non-private reference runs keep the model's own rates ("model").
 PRIVATE_DROPOUT = 0.0
 # -- compute only (no effect on the result or the guarantee) -----------------------------------
