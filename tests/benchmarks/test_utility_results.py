@@ -23,12 +23,14 @@ def _utility():
 
 
 TAGS = ("utility", "utility_gpu")  # the CPU machines' runs, and the runs on a lent GPU
+# every committed log whose private runs' epsilons are checked (bf16 runs, dropout off)
+LOGS = (*TAGS, "utility_bf16", "utility_bf16_dropout0")
 
 
 def _private_runs() -> list[dict]:
     runs = [
         json.loads(x)
-        for tag in TAGS
+        for tag in LOGS
         for x in (RESULTS / f"{tag}_runs.jsonl").read_text().splitlines()
     ]
     return [r for r in runs if r.get("noise_multiplier") and "accuracy" in r]
