@@ -182,11 +182,15 @@ def _runs(
     return out
 
 
+def _all(by_seed: dict[int, list[float]]) -> list[float]:
+    """Every run's accuracy, seed by seed."""
+    return [v for vals in by_seed.values() for v in vals]
+
+
 def utility_verdict(off: dict, on: dict) -> dict:
     per_task, diffs, ok = {}, [], True
     for task in TASKS:
-        off_vals = [v for vals in off[task].values() for v in vals]
-        on_vals = [v for vals in on[task].values() for v in vals]
+        off_vals, on_vals = _all(off[task]), _all(on[task])
         if len(off[task]) < MIN_SEEDS or not on_vals:
             return {"per_task": per_task, "verdict": None}
         off_mean, on_mean = statistics.mean(off_vals), statistics.mean(on_vals)
@@ -207,7 +211,7 @@ def utility_verdict(off: dict, on: dict) -> dict:
 
 
 def _gap(mean: float, ref: dict[int, list[float]]) -> str:
-    vals = [v for vs in ref.values() for v in vs]
+    vals = _all(ref)
     return f"{mean - statistics.mean(vals):+.1f}" if vals else "not run"
 
 
@@ -266,7 +270,7 @@ def render_held_out() -> list[str]:
     ]
 
     def cell(d: dict) -> tuple[list[float], str]:
-        vals = [v for vs in d.values() for v in vs]
+        vals = _all(d)
         if not vals:
             return vals, "not run"
         return vals, f"{statistics.mean(vals):.1f} [{', '.join(f'{v:.1f}' for v in vals)}]"

@@ -792,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_train-worker"]:  # one run of train_compare
         return train_worker(argv[1], argv[2:])
+    from dpfit.dropout import parse_rate
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
@@ -800,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=DEFAULT_ARMS)
     ap.add_argument(
         "--dropout",
-        type=lambda v: v if v == "model" else float(v),
+        type=parse_rate,
         help="every arm's dropout rate, or 'model' (default: private dpfit train's, off)",
     )
     ap.add_argument("--peak-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),

@@ -71,6 +71,7 @@ from doc_block import write_between_markers  # noqa: E402
 from phase_record import PhaseRecorder, phase_record  # noqa: E402
 
 from dpfit.data.tasks import HELD_OUT, TASKS, TaskSplits, load_task, write_csv  # noqa: E402
+from dpfit.dropout import parse_rate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -1043,7 +1044,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--dropout",
-        type=lambda v: v if v == "model" else float(v),
+        type=parse_rate,
         help="dpfit rows' dropout rate (or 'model'); default: dpfit's rule",
     )
     p.add_argument("--table-only", action="store_true", help="rebuild outputs from the log")

@@ -33,15 +33,12 @@ def _positive_int(s: str) -> int:
 
 
 def _dropout_rate(text: str) -> float | str:
-    if text == "model":
-        return text
+    from dpfit.dropout import parse_rate
+
     try:
-        rate = float(text)
-    except ValueError:
-        rate = -1.0
-    if not 0 <= rate < 1:
-        raise argparse.ArgumentTypeError(f"expected a rate in [0, 1) or 'model', got {text!r}")
-    return rate
+        return parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_float(s: str) -> float:

@@ -57,9 +57,28 @@ def describe(rate: float | str, names: tuple[str, ...], stray: list[str]) -> str
     return msg
 
 
+def note(model: nn.Module, config: Any, rate: float | str) -> str:
+    """The run note for `model` built from `config` with `rate` (set_config_rates)."""
+    if rate == MODEL:
+        return describe(MODEL, (), [])
+    return describe(rate, tuple(sorted(config_rates(config))), modules_off_rate(model, rate))
+
+
 def check_rate(value: float | str | None) -> None:
     """A dropout setting is None (the recipe's), "model", or a rate in [0, 1)."""
     if value is None or value == MODEL:
         return
     if isinstance(value, str) or not 0 <= float(value) < 1:
         raise ValueError(f"dropout must be a rate in [0, 1) or {MODEL!r}, got {value!r}")
+
+
+def parse_rate(text: str) -> float | str:
+    """A dropout setting as typed on a command line: "model" or a rate in [0, 1)."""
+    if text == MODEL:
+        return text
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"expected a rate in [0, 1) or {MODEL!r}, got {text!r}") from None
+    check_rate(rate)
+    return rate

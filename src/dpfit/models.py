@@ -146,8 +146,8 @@ def load_classifier(
     from transformers import AutoConfig, AutoModel
 
     from dpfit.dropout import MODEL as MODEL_DROPOUT
-    from dpfit.dropout import describe as dropout_describe
-    from dpfit.dropout import modules_off_rate, set_config_rates
+    from dpfit.dropout import note as dropout_note
+    from dpfit.dropout import set_config_rates
     from dpfit.tasks.pooling import (
         CONFIG_KEY,
         PooledClassifier,
@@ -171,9 +171,9 @@ def load_classifier(
         config.pad_token_id = tokenizer.pad_token_id
     own = [str(config.id2label[i]) for i in range(config.num_labels)] if saved_by_dpfit else None
     names = list(label_names) if label_names is not None else own
-    rate_names: tuple[str, ...] = ()
-    if dropout is not None and dropout != MODEL_DROPOUT:
-        rate_names = set_config_rates(config, dropout)
+    rate = MODEL_DROPOUT if dropout is None else dropout
+    if rate != MODEL_DROPOUT:
+        set_config_rates(config, rate)
     if seed is not None:
         torch.manual_seed(seed)
     try:
@@ -203,11 +203,9 @@ def load_classifier(
     if head_trained:
         load_head(model, target)
     logger.info("loaded %s (%s), pooling %s (%s)", target, type(backbone).__name__, how, why)
-    rate = MODEL_DROPOUT if dropout is None else dropout
-    stray = [] if rate == MODEL_DROPOUT else modules_off_rate(backbone, float(rate))
     return LoadedModel(
         model, tokenizer, target, ("head",), how, why, head_trained,
-        dropout_describe(rate, rate_names, stray),
+        dropout_note(backbone, config, rate),
     )  # fmt: skip
 
 

@@ -864,7 +864,7 @@ def train(
         recipe, dropout=dropout if config.dropout is None else recipe.dropout
     )
     overrides = config.overrides()
-    config = dataclasses.replace(config.with_recipe(recipe), dropout=dropout)
+    config = config.with_recipe(recipe)  # dropout: the rate the model was built with
     _check_phases(config)
     if not images:  # image models have no token positions
         config = _fit_max_length(model, config, "max_length" in overrides, note)

@@ -32,8 +32,8 @@ from dpfit.causal_lm import (
     split_examples,
 )
 from dpfit.dropout import MODEL as MODEL_DROPOUT
-from dpfit.dropout import config_rates, modules_off_rate, set_config_rates
-from dpfit.dropout import describe as describe_dropout
+from dpfit.dropout import config_rates, set_config_rates
+from dpfit.dropout import note as dropout_note
 from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
 from dpfit.windows import (
@@ -131,8 +131,7 @@ class CausalLMTask:
             prep = self.prepare_from(model, tokenizer, self._lines(config), config)
         rate = getattr(config, "dropout", None)
         if rate is not None and rate != MODEL_DROPOUT:
-            names = tuple(sorted(config_rates(model.config)))
-            prep.notes.append(describe_dropout(rate, names, modules_off_rate(model, rate)))
+            prep.notes.append(dropout_note(model, model.config, rate))
         return prep
 
     def _load_model(self, config):
