@@ -24,7 +24,8 @@ attention kernel `dpfit train` chooses (dpfit.attention: eager in bf16, SDPA in 
 `dpfit train` runs them; DP-BiTFiT with SDPA in both precisions (`dp-bitfit-sdpa`), to
 measure what that choice gains; and, with `--arms ...,dp-bitfit-recast`, DP-BiTFiT with
 autocast recasting the frozen weights on every call (the earlier behaviour; the Intel AMX
-result `throughput_intel_amx.md` has it). Each step is timed side by side: every timed round runs every (arm, precision)
+result `throughput_intel_amx.md` has it); `dp-bitfit-nocheck`: DP-BiTFiT with
+`check_gradients=False`, what the per-step gradient check costs. Each step is timed side by side: every timed round runs every (arm, precision)
 once, in a rotating order, so the shared machine's load falls on all of them alike; 2 warm-up
 rounds, then medians of the timed ones. Achieved rate = model FLOPs per example (from the
 shapes, `model_flops`) x examples per (wall or CPU) second.
@@ -85,6 +86,7 @@ ARMS = {
     "dp-full": "DP full",
     "dp-bitfit-recast": "DP-BiTFiT, frozen weights recast per call",
     "dp-bitfit-sdpa": "DP-BiTFiT, SDPA attention in both precisions",
+    "dp-bitfit-nocheck": "DP-BiTFiT without the per-step gradient check",
 }
 DEFAULT_ARMS = "nonprivate-bias,dp-bitfit,dp-full,dp-bitfit-sdpa"
 # the targets, checked in the rendered table
@@ -208,6 +210,7 @@ def build_arms(
                 clipping="automatic",
                 mode="full" if name == "dp-full" else "bias",
                 sampling="user-poisson",
+                check_gradients=name != "dp-bitfit-nocheck",
             )
             params = engine.parameters()
         opt = torch.optim.AdamW(params, lr=lr)
