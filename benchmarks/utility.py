@@ -21,6 +21,7 @@ marked "held out" in the tables): headline-month (7 classes, split by date) and 
   DP full eps=8              `dpfit train --mode full`
   DP LoRA-only eps=8         `dpfit train --mode lora`      (peft LoRA r=8 on query/value)
   DP bias+LoRA eps=E         `dpfit train --mode bias+lora` for E in 1, 8
+  DP bias+FFA-LoRA eps=8     `dpfit train --mode bias+lora --lora-freeze-a` (lora_A frozen)
 
 Each dpfit run with a head-first phase also records what the phase after the probe did to the
 probe's model (test predictions newly right / newly wrong, weight change, training loss by
@@ -145,6 +146,12 @@ ROWS = (
     Row("dp-lora-8", "DP LoRA-only eps=8", "dpfit", {"epsilon": 8.0, "mode": "lora"}),
     Row("dp-bias-lora-8", "DP bias+LoRA eps=8", "dpfit", {"epsilon": 8.0, "mode": "bias+lora"}),
     Row("dp-bias-lora-1", "DP bias+LoRA eps=1", "dpfit", {"epsilon": 1.0, "mode": "bias+lora"}),
+    Row(
+        "dp-bias-ffa-8",
+        "DP bias+FFA-LoRA eps=8",
+        "dpfit",
+        {"epsilon": 8.0, "mode": "bias+lora", "lora_freeze_a": True},
+    ),
 )
 ROW_BY_KEY = {r.key: r for r in ROWS}
 QUICK_TRAIN, QUICK_TEST = 1000, 500
@@ -446,9 +453,11 @@ AGAINST_BITFIT = (
     ("dp-bias-lora-8", "dp-8"),
     ("dp-lora-8", "dp-8"),
     ("dp-bias-lora-1", "dp-1"),
+    ("dp-bias-ffa-8", "dp-8"),
+    ("dp-bias-ffa-8", "dp-bias-lora-8"),
 )
 # the private modes at eps 8 with their defaults: the best of them is held to non-private full
-DP8_MODES = ("dp-8", "dp-full-8", "dp-lora-8", "dp-bias-lora-8")
+DP8_MODES = ("dp-8", "dp-full-8", "dp-lora-8", "dp-bias-lora-8", "dp-bias-ffa-8")
 
 
 def paired(v: dict, b: dict) -> tuple[list[int], list[float]]:

@@ -65,7 +65,7 @@ def llama():
 MODELS = {"bert": bert, "gpt2": gpt2, "llama": llama}
 
 
-def lora_model(name: str, mode: str = "bias+lora", r: int = 4) -> nn.Module:
+def lora_model(name: str, mode: str = "bias+lora", r: int = 4, freeze_a: bool = False) -> nn.Module:
     torch.manual_seed(11)
     base, targets = MODELS[name]()
     cfg = peft.LoraConfig(
@@ -77,7 +77,7 @@ def lora_model(name: str, mode: str = "bias+lora", r: int = 4) -> nn.Module:
     for n, p in model.named_parameters():
         if "lora_B" in n:
             nn.init.normal_(p, std=0.2)
-    dpfit.make_lora_trainable(model, biases=mode == "bias+lora")
+    dpfit.make_lora_trainable(model, biases=mode == "bias+lora", freeze_a=freeze_a)
     return model.to(DT).train()
 
 
@@ -95,9 +95,10 @@ def dense(g) -> torch.Tensor:
     return g.materialize() if isinstance(g, OuterGrad) else g
 
 
+@pytest.mark.parametrize("freeze_a", [False, True], ids=["lora", "ffa"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_per_example_rows_match_oracle(name, branch):
-    model = lora_model(name)
+def test_per_example_rows_match_oracle(name, branch, freeze_a):
+    model = lora_model(name, freeze_a=freeze_a)
     ids, y = batch()
     want = oracle_per_example(model, lambda i: cls_loss(model, ids[i : i + 1], y[i : i + 1]), B)
     engine = make_engine(model, mode="bias+lora")
@@ -112,6 +113,7 @@ def test_per_example_rows_match_oracle(name, branch):
     assert set(got) == set(want)
     lora = [n for n in got if is_lora(n)]
     assert lora and any(is_bias(n) and not in_peft_head(n) for n in got)
+    assert any("lora_A" in n for n in lora) != freeze_a  # FFA-LoRA: lora_B rows only
     # the LoRA rows took the full-mode path: kept factored on the ghost branch only
     assert all(isinstance(got[n], OuterGrad) == (branch == "ghost") for n in lora)
     for n, w in want.items():
@@ -168,6 +170,26 @@ def test_trainable_set_is_biases_lora_and_head():
     assert not frozen_biases
     head = [n for n in names if in_peft_head(n)]
     assert {n.rsplit(".", 1)[-1] for n in head} == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("mode", ["bias+lora", "lora"])
+def test_freeze_a_trains_lora_b_only(mode):
+    """FFA-LoRA: every lora_A keeps its initial values frozen, every lora_B trains; the rest
+    of the trainable set is the mode's."""
+    model = lora_model("bert", mode=mode, freeze_a=True)
+    a = [p for n, p in model.named_parameters() if is_lora(n) and "lora_A" in n]
+    b = [p for n, p in model.named_parameters() if is_lora(n) and "lora_B" in n]
+    assert a and b and not any(p.requires_grad for p in a) and all(p.requires_grad for p in b)
+    biases = [n for n, p in model.named_parameters()
+              if p.requires_grad and is_bias(n) and not in_peft_head(n)]  # fmt: skip
+    assert bool(biases) == (mode == "bias+lora")
+    engine = make_engine(model, mode=mode)
+    try:
+        planned = {plan.name for plan in engine._plans.values()}
+    finally:
+        engine.detach()
+    assert not any(n.endswith("lora_A.default") for n in planned)
+    assert any(n.endswith("lora_B.default") for n in planned)
 
 
 def test_lora_only_mode_trains_adapters_and_head():
@@ -264,6 +286,29 @@ def test_cli_trains_saves_a_merged_model_that_evaluates(tiny_run, tmp_path, caps
     assert ev["accuracy"] == pytest.approx(m["accuracy"])
 
 
+def test_cli_freeze_a_trains_lora_b_and_is_refused_outside_the_lora_modes(
+    tiny_run, tmp_path, capsys
+):
+    import json
+
+    from dpfit.cli import main
+
+    model, data, test = tiny_run
+    out = tmp_path / "run"
+    base = ["train", "--model", model, "--data", data, "--eval-data", test, "--epochs", "1",
+            "--batch-size", "30", "--physical-batch-size", "16", "--threads", "1", "--quiet",
+            "--lora-r", "2", "--lora-freeze-a"]  # fmt: skip
+    assert main([*base, "--mode", "bias+lora", "--output", str(out)]) == 0
+    capsys.readouterr()
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["config"]["lora_freeze_a"] is True
+    names = json.loads((out / "model" / "dpfit.json").read_text())["trained_parameters"]
+    assert not any("lora_A" in n for n in names) and any("lora_B" in n for n in names)
+    assert main([*base, "--mode", "bias", "--output", str(tmp_path / "bias")]) != 0
+    assert "--lora-freeze-a applies to --mode bias+lora or lora" in capsys.readouterr().err
+    assert not (tmp_path / "bias").exists()
+
+
 def test_merge_lora_keeps_the_function():
     from dpfit.params import merge_lora
 
@@ -338,3 +383,35 @@ def test_resume_reinjects_the_adapters_and_ends_where_the_run_ends(tiny_run, tmp
     assert set(a) == set(b) and not any(is_lora(k) for k in a)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+
+
+def test_resume_keeps_freeze_a_and_reads_older_checkpoints_as_training_lora_a(
+    tiny_run, tmp_path, capsys
+):
+    """--lora-freeze-a is part of the checkpoint's settings; a checkpoint written before the
+    flag existed trained every LoRA matrix and resumes as such."""
+    from dpfit import checkpoint as ckpt
+    from dpfit.cli import main
+
+    model, data, _ = tiny_run
+    ck = tmp_path / "ck"
+
+    def run(out, *extra):
+        args = ["train", "--model", model, "--data", data, "--batch-size", "16",
+                "--physical-batch-size", "16", "--epochs", "1", "--max-steps", "2",
+                "--no-head-first", "--threads", "1", "--quiet", "--mode", "bias+lora",
+                "--lora-r", "2", "--output", str(tmp_path / out), "--checkpoint-dir", str(ck),
+                *extra]  # fmt: skip
+        return main(args)
+
+    assert run("a") == 0
+    ckpt.latest_checkpoint(ck).unlink()  # as if killed after step 1: one step left
+    assert run("b", "--resume", "--lora-freeze-a") == 2
+    assert "lora_freeze_a: False -> True" in capsys.readouterr().err
+    path = ckpt.latest_checkpoint(ck)
+    state = ckpt.load_checkpoint(path)
+    del state["config"]["lora_freeze_a"]
+    torch.save(state, path)
+    assert run("c", "--resume", "--lora-freeze-a") == 2
+    capsys.readouterr()
+    assert run("d", "--resume") == 0, capsys.readouterr().err

@@ -195,6 +195,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "projections peft knows for the model type)",
     )
     g.add_argument(
+        "--lora-freeze-a",
+        action="store_true",
+        help="FFA-LoRA: keep each lora_A at its random initialisation and train lora_B only "
+        "(half the adapters' noised coordinates)",
+    )
+    g.add_argument(
         "--pooling",
         choices=("auto", "cls", "pooler", "mean", "last"),
         default="auto",
@@ -338,6 +344,7 @@ def train_config_from_args(args: argparse.Namespace):
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
+        lora_freeze_a=args.lora_freeze_a,
         add_biases=args.add_biases,
         full_epochs=args.full_epochs,
         full_lr=args.full_lr,

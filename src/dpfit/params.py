@@ -112,10 +112,14 @@ def in_peft_head(name: str) -> bool:
 
 
 def make_lora_trainable(
-    model: nn.Module, train_head: Iterable[str] = (), biases: bool = True
+    model: nn.Module, train_head: Iterable[str] = (), biases: bool = True, freeze_a: bool = False
 ) -> TrainableSummary:
     """Freeze every parameter except the peft LoRA adapters, the biases (``biases=True``:
     the bias+lora mode; False: LoRA-only) and the head.
+
+    ``freeze_a``: keep every ``lora_A`` at its random initialisation and train ``lora_B`` only
+    (FFA-LoRA, Sun et al., ICLR 2024). Under DP it halves the adapters' noised coordinates, and
+    an adaptive optimizer no longer walks the random down-projection with noise.
 
     The head is whatever peft trains in full (``modules_to_save``, which peft sets for
     sequence classification) plus the module-name prefixes in `train_head`. peft's frozen copy
@@ -133,7 +137,8 @@ def make_lora_trainable(
         lora = is_lora(name)
         lora_found |= lora
         frozen_copy = _PEFT_FROZEN_COPY in parts
-        train = lora or bool(in_head) or in_peft_head(name) or (biases and is_bias(name))
+        adapter = lora and not (freeze_a and "lora_A" in parts)
+        train = adapter or bool(in_head) or in_peft_head(name) or (biases and is_bias(name))
         p.requires_grad_(train and not frozen_copy)
     missing = [h for h, ok in matched.items() if not ok]
     if missing:
@@ -147,7 +152,8 @@ def make_lora_trainable(
             "peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=[...]))"
         )
     summary = summarize(model)
-    log.info("%s training: %s", "bias+LoRA" if biases else "LoRA", summary)
+    kind = ("bias+" if biases else "") + ("FFA-LoRA (lora_A frozen)" if freeze_a else "LoRA")
+    log.info("%s training: %s", kind, summary)
     return summary
 
 

@@ -142,6 +142,7 @@ class TrainConfig:
     lora_r: int = 8
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] | None = None
+    lora_freeze_a: bool = False  # FFA-LoRA: lora_A stays at its random init, lora_B trains
     task: str = "classification"
     task_options: Any = None  # the task's own settings (a frozen dataclass, e.g. ImageOptions)
     output: str | None = None  # (resume)
@@ -161,6 +162,10 @@ class TrainConfig:
         if self.lora_r < 1 or not self.lora_alpha > 0:
             raise ValueError(
                 f"--lora-r must be >= 1 and --lora-alpha > 0, got {self.lora_r}, {self.lora_alpha}"
+            )
+        if self.lora_freeze_a and self.mode not in LORA_MODES:
+            raise ValueError(
+                f"--lora-freeze-a applies to --mode bias+lora or lora, not --mode {self.mode}"
             )
         check_neighbouring(self.neighbouring)
         if self.lr_schedule not in LR_SCHEDULES:
@@ -590,7 +595,9 @@ def _prepare_lora(model, heads: tuple[str, ...], config: TrainConfig):
             f"{config.model or 'the model'} has no bias terms outside its head; add "
             "zero-initialised biases with --add-biases, or use --mode lora"
         )
-    return dpfit.make_lora_trainable(model, train_head=heads, biases=with_biases)
+    return dpfit.make_lora_trainable(
+        model, train_head=heads, biases=with_biases, freeze_a=config.lora_freeze_a
+    )
 
 
 def _merge_lora(model, config: TrainConfig) -> None:
@@ -978,7 +985,9 @@ def train(
 
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path)
-        saved = {"dropout": DROPOUT_MODEL, **state["config"]}  # older checkpoints: model's own
+        # fields older checkpoints lack, as those runs had them: the model's own dropout, and
+        # every LoRA matrix trained
+        saved = {"dropout": DROPOUT_MODEL, "lora_freeze_a": False, **state["config"]}
         ckpt.check_compatible(saved, config.fingerprint(), tuple(config.fingerprint()))
         ckpt.load_trainable_state(model, state["trainable"])
         if engine is not None and config.full_epochs and int(state["epoch"]) >= config.full_epochs:
