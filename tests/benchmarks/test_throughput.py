@@ -76,8 +76,11 @@ def test_peak_ceiling_is_the_achieved_share_over_the_matmul_share():
 def test_overhead_profile_finds_the_op_one_arm_adds():
     """profile_overhead on two toy arms, one of which also runs an extra upcast-and-sum: that
     op is on top with its extra calls, and the table renders it."""
-    x = torch.randn(64, 256, dtype=torch.bfloat16)
-    w = torch.randn(256, 256, dtype=torch.bfloat16)
+    # a tiny product both arms run, large extra ops: on a loaded machine the product's own
+    # timing noise must not outrank what one arm adds
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    w = torch.randn(16, 16, dtype=torch.bfloat16)
+    big = torch.randn(512, 2048, dtype=torch.bfloat16)
 
     def base(prec):
         x @ w
@@ -85,7 +88,7 @@ def test_overhead_profile_finds_the_op_one_arm_adds():
     def extra(prec):
         x @ w
         for _ in range(4):
-            x.float().sum(0)
+            big.float().sum(0)
 
     out = throughput.profile_overhead(
         throughput.Arm("nonprivate-bias", base, None), throughput.Arm("dp-bitfit", extra, None),
