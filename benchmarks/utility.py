@@ -499,13 +499,15 @@ def mode_targets(summary: dict) -> list[str]:
     eps 8 within 3 points of non-private full fine-tuning."""
     lines = []
     for task, rows in summary.items():
-        v, b = rows.get(ROW_BY_KEY["dp-bias-lora-8"].name), rows.get(ROW_BY_KEY["dp-8"].name)
-        if v and b:
-            seeds, diffs = paired(v, b)
+        b = rows.get(ROW_BY_KEY["dp-8"].name)
+        for key in ("dp-bias-lora-8", "dp-bias-ffa-8"):  # bias+lora, A trained or frozen
+            name = ROW_BY_KEY[key].name
+            v = rows.get(name)
+            seeds, diffs = paired(v, b) if v and b else ([], [])
             if seeds:
                 mean = statistics.fmean(diffs)
                 lines.append(
-                    f"- {task}: DP bias+LoRA eps=8 minus DP-BiTFiT eps=8, paired by seed: "
+                    f"- {task}: {name} minus DP-BiTFiT eps=8, paired by seed: "
                     f"{mean:+.1f} over {len(seeds)} pair(s): {'met' if mean >= 0 else 'MISSED'}"
                     + _short(len(seeds))
                 )
@@ -522,6 +524,27 @@ def mode_targets(summary: dict) -> list[str]:
                 + _short(min(len(best["seeds"]), len(np_full["seeds"])))
             )
     return lines
+
+
+def ffa_default_verdict(
+    summary: dict, tasks=("rotten-tomatoes", "text-source", "convention-party")
+) -> bool | None:
+    """The criterion fixed before the FFA-LoRA suite runs (docs/bias_lora.md): FFA-LoRA
+    becomes bias+lora's default if, paired by seed, its mean is >= DP-BiTFiT's on every suite
+    task and its mean over the tasks is above bias+LoRA's. None: some task lacks 3 seeds."""
+    ffa, lora, bitfit = (ROW_BY_KEY[k].name for k in ("dp-bias-ffa-8", "dp-bias-lora-8", "dp-8"))
+    vs_bitfit, vs_lora = [], []
+    for task in tasks:
+        rows = summary.get(task, {})
+        if not all(rows.get(n) for n in (ffa, lora, bitfit)):
+            return None
+        s1, d1 = paired(rows[ffa], rows[bitfit])
+        s2, d2 = paired(rows[ffa], rows[lora])
+        if len(s1) < 3 or len(s2) < 3:
+            return None
+        vs_bitfit.append(statistics.fmean(d1))
+        vs_lora.append(statistics.fmean(d2))
+    return all(d >= 0 for d in vs_bitfit) and statistics.fmean(vs_lora) > 0
 
 
 def task_label(task: str) -> str:
@@ -733,9 +756,17 @@ def _moves(dp: dict, npb: dict) -> str:
 
 
 # the rows docs/bias_lora.md quotes, in this order, and its markers
-MODE_ROWS = ("np-full", "np-bias", "dp-full-8", "dp-8", "dp-lora-8", "dp-bias-lora-8", "dp-1",
-             "dp-bias-lora-1")  # fmt: skip
+MODE_ROWS = ("np-full", "np-bias", "dp-full-8", "dp-8", "dp-lora-8", "dp-bias-lora-8",
+             "dp-bias-ffa-8", "dp-1", "dp-bias-lora-1")  # fmt: skip
 MODES_DOC_MARKERS = ("<!-- utility modes: begin -->", "<!-- utility modes: end -->")
+
+
+def modes_doc_markers(tag: str) -> tuple[str, str]:
+    """docs/bias_lora.md's markers around the modes block of `tag`'s runs (the GPU runs' block
+    keeps its original markers)."""
+    if tag == "utility_gpu":
+        return MODES_DOC_MARKERS
+    return f"<!-- utility modes {tag}: begin -->", f"<!-- utility modes {tag}: end -->"
 
 
 def modes_block(summary: dict, source: str) -> str:
@@ -1122,7 +1153,9 @@ def main(argv=None) -> int:
     print(write_outputs(read_log(log), scale, args.out, table_tag, args.seeds, args.precision))
     if args.docs:
         block = modes_block(summarize(read_log(log), scale), f"benchmarks/results/{table_tag}.md")
-        write_between_markers(HERE.parent / "docs" / "bias_lora.md", MODES_DOC_MARKERS, block)
+        write_between_markers(
+            HERE.parent / "docs" / "bias_lora.md", modes_doc_markers(table_tag), block
+        )
     if args.precision != "fp32":
         command = (
             f"python benchmarks/utility.py --precision {args.precision} --rows "

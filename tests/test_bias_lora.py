@@ -274,7 +274,10 @@ def test_cli_trains_saves_a_merged_model_that_evaluates(tiny_run, tmp_path, caps
     m = json.loads((out / "metrics.json").read_text())
     record = json.loads((out / "model" / "dpfit.json").read_text())
     names = record["trained_parameters"]
-    assert any("lora_A" in n for n in names) and any("lora_B" in n for n in names)
+    # private bias+lora trains lora_B only by default (FFA-LoRA, dpfit.recipe); lora both
+    assert any("lora_A" in n for n in names) == (mode == "lora")
+    assert any("lora_B" in n for n in names)
+    assert m["recipe"]["lora_freeze_a"] == (mode == "bias+lora")
     assert "head.weight" in names
     biases = [n for n in names if is_bias(n) and not n.startswith("head.")]
     assert bool(biases) == (mode == "bias+lora")
@@ -388,8 +391,9 @@ def test_resume_reinjects_the_adapters_and_ends_where_the_run_ends(tiny_run, tmp
 def test_resume_keeps_freeze_a_and_reads_older_checkpoints_as_training_lora_a(
     tiny_run, tmp_path, capsys
 ):
-    """--lora-freeze-a is part of the checkpoint's settings; a checkpoint written before the
-    flag existed trained every LoRA matrix and resumes as such."""
+    """lora_freeze_a is part of the checkpoint's settings; a checkpoint written before it
+    existed trained every LoRA matrix: a resume under today's default (A frozen in private
+    bias+lora) is refused, not silently changed, and --no-lora-freeze-a resumes it."""
     from dpfit import checkpoint as ckpt
     from dpfit.cli import main
 
@@ -404,14 +408,14 @@ def test_resume_keeps_freeze_a_and_reads_older_checkpoints_as_training_lora_a(
                 *extra]  # fmt: skip
         return main(args)
 
-    assert run("a") == 0
+    assert run("a", "--no-lora-freeze-a") == 0  # both matrices, as runs before the rule
     ckpt.latest_checkpoint(ck).unlink()  # as if killed after step 1: one step left
-    assert run("b", "--resume", "--lora-freeze-a") == 2
+    assert run("b", "--resume") == 2
     assert "lora_freeze_a: False -> True" in capsys.readouterr().err
     path = ckpt.latest_checkpoint(ck)
     state = ckpt.load_checkpoint(path)
     del state["config"]["lora_freeze_a"]
     torch.save(state, path)
-    assert run("c", "--resume", "--lora-freeze-a") == 2
-    capsys.readouterr()
-    assert run("d", "--resume") == 0, capsys.readouterr().err
+    assert run("c", "--resume") == 2
+    assert "lora_freeze_a: False -> True" in capsys.readouterr().err
+    assert run("d", "--resume", "--no-lora-freeze-a") == 0, capsys.readouterr().err

@@ -248,3 +248,14 @@ def test_dropout_is_off_when_private_and_the_models_own_otherwise():
     ref = resolve_recipe(10_000, 2, None, None, 22_700_000, private=False)
     assert "dropout" not in ref.describe()
     assert "dropout 0.2" in dataclasses.replace(private, dropout=0.2).describe()
+
+
+def test_private_bias_lora_freezes_lora_a_and_nothing_else_does():
+    assert R.PRIVATE_LORA_FREEZE_A is True
+    assert R.default_lora_freeze_a(True, "bias+lora")
+    for private, mode in [(True, "lora"), (False, "bias+lora"), (False, "lora"), (True, "bias")]:
+        assert not R.default_lora_freeze_a(private, mode), (private, mode)
+    private = resolve_recipe(10_000, 2, 8.0, 1e-5, 22_700_000, "bias+lora")
+    assert private.lora_freeze_a and "biases + LoRA B (A frozen) + head" in private.describe()
+    ref = resolve_recipe(10_000, 2, None, None, 22_700_000, "bias+lora", private=False)
+    assert not ref.lora_freeze_a and "biases + LoRA + head" in ref.describe()

@@ -196,9 +196,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--lora-freeze-a",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="FFA-LoRA: keep each lora_A at its random initialisation and train lora_B only "
-        "(half the adapters' noised coordinates)",
+        "(half the adapters' noised coordinates); default: on in private bias+lora runs",
     )
     g.add_argument(
         "--pooling",

@@ -156,6 +156,12 @@ STARTS = ("pretrained", "trained")  # a backbone not yet trained for the task / 
 # this choice).
 # Non-private reference runs keep the model's own rates ("model").
 PRIVATE_DROPOUT = 0.0
+# Private bias+lora runs train lora_B only, each lora_A frozen at its random init (FFA-LoRA,
+# dpfit.params.make_lora_trainable): by the criterion fixed before the runs (docs/bias_lora.md),
+# on the suite's three tasks it was at or above DP-BiTFiT on every task and above bias+LoRA
+# with both matrices trained on average (benchmarks/results/utility_bf16_dropout0.md), with
+# half the adapters' noised coordinates. LoRA-only (--mode lora) and non-private runs train both.
+PRIVATE_LORA_FREEZE_A = True
 # -- compute only (no effect on the result or the guarantee) -----------------------------------
 MAX_LENGTH = 128
 PHYSICAL_TOKENS = 8192  # tokens per physical batch at max length for a ~20M-parameter model
@@ -182,6 +188,7 @@ class Recipe:
     start: str = "pretrained"  # "trained": a checkpoint already trained for the task
     language_model: bool = False  # no new head: the LM's own head does the task (walk rule)
     dropout: float | str = "model"  # the backbone's dropout rate; "model": its own rates
+    lora_freeze_a: bool = False  # LoRA modes: lora_A frozen, lora_B trains (FFA-LoRA)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -216,6 +223,8 @@ class Recipe:
             phases.append(f"{self.full_epochs} full epoch{plural} at lr {self.full_lr:.3g}")
             main -= self.full_epochs
         what = "every weight" if self.mode == "full" else _TRAINS.get(self.mode, self.mode)
+        if self.lora_freeze_a:
+            what = what.replace("LoRA", "LoRA B (A frozen)")
         if phases:
             phases.append(f"{main} epochs of {what} at lr {self.lr:.3g}")
         else:
@@ -246,6 +255,11 @@ def default_dropout(private: bool, tokens: bool = True) -> float | str:
     transformers text model; the model's own rates without privacy, and for image models,
     whose dpfit builds have none."""
     return PRIVATE_DROPOUT if private and tokens else "model"
+
+
+def default_lora_freeze_a(private: bool, mode: str) -> bool:
+    """Whether a run's lora_A stay frozen (PRIVATE_LORA_FREEZE_A): in private bias+lora runs."""
+    return PRIVATE_LORA_FREEZE_A and private and mode == "bias+lora"
 
 
 def trained_lr(mode: str, steps: int, walks: dict[str, float] = TRAINED_WALK) -> float:
@@ -320,6 +334,7 @@ def resolve_recipe(
             mode=mode,
             start=start,
             dropout=default_dropout(False, tokens),
+            lora_freeze_a=default_lora_freeze_a(False, mode),
             rule=(
                 f"non-private reference: batch {NON_PRIVATE_BATCH}, epochs for >= "
                 f"{NON_PRIVATE_MIN_STEPS} steps in [{NON_PRIVATE_MIN_EPOCHS}, {MAX_EPOCHS}], "
@@ -363,6 +378,7 @@ def resolve_recipe(
         start=start,
         language_model=language_model,
         dropout=default_dropout(True, tokens),
+        lora_freeze_a=default_lora_freeze_a(True, mode),
         rule=(
             f"private: B = {BATCH_PER_SQRT_N:g} sqrt(n) (<= n/{MIN_STEPS_PER_EPOCH}), "
             f"epochs for >= {MIN_STEPS} steps in [{MIN_EPOCHS}, {MAX_EPOCHS}], "

@@ -43,6 +43,7 @@ from dpfit.recipe import (
     Recipe,
     default_delta,
     default_dropout,
+    default_lora_freeze_a,
     physical_batch_for,
     resolve_recipe,
 )
@@ -142,7 +143,8 @@ class TrainConfig:
     lora_r: int = 8
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] | None = None
-    lora_freeze_a: bool = False  # FFA-LoRA: lora_A stays at its random init, lora_B trains
+    # FFA-LoRA: lora_A stays at its random init, lora_B trains (None: the recipe's choice)
+    lora_freeze_a: bool | None = None
     task: str = "classification"
     task_options: Any = None  # the task's own settings (a frozen dataclass, e.g. ImageOptions)
     output: str | None = None  # (resume)
@@ -247,6 +249,7 @@ class TrainConfig:
         "head_lr",
         "full_lr",
         "dropout",
+        "lora_freeze_a",
     )
 
     def overrides(self) -> tuple[str, ...]:
@@ -850,7 +853,15 @@ def train(
     for n_ in prep.notes:
         note(n_)
     model = prep.model
-    summary = _prepare_trainables(model, prep.head_names, config, prep.biases_added, prep.head_only)
+    freeze_a = (
+        config.lora_freeze_a
+        if config.lora_freeze_a is not None
+        else default_lora_freeze_a(not config.non_private, config.mode)
+    )
+    summary = _prepare_trainables(
+        model, prep.head_names, dataclasses.replace(config, lora_freeze_a=freeze_a),
+        prep.biases_added, prep.head_only,
+    )  # fmt: skip
 
     # the recipe: a function of public quantities only; each flag overrides its field
     n = prep.n
@@ -868,7 +879,9 @@ def train(
         start="trained" if prep.starts_trained else "pretrained", tokens=not images,
     )  # fmt: skip
     recipe = dataclasses.replace(
-        recipe, dropout=dropout if config.dropout is None else recipe.dropout
+        recipe,
+        dropout=dropout if config.dropout is None else recipe.dropout,
+        lora_freeze_a=freeze_a if config.mode in LORA_MODES else False,
     )
     overrides = config.overrides()
     config = config.with_recipe(recipe)  # dropout: the rate the model was built with

@@ -22,9 +22,10 @@ def _utility():
     return load_benchmark("utility", "utility_bench")
 
 
-TAGS = ("utility", "utility_gpu")  # the CPU machines' runs, and the runs on a lent GPU
-# every committed log whose private runs' epsilons are checked (bf16 runs, dropout off)
-LOGS = (*TAGS, "utility_bf16", "utility_bf16_dropout0")
+# the CPU machines' runs, the runs on a lent GPU, and the CPU runs with dropout off in bf16
+TAGS = ("utility", "utility_gpu", "utility_bf16_dropout0")
+# every committed log whose private runs' epsilons are checked (also the first bf16 runs)
+LOGS = (*TAGS, "utility_bf16")
 
 
 def _private_runs() -> list[dict]:
@@ -75,6 +76,19 @@ def test_the_gpu_runs_say_where_they_ran_and_the_docs_quote_them():
     assert doc.split(begin, 1)[1].split(end, 1)[0] == f"\n{block}\n"
 
 
+def test_the_dropout_off_runs_ran_as_private_runs_train_and_the_docs_quote_them():
+    u = _utility()
+    records = u.read_log(RESULTS / "utility_bf16_dropout0_runs.jsonl")
+    private = [r for r in records if r.get("epsilon") not in (None, float("inf"))]
+    assert private and all(r["dropout"] == 0.0 and r["precision"] == "bf16" for r in private)
+    block = u.modes_block(
+        u.summarize(records, u.Scale(None, None)), "benchmarks/results/utility_bf16_dropout0.md"
+    )
+    begin, end = u.modes_doc_markers("utility_bf16_dropout0")
+    doc = (ROOT / "docs" / "bias_lora.md").read_text()
+    assert doc.split(begin, 1)[1].split(end, 1)[0] == f"\n{block}\n"
+
+
 def test_the_log_has_private_runs_of_every_kind():
     rows = {r["row"] for r in _private_runs()}
     assert {"DP-BiTFiT eps=8", "DP full eps=8", "DP hashed n-gram LR eps=8"} <= rows
@@ -107,3 +121,35 @@ def test_paired_interval_is_the_one_sample_t_interval_of_the_differences():
     ref = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
     assert (lo, hi) == pytest.approx((ref.low, ref.high), rel=1e-12)
     assert u.t_interval([1.0]) is None
+
+
+def test_the_recipe_freezes_lora_a_exactly_when_the_committed_criterion_is_met():
+    """dpfit.recipe.PRIVATE_LORA_FREEZE_A follows the criterion fixed before the FFA-LoRA suite
+    runs, on the committed runs (the criterion's logic itself below)."""
+    from dpfit.recipe import PRIVATE_LORA_FREEZE_A
+
+    u = _utility()
+    summary = u.summarize(
+        u.read_log(RESULTS / "utility_bf16_dropout0_runs.jsonl"), u.Scale(None, None)
+    )
+    verdict = u.ffa_default_verdict(summary)
+    assert verdict is not None and PRIVATE_LORA_FREEZE_A == verdict
+
+
+def test_ffa_default_criterion_logic():
+    u = _utility()
+    names = {k: u.ROW_BY_KEY[k].name for k in ("dp-bias-ffa-8", "dp-bias-lora-8", "dp-8")}
+
+    def summary(ffa, lora, bitfit, tasks=("rotten-tomatoes", "text-source", "convention-party")):
+        rows = lambda: {  # noqa: E731
+            names["dp-bias-ffa-8"]: {"by_seed": dict(enumerate(ffa))},
+            names["dp-bias-lora-8"]: {"by_seed": dict(enumerate(lora))},
+            names["dp-8"]: {"by_seed": dict(enumerate(bitfit))},
+        }
+        return {t: rows() for t in tasks}
+
+    assert u.ffa_default_verdict(summary([2, 2, 2], [1, 1, 1], [1, 1, 1])) is True
+    assert u.ffa_default_verdict(summary([1, 1, 1], [2, 2, 2], [1, 1, 1])) is False  # < lora
+    assert u.ffa_default_verdict(summary([0, 0, 0], [0, 0, 0], [1, 1, 1])) is False  # < bitfit
+    assert u.ffa_default_verdict(summary([2, 2], [1, 1], [1, 1])) is None  # two seeds
+    assert u.ffa_default_verdict(summary([2, 2, 2], [1, 1, 1], [1, 1, 1], ("text-source",))) is None
