@@ -20,8 +20,10 @@ marked "held out" in the tables): headline-month (7 classes, split by date) and 
                              a linear probe on frozen features before BiTFiT, is the default)
   DP full eps=8              `dpfit train --mode full`
   DP LoRA-only eps=8         `dpfit train --mode lora`      (peft LoRA r=8 on query/value)
-  DP bias+LoRA eps=E         `dpfit train --mode bias+lora` for E in 1, 8
-  DP bias+FFA-LoRA eps=8     `dpfit train --mode bias+lora --lora-freeze-a` (lora_A frozen)
+  DP bias+LoRA eps=E         `dpfit train --mode bias+lora --no-lora-freeze-a` for E in 1, 8
+                             (both LoRA matrices, as before lora_A was frozen by default)
+  DP bias+FFA-LoRA eps=E     `dpfit train --mode bias+lora` for E in 1, 8 (lora_A frozen:
+                             the private default)
 
 Each dpfit run with a head-first phase also records what the phase after the probe did to the
 probe's model (test predictions newly right / newly wrong, weight change, training loss by
@@ -144,13 +146,32 @@ ROWS = (
     ),
     # the LoRA modes beside DP-BiTFiT and DP full
     Row("dp-lora-8", "DP LoRA-only eps=8", "dpfit", {"epsilon": 8.0, "mode": "lora"}),
-    Row("dp-bias-lora-8", "DP bias+LoRA eps=8", "dpfit", {"epsilon": 8.0, "mode": "bias+lora"}),
-    Row("dp-bias-lora-1", "DP bias+LoRA eps=1", "dpfit", {"epsilon": 1.0, "mode": "bias+lora"}),
+    # both LoRA matrices trained, as every bias+lora run did before private runs froze lora_A
+    # by default (dpfit.recipe.PRIVATE_LORA_FREEZE_A): pinned, so the rows keep their meaning
+    Row(
+        "dp-bias-lora-8",
+        "DP bias+LoRA eps=8",
+        "dpfit",
+        {"epsilon": 8.0, "mode": "bias+lora", "lora_freeze_a": False},
+    ),
+    Row(
+        "dp-bias-lora-1",
+        "DP bias+LoRA eps=1",
+        "dpfit",
+        {"epsilon": 1.0, "mode": "bias+lora", "lora_freeze_a": False},
+    ),
+    # lora_A frozen (FFA-LoRA): private bias+lora's default since the rows above were run
     Row(
         "dp-bias-ffa-8",
         "DP bias+FFA-LoRA eps=8",
         "dpfit",
         {"epsilon": 8.0, "mode": "bias+lora", "lora_freeze_a": True},
+    ),
+    Row(
+        "dp-bias-ffa-1",
+        "DP bias+FFA-LoRA eps=1",
+        "dpfit",
+        {"epsilon": 1.0, "mode": "bias+lora", "lora_freeze_a": True},
     ),
 )
 ROW_BY_KEY = {r.key: r for r in ROWS}
@@ -455,6 +476,7 @@ AGAINST_BITFIT = (
     ("dp-bias-lora-1", "dp-1"),
     ("dp-bias-ffa-8", "dp-8"),
     ("dp-bias-ffa-8", "dp-bias-lora-8"),
+    ("dp-bias-ffa-1", "dp-1"),
 )
 # the private modes at eps 8 with their defaults: the best of them is held to non-private full
 DP8_MODES = ("dp-8", "dp-full-8", "dp-lora-8", "dp-bias-lora-8", "dp-bias-ffa-8")
@@ -757,7 +779,7 @@ def _moves(dp: dict, npb: dict) -> str:
 
 # the rows docs/bias_lora.md quotes, in this order, and its markers
 MODE_ROWS = ("np-full", "np-bias", "dp-full-8", "dp-8", "dp-lora-8", "dp-bias-lora-8",
-             "dp-bias-ffa-8", "dp-1", "dp-bias-lora-1")  # fmt: skip
+             "dp-bias-ffa-8", "dp-1", "dp-bias-lora-1", "dp-bias-ffa-1")  # fmt: skip
 MODES_DOC_MARKERS = ("<!-- utility modes: begin -->", "<!-- utility modes: end -->")
 
 
