@@ -31,7 +31,7 @@ microseconds.
 A second table times the forms where they run, inside one real step (`--step`, on by default):
 the bundled MiniLM classifier as `dpfit train` builds it for a private run (dropout off, eager
 attention, frozen weights cast to bf16 once; `throughput.build_arms`), one physical batch of 56
-Rotten Tomatoes texts padded to the recipe's median length (`throughput.recipe_lengths`), bf16
+Rotten Tomatoes texts padded to the recipe's median length (`throughput.recipe_shapes`), bf16
 autocast, one thread. Side by side (every arm once per round in a rotating order, 2 warm-up +
 `--timed` rounds, medians of process CPU time):
 
@@ -137,16 +137,13 @@ def step_ablations(timed: int = 30, warmup: int = 2) -> dict:
     from dpfit.data.text import bundled_rotten_tomatoes
     from dpfit.grad_sample import registry
     from dpfit.models import load_classifier
-    from dpfit.recipe import MAX_LENGTH, default_dropout, physical_batch_for, resolve_recipe
+    from dpfit.recipe import default_dropout
     from dpfit.tasks.classification import make_collate
 
     loaded = load_classifier(None, ["rotten", "fresh"], seed=0)
     tokenizer = loaded.tokenizer
-    total_params = sum(p.numel() for p in loaded.model.parameters())
     train = bundled_rotten_tomatoes(seed=0).train
-    recipe = resolve_recipe(len(train.texts), 2, 8.0, 1e-5, total_params)
-    physical = physical_batch_for(total_params, MAX_LENGTH)
-    pads = tp.recipe_lengths(tokenizer, train.texts, physical, recipe.batch_size, MAX_LENGTH)
+    physical, pads = tp.recipe_shapes(loaded, train.texts)
     length = int(statistics.median_low(pads))
     batch = tp.padded_batch(
         tokenizer, train, physical, length, make_collate(tokenizer.pad_token_id)

@@ -173,6 +173,18 @@ def recipe_lengths(tokenizer, texts, physical: int, logical: int, max_length: in
     return [max(chosen[i : i + physical]) for i in range(0, len(chosen), physical)]
 
 
+def recipe_shapes(loaded, texts) -> tuple[int, list[int]]:
+    """The recipe's physical batch for the bundled MiniLM on `texts` (the bundled Rotten
+    Tomatoes training split), and the padded lengths of one recipe-sized logical batch."""
+    from dpfit.recipe import MAX_LENGTH, physical_batch_for, resolve_recipe
+
+    total_params = sum(p.numel() for p in loaded.model.parameters())
+    recipe = resolve_recipe(len(texts), 2, 8.0, 1e-5, total_params)
+    physical = physical_batch_for(total_params, MAX_LENGTH)
+    pads = recipe_lengths(loaded.tokenizer, texts, physical, recipe.batch_size, MAX_LENGTH)
+    return physical, pads
+
+
 def build_arms(
     batch: dict, names: list[str], lr: float = 1e-3, dropout: float | str | None = None
 ) -> list[Arm]:
@@ -353,7 +365,7 @@ def run(args) -> dict:
     from dpfit.data.text import bundled_rotten_tomatoes
     from dpfit.models import load_classifier
     from dpfit.precision import cpu_bf16_flags
-    from dpfit.recipe import MAX_LENGTH, default_dropout, physical_batch_for, resolve_recipe
+    from dpfit.recipe import default_dropout
     from dpfit.tasks.classification import make_collate
 
     # every arm with the rate a private `dpfit train` builds the model with (dpfit.recipe)
@@ -367,11 +379,8 @@ def run(args) -> dict:
     print(f"peaks GFLOP/s: { {p: round(v['gflops']) for p, v in peaks.items()} }", file=sys.stderr)
     loaded = load_classifier(None, ["rotten", "fresh"], seed=0)
     tokenizer, cfg = loaded.tokenizer, loaded.model.backbone.config
-    total_params = sum(p.numel() for p in loaded.model.parameters())
     train = bundled_rotten_tomatoes(seed=0).train
-    recipe = resolve_recipe(len(train.texts), 2, 8.0, 1e-5, total_params)
-    physical = physical_batch_for(total_params, MAX_LENGTH)
-    pads = recipe_lengths(tokenizer, train.texts, physical, recipe.batch_size, MAX_LENGTH)
+    physical, pads = recipe_shapes(loaded, train.texts)
     lengths = []
     for spec in args.lengths.split(","):
         lengths.append(int(statistics.median_low(pads)) if spec == "recipe" else int(spec))

@@ -549,7 +549,7 @@ def mode_targets(summary: dict) -> list[str]:
 
 
 def ffa_default_verdict(
-    summary: dict, tasks=("rotten-tomatoes", "text-source", "convention-party")
+    summary: dict, tasks=tuple(t for t in TASKS if t not in HELD_OUT)
 ) -> bool | None:
     """The criterion fixed before the FFA-LoRA suite runs (docs/bias_lora.md): FFA-LoRA
     becomes bias+lora's default if, paired by seed, its mean is >= DP-BiTFiT's on every suite

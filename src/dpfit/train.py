@@ -881,7 +881,7 @@ def train(
     recipe = dataclasses.replace(
         recipe,
         dropout=dropout if config.dropout is None else recipe.dropout,
-        lora_freeze_a=freeze_a if config.mode in LORA_MODES else False,
+        lora_freeze_a=freeze_a,  # False outside the LoRA modes (True is refused there)
     )
     overrides = config.overrides()
     config = config.with_recipe(recipe)  # dropout: the rate the model was built with
