@@ -45,3 +45,22 @@ def test_physical_batches_add_up_and_single_parameters_land_in_their_span():
     want = _expected(first, 0.5) + _expected(second, 0.5)
     want[3:] += 1
     assert torch.allclose(clipped.take().double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_float64_parameters_are_clipped_and_summed_in_float64():
+    """A float64 model's sum is not rounded to float32 on the way: a coordinate that cancels
+    to near zero keeps float64's relative accuracy (float32 rounding misses it by ~1e-5)."""
+    torch.manual_seed(2)
+    params = [p.double() for p in _params()]
+    params = [nn.Parameter(p) for p in params]
+    big = torch.randn(6, 3, dtype=torch.float64)
+    big[:, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0 + 1e-9], dtype=torch.float64)
+    per_ex = [big, torch.randn(6, 2, 2, dtype=torch.float64)]
+    layout = FlatLayout(params)
+    assert layout.dtype == torch.float64 and FlatLayout(_params()).dtype == torch.float32
+    clipped = ClippedSum(layout)
+    batch = arrange(dict(zip(params, per_ex, strict=True)), params, 6, layout.dtype)
+    clipped.clip_into(batch, get_clipping("flat"), 10.0, scale=1.0)  # no clip: a plain sum
+    total = clipped.take()
+    assert total.dtype == torch.float64
+    torch.testing.assert_close(total, _expected(per_ex, 10.0), rtol=1e-9, atol=1e-15)

@@ -45,9 +45,13 @@ class PhysicalBatch:
 
 
 def arrange(
-    per_example: dict[nn.Parameter, Any], params: list[nn.Parameter], rows: int
+    per_example: dict[nn.Parameter, Any],
+    params: list[nn.Parameter],
+    rows: int,
+    dtype: torch.dtype = torch.float32,
 ) -> PhysicalBatch:
-    """Every plain per-example gradient side by side: one norm, one clip, one matmul."""
+    """Every plain per-example gradient side by side, in the flat layout's `dtype`: one norm,
+    one clip, one matmul."""
     plain: list[nn.Parameter] = []
     factored: list[nn.Parameter] = []
     parts: list[torch.Tensor] = []
@@ -61,7 +65,7 @@ def arrange(
         else:
             plain.append(p)
             parts.append(g.reshape(rows, -1))
-    dense = torch.cat(parts, 1).float() if parts else None
+    dense = torch.cat(parts, 1).to(dtype) if parts else None
     return PhysicalBatch(rows, per_example, plain, factored, dense)
 
 
@@ -70,7 +74,7 @@ class ClippedSum:
 
     def __init__(self, layout: FlatLayout) -> None:
         self.layout = layout
-        # flat float32 (layout.numel,); None until the logical batch's first physical batch
+        # flat (layout.numel,) in layout.dtype; None until the logical batch's first physical batch
         self._sum: torch.Tensor | None = None
 
     @property
@@ -97,7 +101,7 @@ class ClippedSum:
         if dense is not None:
             sq = dense.pow(2).sum(1) * scale**2
         else:
-            sq = torch.zeros(n, dtype=torch.float32, device=per_ex[factored[0]].device)
+            sq = torch.zeros(n, dtype=self.layout.dtype, device=per_ex[factored[0]].device)
         for p in factored:  # full mode: norm from Gram matrices, sum by book-keeping
             sq = sq + batch.factored_sq_norms(p).to(sq.device) * scale**2
         factors = clip_fn(sq.sqrt(), max_grad_norm)
@@ -112,14 +116,14 @@ class ClippedSum:
                     self.add(p, clipped[offset : offset + k])
                     offset += k
         for p in factored:
-            self.add(p, per_ex[p].weighted_sum(factors * scale).float())
+            self.add(p, per_ex[p].weighted_sum(factors * scale).to(self.layout.dtype))
 
     def add(self, p: nn.Parameter | None, clipped: torch.Tensor) -> None:
         """Add a clipped contribution: of parameter `p`, or of every trainable parameter
         (p None, `clipped` laid out as the flat layout)."""
         if p is None and self._sum is None:
-            # a fresh tensor (the clipping matmul's result), float32 as the flat layout is
-            self._sum = clipped.float()
+            # a fresh tensor (the clipping matmul's result), in the flat layout's dtype
+            self._sum = clipped.to(self.layout.dtype)
             return
         if self._sum is None:
             self._sum = self.layout.zeros()

@@ -511,7 +511,7 @@ class PrivacyEngine:
             )
         n = batch_rows(per_ex, self._names)
         self._check_batch_axis(n, self._expected_rows(batch_size))
-        batch = arrange(per_ex, self._params, n)
+        batch = arrange(per_ex, self._params, n, self._layout.dtype)
         low_precision = self._hooks.take_low_precision()  # bf16 autocast (dpfit.precision)
         if self.config.check_gradients:
             self._check(batch, low_precision)

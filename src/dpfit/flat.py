@@ -1,4 +1,5 @@
-"""One float32 buffer for all trainable parameters: the clipped sum lives there.
+"""One float32 buffer for all trainable parameters: the clipped sum lives there (float64
+when a trainable parameter is float64, so a float64 model is clipped and summed in float64).
 
 Clipping, noise and the distributed all-reduce then each run once over one tensor per step
 instead of once per parameter: the fixed per-tensor cost (a few kernel launches and Python
@@ -21,6 +22,11 @@ class FlatLayout:
         self.sizes = [p.numel() for p in self.params]
         self.offsets = [0, *accumulate(self.sizes)][:-1]
         self.numel = sum(self.sizes)
+        # float32 for float32 and half-precision parameters (bf16 rows are summed in float32);
+        # float64 when any parameter is, so that float64 training is not rounded to float32
+        self.dtype = (
+            torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        )
         # a split piece of a 1-D parameter already has its shape: no view call for it
         self._flat = [p.dim() == 1 for p in self.params]
         self._position = {p: i for i, p in enumerate(self.params)}
@@ -36,7 +42,7 @@ class FlatLayout:
     def zeros(self) -> torch.Tensor:
         """A zero buffer on the parameters' device (read now: the model may have moved)."""
         device = self.params[0].device if self.params else None
-        return torch.zeros(self.numel, dtype=torch.float32, device=device)
+        return torch.zeros(self.numel, dtype=self.dtype, device=device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` cut into tensors shaped like the parameters (views, no copy)."""

@@ -56,11 +56,12 @@ class AutogradCheck:
                     )
         if not plain and not factored:
             return
-        # compared in float32; bf16/fp16 gradients carry rounding of a few ulps
+        # compared in the flat layout's dtype (float32, or float64 for a float64 model);
+        # bf16/fp16 gradients carry rounding of a few ulps
         sq_parts, checked = [], []  # rows: squared error norm, squared size of what was added
         if plain:
             assert batch.dense is not None
-            ref = torch.cat([p.grad.reshape(-1) for p in plain]).float()
+            ref = torch.cat([p.grad.reshape(-1) for p in plain]).to(batch.dense.dtype)
             if len(plain) == len(self.params):
                 positions = self._all_positions
             else:
