@@ -36,12 +36,14 @@ TRAINED_WALK it ran under; a run already there with the same walks is skipped.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -213,6 +215,10 @@ def _worker(spec: dict) -> None:
         spec["image"]["augment"] = recipe.pop("augment")
         recipe.pop("epochs")
         spec["train"] = {**recipe, **spec["train"]}
+    paired = spec["kind"] == "train"
+    out_dir = tempfile.TemporaryDirectory() if paired else None
+    if paired:  # the trained model is saved, then read back to compare with its start
+        spec["train"]["output"] = out_dir.name
     config = TrainConfig(**spec["train"], task_options=ImageOptions(**spec["image"]))
     run = pretrain if spec["kind"] == "pretrain" else train
     m = run(config, on_step=on_step, on_note=on_note).metrics
@@ -224,7 +230,47 @@ def _worker(spec: dict) -> None:
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     res["load_avg"] = os.getloadavg()[0]
     res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if paired:
+        start = Path(spec["train"]["model"])
+        res["checkpoint"] = checkpoint_id(start)
+        res["flips"] = flips(start, Path(out_dir.name) / "model", spec["train"]["eval_data"])
+        correct = res["flips"]["correct_end"]
+        if abs(correct / m["eval_n"] - m["accuracy"]) > 1e-9:  # the same images, scored alike
+            raise SystemExit(f"paired count {correct} disagrees with accuracy {m['accuracy']}")
+        out_dir.cleanup()
     print(json.dumps(res))
+
+
+def checkpoint_id(model_dir: Path) -> str:
+    """The checkpoint a run started from, by the hash of its weights: rows from a checkpoint
+    trained again (same command, other floating-point path) are told apart."""
+    return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()[:12]
+
+
+def flips(start: Path, end: Path, eval_data: str) -> dict:
+    """Image by image, start against end on the evaluation images: those the run lost (right
+    at the start, wrong at the end) and gained, for a paired (McNemar) test of end - start."""
+    from dpfit.tasks.image_classification import predict_images
+    from dpfit.vision.data import load_images, relabel
+    from dpfit.vision.models import load_image_model
+
+    a, b = load_image_model(start), load_image_model(end)
+    data = load_images(eval_data, "train", a.spec.label_names, image_size=a.spec.image_size,
+                       channels=a.spec.in_channels)  # fmt: skip
+    data = relabel(data, a.spec.label_names)
+    right_a = predict_images(a, data) == data.labels
+    right_b = predict_images(b, data) == data.labels
+    return {"lost": int((right_a & ~right_b).sum()), "gained": int((~right_a & right_b).sum()),
+            "correct_start": int(right_a.sum()), "correct_end": int(right_b.sum())}  # fmt: skip
+
+
+def mcnemar_p(lost: int, gained: int) -> float:
+    """Exact two-sided McNemar p-value: under no change, each changed image is lost or gained
+    with probability 1/2 (a binomial sign test on the discordant images)."""
+    import math
+
+    n, k = lost + gained, min(lost, gained)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
 def _read() -> list[dict]:
@@ -241,8 +287,11 @@ def _append(row: dict) -> None:
 
 def _key(r: dict, walks: str) -> tuple:
     """A run is done when one of the same task, row, variant, seed and split took the same
-    walks: a `default` run recorded under other constants does not count."""
-    return (r.get("task"), r.get("row"), r.get("variant"), r.get("seed"), r.get("split"), walks)
+    walks from the same checkpoint: a `default` run recorded under other constants, or from
+    a checkpoint trained again (or not identified: rows from before the hash was recorded),
+    does not count."""
+    return (r.get("task"), r.get("row"), r.get("variant"), r.get("seed"), r.get("split"), walks,
+            r.get("checkpoint"))  # fmt: skip
 
 
 def cmd_run(args) -> None:
@@ -258,6 +307,7 @@ def cmd_run(args) -> None:
                     for variant in args.variants:
                         key = dict(task=task, row=row, variant=variant, seed=seed, split=split)
                         spec = run_spec(task, row, variant, seed, split, work)
+                        key["checkpoint"] = checkpoint_id(Path(spec["train"]["model"]))
                         if _key(key, _planned_walks(task, row, variant, spec)) in done:
                             continue
                         print(f"run {key}", flush=True)
@@ -350,6 +400,26 @@ def _choice(train: list[dict]) -> tuple[list[str], str | None, list[str]]:
     return lines, chosen, summary
 
 
+def _latest_checkpoints(train: list[dict]) -> dict[str, str]:
+    """Each task's checkpoint as its newest identified run recorded it ("" where no run
+    recorded one): earlier checkpoints' test rows are superseded, not the verdict."""
+    latest: dict[str, str] = {}
+    for r in sorted(train, key=lambda r: r.get("finished", "")):
+        if r.get("checkpoint"):
+            latest[r["task"]] = r["checkpoint"]
+    return latest
+
+
+def _paired(rs: list[dict]) -> str:
+    """Per seed, the images the run lost and gained against its start, with the exact
+    McNemar p of the two counts ("-" for runs from before they were recorded)."""
+    if not all("flips" in r for r in rs):
+        return "-"
+    return ", ".join(f"{r['flips']['lost']} / {r['flips']['gained']} "
+                     f"({mcnemar_p(r['flips']['lost'], r['flips']['gained']):.2f})"
+                     for r in rs)  # fmt: skip
+
+
 def render(runs: list[dict]) -> tuple[str, str]:
     """results/checkpoint_recipe.md and the block of docs/vision.md between DOC_MARKERS, from
     the recorded runs (pure: tests compare them with the committed files)."""
@@ -370,7 +440,12 @@ def render(runs: list[dict]) -> tuple[str, str]:
         "under DP-Adam (dpfit.recipe), read off each run's recorded rates. `walk/k`: "
         f"({REF_WALK['full']:g}, {REF_WALK['bias']:g}) / k, the rule's first constants divided; "
         "`default`: the recipe's `TRAINED_WALK` when the row ran (validation `default` rows "
-        "ran with the first constants, test rows marked *superseded* with an earlier choice).",
+        "ran with the first constants, test rows marked *superseded* with an earlier choice). "
+        "*checkpoint*: the start's weights hash (rows since it was recorded); test rows from "
+        "a checkpoint since trained again (same command, this CPU) are marked *earlier "
+        "checkpoint*. *images lost / gained*: image by image, right at the start and wrong at "
+        "the end, and the reverse; McNemar p: the exact two-sided sign test on those two "
+        "counts (rows since they were recorded).",
         "",
         "## Public checkpoints",
         "",
@@ -381,6 +456,7 @@ def render(runs: list[dict]) -> tuple[str, str]:
         lines.append(f"| {r['source']} | {r['train_examples']} | {r['epochs']} | "
                      f"{r['accuracy']:.3f} | {r['train_cpu_s']:.0f} |")  # fmt: skip
     now = {(t, w): _planned_walks(t, w, "default", {"train": {}}) for t in TASKS for w in ROWS}
+    latest = _latest_checkpoints(train)
     verdicts, superseded, doc, images = [], [], [], {}
     for split in ("val", "test"):
         rows = [r for r in train if r["split"] == split]
@@ -388,14 +464,16 @@ def render(runs: list[dict]) -> tuple[str, str]:
             continue
         title = "validation split (rule check)" if split == "val" else "test split (defaults)"
         lines += ["", f"## {title}", "",
-                  "| task | private n | row | variant | walk (weights, biases) | seeds | "
-                  "lr (full phase) | start | end | end - start (per seed) | train CPU s (mean) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| task | private n | row | variant | checkpoint | walk (weights, biases) | "
+                  "seeds | lr (full phase) | start | end | end - start (per seed) | "
+                  "images lost / gained (McNemar p), per seed | train CPU s (mean) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         groups: dict = {}
-        for r in rows:  # a variant's rates changed with the rule: group by what ran
-            groups.setdefault((r["task"], r["row"], r["variant"], _walks(r)), []).append(r)
-        order = sorted(groups, key=lambda k: (k[0], k[1], VARIANTS.index(k[2]), k[3]))
-        for (task, row, variant, walks), rs in ((k, groups[k]) for k in order):
+        for r in rows:  # a variant's rates changed with the rule: group by what ran, and from
+            key = (r["task"], r["row"], r["variant"], _walks(r), r.get("checkpoint") or "")
+            groups.setdefault(key, []).append(r)  # which checkpoint
+        order = sorted(groups, key=lambda k: (k[0], k[1], VARIANTS.index(k[2]), k[3], k[4]))
+        for (task, row, variant, walks, ckpt), rs in ((k, groups[k]) for k in order):
             rs.sort(key=lambda r: r["seed"])
             start = [r["start_accuracy"] for r in rs]
             end = [r["accuracy"] for r in rs]
@@ -403,22 +481,31 @@ def render(runs: list[dict]) -> tuple[str, str]:
             lr = f"{rs[0]['lr']:.3g}" + (f" ({rs[0]['full_lr']:.3g})" if rs[0]["full_lr"] else "")
             cpu = statistics.mean(r["train_cpu_s"] for r in rs)
             old = split == "test" and variant == "default" and walks != now[(task, row)]
-            label = "default (superseded)" if old else variant
+            earlier = ckpt != latest.get(task, "")  # a checkpoint trained again since
+            label = ("default (superseded)" if old else
+                     "default (earlier checkpoint)" if earlier and variant == "default"
+                     else variant)  # fmt: skip
             per_seed = ", ".join(f"{d:+.4f}" for d in diff)
+            paired = _paired(rs)
             lines.append(
-                f"| {task} | {rs[0]['train_examples']} | {row} | {label} | {walks} | {len(rs)} | "
-                f"{lr} | {_ms(start)} | {_ms(end)} | {per_seed} | {cpu:.0f} |"
+                f"| {task} | {rs[0]['train_examples']} | {row} | {label} | {ckpt or '-'} | "
+                f"{walks} | {len(rs)} | {lr} | {_ms(start)} | {_ms(end)} | {per_seed} | "
+                f"{paired} | {cpu:.0f} |"
             )
             if split == "test" and variant == "default":
                 gap, spread = _gap(rs)
-                verdict = (f"- {task} {row} (walks {walks}, {len(rs)} seed{'s' if len(rs) > 1 else ''}): end - start "
+                verdict = (f"- {task} {row} (walks {walks}, checkpoint {ckpt or 'not recorded'}, "
+                           f"{len(rs)} seed{'s' if len(rs) > 1 else ''}): end - start "
                            f"{gap:+.4f} (mean), seed sd of the end {spread:.4f}: "
-                           f"{'met' if _met(rs) else 'missed'}")  # fmt: skip
-                (superseded if old else verdicts).append(verdict)
-                if not old:
+                           f"{'met' if _met(rs) else 'missed'}"
+                           + (f"; images lost / gained per seed: {paired}" if paired != "-"
+                              else ""))  # fmt: skip
+                (superseded if old or earlier else verdicts).append(verdict)
+                if not (old or earlier):
                     images[task] = rs[0]["eval_n"]
                     doc.append(f"| {task} | {row} | {walks} | {len(rs)} | {_ms(start)} | "
-                               f"{_ms(end)} | {per_seed} | {'met' if _met(rs) else 'missed'} |")  # fmt: skip
+                               f"{_ms(end)} | {per_seed} | {paired} | "
+                               f"{'met' if _met(rs) else 'missed'} |")  # fmt: skip
     table, chosen, summary = _choice(train)
     current = f"{TRAINED_WALK['full']:g}, {TRAINED_WALK['bias']:g}"
     if chosen is None:
@@ -436,7 +523,8 @@ def render(runs: list[dict]) -> tuple[str, str]:
     if verdicts:
         lines += ["", f"Target (test split, defaults: walks {current}):", "", *verdicts]
     if superseded:
-        lines += ["", "Superseded (test split, the defaults of an earlier choice):", "",
+        lines += ["", "Superseded (test split: the defaults of an earlier choice, or from an "
+                  "earlier checkpoint):", "",
                   *superseded]  # fmt: skip
     commands = sorted({r["command"] for r in train if r.get("command")})
     lines += ["", "Commands (each under `nice -n 10`; a run already recorded is skipped, so a "
@@ -450,7 +538,8 @@ def render(runs: list[dict]) -> tuple[str, str]:
     what = f"walks {current}; test images: {scale}"
     block = [f"Test split, the defaults ({what}; mean ± sd over seeds):", "",
              "| task | row | walk (weights, biases) | seeds | start | end | "
-             "end - start per seed | target |", "|---|---|---|---|---|---|---|---|",
+             "end - start per seed | images lost / gained (McNemar p) per seed | target |",
+             "|---|---|---|---|---|---|---|---|---|",
              *doc, "", f"Validation, {MIN_SEEDS} seeds (the choice; every row in "
              "checkpoint_recipe.md):", "",
              "| candidate | walk (weights, biases) | task rows that met the target | "

@@ -67,3 +67,63 @@ def test_the_results_and_the_docs_are_the_scripts_rendering_of_the_committed_run
     doc = (BENCHMARKS.parent / "docs" / "vision.md").read_text()
     assert doc.split(begin, 1)[1].split(end, 1)[0] == f"\n{block}\n"
     assert ": the choice." in block  # the recipe runs with what validation chose
+
+
+def test_mcnemar_p_is_the_exact_two_sided_sign_test_on_the_changed_images():
+    assert cr.mcnemar_p(0, 0) == 1.0
+    assert cr.mcnemar_p(3, 3) == 1.0
+    # 5 lost, 0 gained: 2 * (1/2)^5
+    assert abs(cr.mcnemar_p(5, 0) - 2 / 32) < 1e-15
+    assert cr.mcnemar_p(0, 5) == cr.mcnemar_p(5, 0)
+    # 1 lost of 6 changed: 2 * (1 + 6) / 64, from the binomial terms written out
+    assert abs(cr.mcnemar_p(1, 5) - 14 / 64) < 1e-15
+    assert cr.mcnemar_p(20, 0) < 1e-5
+
+
+def test_flips_counts_images_lost_and_gained_between_two_saved_models(tmp_path):
+    """Image by image against the labels: the count of images right at the end equals what
+    evaluate_images scores, and lost - gained is correct_start - correct_end."""
+    import numpy as np
+
+    from dpfit.tasks.image_classification import evaluate_images
+    from dpfit.vision.data import load_images
+    from dpfit.vision.models import build_model, save_image_model
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(40, 8, 8), dtype=np.uint8)
+    labels = rng.integers(0, 3, size=40)
+    data_path = tmp_path / "eval.npz"
+    np.savez(data_path, images=images, labels=labels, label_names=np.array(["a", "b", "c"]))
+    dirs = []
+    for seed in (0, 1):
+        model = build_model("resnet-gn", ["a", "b", "c"], in_channels=1, image_size=8, seed=seed)
+        save_image_model(model, tmp_path / f"m{seed}")
+        dirs.append(tmp_path / f"m{seed}")
+    got = cr.flips(dirs[0], dirs[1], str(data_path))
+    assert got["correct_start"] - got["correct_end"] == got["lost"] - got["gained"]
+    assert got["lost"] + got["gained"] > 0  # two random models differ somewhere
+    from dpfit.vision.models import load_image_model
+
+    end = load_image_model(dirs[1])
+    data = load_images(str(data_path), "train", end.spec.label_names, image_size=8, channels=1)
+    assert got["correct_end"] == round(evaluate_images(end, data)["accuracy"] * 40)
+    same = cr.flips(dirs[0], dirs[0], str(data_path))
+    assert same["lost"] == same["gained"] == 0
+
+
+def test_test_rows_from_an_earlier_checkpoint_are_superseded_not_the_verdict():
+    lr = R.TRAINED_WALK["full"] / 30**0.5  # the defaults' walk over 30 steps
+    base = dict(kind="train", task="fmnist-5k", row="dp-full", variant="default", split="test",
+                start_accuracy=0.8, eval_n=2000, train_examples=5000, lr=lr, full_lr=None,
+                steps=30, batch_size=500, train_cpu_s=1.0)  # fmt: skip
+    assert cr._walks(base) == cr._planned_walks("fmnist-5k", "dp-full", "default", {"train": {}})
+    old = [dict(base, seed=s, accuracy=0.79, finished="2026-01-01") for s in range(3)]
+    new = [dict(base, seed=s, accuracy=0.8, finished="2026-02-01", checkpoint="abc",
+                flips={"lost": 1, "gained": 1, "correct_start": 1600, "correct_end": 1600})
+           for s in range(3)]  # fmt: skip
+    md, block = cr.render(old + new)
+    assert "default (earlier checkpoint)" in md
+    verdict = md.split("Target (test split")[1].split("Superseded")[0]
+    assert "checkpoint abc" in verdict and "met" in verdict and "missed" not in verdict
+    assert "1 / 1 (1.00)" in block
+    assert cr._latest_checkpoints(old + new) == {"fmnist-5k": "abc"}

@@ -274,11 +274,11 @@ def _label_names(data: ImageData, config, source: str, all_public: bool) -> tupl
 
 
 @torch.no_grad()
-def evaluate_images(
+def predict_images(
     model: ImageModel, data: ImageData, batch_size: int = 256, device: str | torch.device = "cpu"
-) -> dict:
-    """Accuracy and per-class counts of `model` on `data` (relabelled to the model's classes)."""
-    data = relabel(data, model.spec.label_names)
+) -> np.ndarray:
+    """The class index `model` predicts for each image of `data`, in data order, against the
+    model's classes (relabel `data` first): two models compared image by image."""
     collate = ImageCollate(data, model.spec.in_channels, model.spec.image_size)
     module = model.module
     was_training = module.training
@@ -288,7 +288,15 @@ def evaluate_images(
         b = collate(list(range(start, min(start + batch_size, len(data)))))
         preds.append(module(b["pixel_values"].to(device)).argmax(-1).cpu())
     module.train(was_training)
-    pred = torch.cat(preds).numpy() if preds else np.zeros(0, dtype=np.int64)
+    return torch.cat(preds).numpy() if preds else np.zeros(0, dtype=np.int64)
+
+
+def evaluate_images(
+    model: ImageModel, data: ImageData, batch_size: int = 256, device: str | torch.device = "cpu"
+) -> dict:
+    """Accuracy and per-class counts of `model` on `data` (relabelled to the model's classes)."""
+    data = relabel(data, model.spec.label_names)
+    pred = predict_images(model, data, batch_size, device)
     names = model.spec.label_names
     per_class = {}
     for c, name in enumerate(names):

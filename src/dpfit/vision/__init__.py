@@ -22,6 +22,7 @@ _EXPORTS = {
     # training runs through dpfit.train.train with task="image-classification"
     "ImageOptions": "dpfit.tasks.image_classification",
     "evaluate_images": "dpfit.tasks.image_classification",
+    "predict_images": "dpfit.tasks.image_classification",
 }
 __all__ = sorted(_EXPORTS)
 
