@@ -36,11 +36,12 @@ import argparse
 import copy
 import dataclasses
 import json
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from causal_lm_lr import MAX_LENGTH, cpu_s, prepare_speeches, recorded
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit
@@ -52,17 +53,11 @@ ARMS = {
     "bias+lora": ("bias+lora", False),
     "bias+ffa": ("bias+lora", True),
 }
-MAX_LENGTH = 256
 BATCH = 8  # windows per logical step (expected size under Poisson sampling)
 STEPS = 24
 HELD_DOCUMENTS = 12  # held-out speeches scored (all their 256-token windows)
 EPSILON = 8.0
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # two-sided 95% t, by df
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def arm_lr(arm: str, steps: int) -> float:
@@ -73,31 +68,12 @@ def arm_lr(arm: str, steps: int) -> float:
 
 
 def run(seeds: list[int], arms: list[str], steps: int, out: Path) -> None:
-    import torch
+    from dpfit.train import train
 
-    from dpfit.tasks.causal_lm import CausalLMTask
-    from dpfit.train import TrainConfig, train
-
-    torch.set_num_threads(1)
     path = out.with_suffix(".jsonl")
-    done = set()
-    if path.exists():
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            done.add((r["arm"], r["seed"], r["steps"]))
-    base = TrainConfig(
-        task="causal-lm",
-        data="convention-speeches",
-        max_length=MAX_LENGTH,
-        privacy_unit="window",
-        batch_size=BATCH,
-        physical_batch_size=BATCH,
-        max_steps=steps,
-        epsilon=EPSILON,
-    )
-    task = CausalLMTask(eval_examples=HELD_DOCUMENTS)
-    prep = task.prepare(base)  # model loaded, biases added, held-out perplexity before
-    pristine = copy.deepcopy(prep.model)
+    done = recorded(path, ("arm", "seed", "steps"))
+    base, task, prep, pristine, _ = prepare_speeches(BATCH, steps, HELD_DOCUMENTS)
+    base = dataclasses.replace(base, epsilon=EPSILON)
     for seed in seeds:
         for arm in arms:
             if (arm, seed, steps) in done:
@@ -107,7 +83,7 @@ def run(seeds: list[int], arms: list[str], steps: int, out: Path) -> None:
                 base, seed=seed, mode=mode, lora_freeze_a=freeze_a, lr=arm_lr(arm, steps)
             )
             model = copy.deepcopy(pristine)
-            t0 = _cpu_s()
+            t0 = cpu_s()
             result = train(config, prepared=dataclasses.replace(prep, model=model), task=task)
             m = result.metrics
             row = {
@@ -128,7 +104,7 @@ def run(seeds: list[int], arms: list[str], steps: int, out: Path) -> None:
                 "noise_multiplier": m["noise_multiplier"],
                 "sample_rate": m.get("sample_rate"),
                 "delta": m.get("delta"),
-                "cpu_s": _cpu_s() - t0,
+                "cpu_s": cpu_s() - t0,
                 "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "command": (
                     f"nice -n 10 python benchmarks/causal_lm_ffa.py run --seeds {seed} "

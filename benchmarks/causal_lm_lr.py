@@ -37,39 +37,51 @@ STEPS = 12
 HELD_DOCUMENTS = 6  # held-out speeches scored (all their 256-token windows)
 
 
-def _cpu_s() -> float:
+def cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
-def run(lrs: list[float], steps: int, arms: list[str], out: Path) -> None:
+def recorded(path: Path, fields: tuple[str, ...]) -> set[tuple]:
+    """The arms a results log already holds, keyed by `fields` (a stopped run resumes)."""
+    if not path.exists():
+        return set()
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {tuple(r[f] for f in fields) for r in rows}
+
+
+def prepare_speeches(batch: int, steps: int, held_documents: int):
+    """The bundled SmolLM2 (biases added) on the bundled speeches in MAX_LENGTH windows,
+    prepared once, with the base config of every arm and a pristine copy of the model for
+    each arm to train: (base, task, prepared, pristine model, prepare CPU s). One thread."""
     import torch
 
     from dpfit.tasks.causal_lm import CausalLMTask
-    from dpfit.train import TrainConfig, train
+    from dpfit.train import TrainConfig
 
     torch.set_num_threads(1)
-    path = out.with_suffix(".jsonl")
-    done = set()
-    if path.exists():
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            done.add((r["arm"], r["lr"], r["steps"]))
     base = TrainConfig(
         task="causal-lm",
         data="convention-speeches",
         max_length=MAX_LENGTH,
         privacy_unit="window",
-        batch_size=BATCH,
-        physical_batch_size=BATCH,
+        batch_size=batch,
+        physical_batch_size=batch,
         max_steps=steps,
         epsilon=8.0,
     )
-    task = CausalLMTask(eval_examples=HELD_DOCUMENTS)
-    t0 = _cpu_s()
+    task = CausalLMTask(eval_examples=held_documents)
+    t0 = cpu_s()
     prep = task.prepare(base)  # model loaded, biases added, held-out perplexity before
-    prepare_cpu = _cpu_s() - t0
-    pristine = copy.deepcopy(prep.model)
+    return base, task, prep, copy.deepcopy(prep.model), cpu_s() - t0
+
+
+def run(lrs: list[float], steps: int, arms: list[str], out: Path) -> None:
+    from dpfit.train import train
+
+    path = out.with_suffix(".jsonl")
+    done = recorded(path, ("arm", "lr", "steps"))
+    base, task, prep, pristine, prepare_cpu = prepare_speeches(BATCH, steps, HELD_DOCUMENTS)
     for lr in lrs:
         for arm in arms:
             extra = ARMS[arm]
@@ -77,7 +89,7 @@ def run(lrs: list[float], steps: int, arms: list[str], out: Path) -> None:
                 continue
             config = dataclasses.replace(base, lr=lr, **extra)
             model = copy.deepcopy(pristine)
-            t0 = _cpu_s()
+            t0 = cpu_s()
             result = train(config, prepared=dataclasses.replace(prep, model=model), task=task)
             m = result.metrics
             row = {
@@ -92,7 +104,7 @@ def run(lrs: list[float], steps: int, arms: list[str], out: Path) -> None:
                 "train_windows": m["train_examples"],
                 "epsilon": m["epsilon"],
                 "noise_multiplier": m["noise_multiplier"],
-                "cpu_s": _cpu_s() - t0,
+                "cpu_s": cpu_s() - t0,
                 "prepare_cpu_s": prepare_cpu,
                 "command": (
                     f"nice -n 10 python benchmarks/causal_lm_lr.py run --lrs {lr:g} "

@@ -79,6 +79,23 @@ def test_tiny_llama_end_to_end():
     assert trained and all(n.endswith("bias") for n in trained)
 
 
+@pytest.mark.parametrize("rule", [True, False])
+def test_private_bias_lora_on_a_causal_lm_follows_the_language_model_rule(monkeypatch, rule):
+    """A causal LM's lora_A default is PRIVATE_LM_LORA_FREEZE_A (measured on its own,
+    benchmarks/results/causal_lm_ffa.md), not the classification suite's constant."""
+    import dpfit.recipe as R
+
+    monkeypatch.setattr(R, "PRIVATE_LM_LORA_FREEZE_A", rule)
+    monkeypatch.setattr(R, "PRIVATE_LORA_FREEZE_A", not rule)
+    model = tiny_llama()
+    task = CausalLMTask(lines_per_example=1, eval_examples=4, sample_prompts=(), sample_tokens=1)
+    cfg = TrainConfig(task="causal-lm", max_train_examples=16, max_length=16, batch_size=8,
+                      physical_batch_size=8, epochs=1, max_steps=1, mode="bias+lora",
+                      lora_r=2, epsilon=8.0)  # fmt: skip
+    m = train_causal_lm(model, CharTokenizer(), LINES, cfg, task).metrics
+    assert m["config"]["lora_freeze_a"] is rule and m["recipe"]["lora_freeze_a"] is rule
+
+
 def test_causal_lm_delta_follows_the_one_rule(tmp_path):
     """min(1e-5, 1/n^1.1) for every task (was 1/n^1.1 = 0.001 for the Hamlet run)."""
     model = tiny_llama()

@@ -259,3 +259,9 @@ def test_private_bias_lora_freezes_lora_a_and_nothing_else_does():
     assert private.lora_freeze_a and "biases + LoRA B (A frozen) + head" in private.describe()
     ref = resolve_recipe(10_000, 2, None, None, 22_700_000, "bias+lora", private=False)
     assert not ref.lora_freeze_a and "biases + LoRA + head" in ref.describe()
+    # a language model (no classes) takes its own constant
+    lm = resolve_recipe(701, 0, 8.0, 1e-5, 135_000_000, "bias+lora")
+    assert lm.lora_freeze_a is R.PRIVATE_LM_LORA_FREEZE_A
+    assert R.default_lora_freeze_a(True, "bias+lora", language_model=True) is (
+        R.PRIVATE_LM_LORA_FREEZE_A
+    )

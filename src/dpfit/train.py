@@ -856,7 +856,9 @@ def train(
     freeze_a = (
         config.lora_freeze_a
         if config.lora_freeze_a is not None
-        else default_lora_freeze_a(not config.non_private, config.mode)
+        else default_lora_freeze_a(
+            not config.non_private, config.mode, language_model=prep.num_classes == 0
+        )
     )
     summary = _prepare_trainables(
         model, prep.head_names, dataclasses.replace(config, lora_freeze_a=freeze_a),
