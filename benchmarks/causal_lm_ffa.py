@@ -42,11 +42,13 @@ import time
 from pathlib import Path
 
 from causal_lm_lr import MAX_LENGTH, cpu_s, prepare_speeches, recorded
+from doc_block import write_between_markers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit
 RESULTS = HERE / "results"
 OUT = RESULTS / "causal_lm_ffa"
+DOC_MARKERS = ("<!-- causal_lm_ffa:begin -->", "<!-- causal_lm_ffa:end -->")
 # mode and lora_freeze_a of each arm
 ARMS = {
     "bias": ("bias", None),
@@ -191,11 +193,19 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def doc_block(rows: list[dict]) -> str:
+    """docs/bias_lora.md's block: the table, the paired lines and the verdict."""
+    md = render(rows)
+    return md[md.index("| arm |") :].rstrip("\n")
+
+
 def report(out: Path) -> None:
     rows = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
     md = render(rows)
     out.with_suffix(".md").write_text(md)
     print(md)
+    if out == OUT:  # the committed runs only
+        write_between_markers(HERE.parent / "docs" / "bias_lora.md", DOC_MARKERS, doc_block(rows))
 
 
 def main(argv: list[str] | None = None) -> int:

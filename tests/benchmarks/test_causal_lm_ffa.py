@@ -84,3 +84,9 @@ def test_each_run_spent_what_it_claims():
         direct = acc.get_epsilon(r["delta"])
         assert direct * (1 - 2e-2) <= r["epsilon"] <= direct * (1 + 1e-6), r["command"]
         assert r["epsilon"] <= ffa.EPSILON * (1 + 1e-3)
+
+
+def test_the_docs_block_is_the_rendering_of_the_committed_runs():
+    begin, end = ffa.DOC_MARKERS
+    doc = (BENCHMARKS.parent / "docs" / "bias_lora.md").read_text()
+    assert doc.split(begin, 1)[1].split(end, 1)[0] == f"\n{ffa.doc_block(_committed())}\n"
