@@ -43,6 +43,7 @@ from pathlib import Path
 
 from causal_lm_lr import MAX_LENGTH, cpu_s, prepare_speeches, recorded
 from doc_block import write_between_markers
+from paired_t import t_interval
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit
@@ -59,7 +60,6 @@ BATCH = 8  # windows per logical step (expected size under Poisson sampling)
 STEPS = 24
 HELD_DOCUMENTS = 12  # held-out speeches scored (all their 256-token windows)
 EPSILON = 8.0
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # two-sided 95% t, by df
 
 
 def arm_lr(arm: str, steps: int) -> float:
@@ -127,8 +127,8 @@ def paired(rows: list[dict], a: str, b: str) -> tuple[list[float], float, float]
     if not seeds:
         return None
     d = [by[(a, s)] - by[(b, s)] for s in seeds]
-    half = T95[len(d) - 1] * statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
-    return d, statistics.mean(d), half
+    ci = t_interval(d)
+    return d, statistics.mean(d), (ci[1] - ci[0]) / 2 if ci else float("nan")
 
 
 def verdict(rows: list[dict]) -> str | None:

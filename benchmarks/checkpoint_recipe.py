@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -267,8 +268,6 @@ def flips(start: Path, end: Path, eval_data: str) -> dict:
 def mcnemar_p(lost: int, gained: int) -> float:
     """Exact two-sided McNemar p-value: under no change, each changed image is lost or gained
     with probability 1/2 (a binomial sign test on the discordant images)."""
-    import math
-
     n, k = lost + gained, min(lost, gained)
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
@@ -322,8 +321,6 @@ def cmd_run(args) -> None:
 def _walks(r: dict) -> str:
     """The noise walks lr sqrt(T) a run's rates give (every weight, biases + head), from what
     it recorded: rows from before the rule's constants were fixed read the same way."""
-    import math
-
     if r["row"] == "dp-full":
         return f"{r['lr'] * math.sqrt(r['steps']):.2g}, -"
     per_epoch = max(1, round(r["train_examples"] / r["batch_size"]))

@@ -64,10 +64,8 @@ import time
 from pathlib import Path
 
 import torch
-from channel_sums import micros
-from throughput import (
-    TARGET_DP_OVER_NONPRIVATE,
-)  # best and median microseconds of one call, the same protocol
+from channel_sums import micros  # best and median microseconds of one call, the same protocol
+from throughput import TARGET_DP_OVER_NONPRIVATE
 
 from dpfit.grad_sample.registry import sum_positions
 

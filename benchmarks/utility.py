@@ -71,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import baselines  # noqa: E402
 from doc_block import write_between_markers  # noqa: E402
+from paired_t import t_interval  # noqa: E402
 from phase_record import PhaseRecorder, phase_record  # noqa: E402
 
 from dpfit.data.tasks import HELD_OUT, TASKS, TaskSplits, load_task, write_csv  # noqa: E402
@@ -486,17 +487,6 @@ def paired(v: dict, b: dict) -> tuple[list[int], list[float]]:
     """Seeds both rows ran, and the first row minus the second on each."""
     seeds = sorted(set(v["by_seed"]) & set(b["by_seed"]))
     return seeds, [v["by_seed"][k] - b["by_seed"][k] for k in seeds]
-
-
-def t_interval(diffs: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """Two-sided t interval on the mean of paired differences (None below two pairs)."""
-    from scipy import stats
-
-    if len(diffs) < 2:
-        return None
-    m, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
-    half = float(stats.t.ppf(0.5 + level / 2, len(diffs) - 1)) * se
-    return m - half, m + half
 
 
 def interval_lines(summary: dict, pairs=AGAINST_BITFIT) -> list[str]:

@@ -37,7 +37,10 @@ def test_paired_differences_and_t_interval_written_out():
     rows = _rows({"bias+ffa": [20.0, 21.0, 22.5], "bias+lora": [20.5, 21.0, 22.0]})
     d, mean, half = ffa.paired(rows, "bias+ffa", "bias+lora")
     assert d == [-0.5, 0.0, 0.5] and mean == 0.0
-    assert half == pytest.approx(4.303 * 0.5 / math.sqrt(3))
+    # t(0.975) with 2 degrees of freedom in closed form, (2p - 1) sqrt(2 / (4 p (1 - p)));
+    # sd of the differences 0.5, 3 pairs
+    t975 = 0.95 * math.sqrt(2 / (4 * 0.975 * 0.025))
+    assert half == pytest.approx(t975 * 0.5 / math.sqrt(3), rel=1e-9)
     assert ffa.paired(rows, "bias+ffa", "bias") is None
 
 
