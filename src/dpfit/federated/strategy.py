@@ -352,7 +352,7 @@ class DPFedAvgServer:
         assert isinstance(self.rule, VotedStart)
         return {
             "candidates": self.rule.candidates(),
-            "noise_multiplier": self.rule.update_multiplier,
+            "noise_multiplier": self.rule.vote_trial_multiplier(),
             "expected_clients": float(self.config.clients_per_round),
         }
 

@@ -13,7 +13,9 @@ can be tested on synthetic norms without Flower; one file per rule, registered b
   client losses (``clac.py``);
 - ``automatic``: Bu et al. 2023, every update normalised to R/(||Delta|| + gamma)
   (``automatic.py``);
-- ``dynamic``: Du et al. 2021, C and z decayed on a schedule (``dynamic.py``).
+- ``dynamic``: Du et al. 2021, C and z decayed on a schedule (``dynamic.py``);
+- ``lac-2s``: two-sided DP-LAC, a vote over 0.1x..10x C_init, a clipped-fraction band and a
+  validation-loss brake (``lac_two_sided.py``).
 
 Per-round noise is expressed as one combined multiplier ``z`` (what the accountant calibrates)
 that a rule may split between the model update and an auxiliary release (clipped counts for
@@ -49,6 +51,7 @@ from dpfit.federated.clipping.lac import (
     noised_histogram,
     one_hot_vote,
 )
+from dpfit.federated.clipping.lac_two_sided import TwoSidedLacClip
 from dpfit.federated.clipping.quantile import (
     QuantileClip,
     effective_update_multiplier,
@@ -68,6 +71,7 @@ __all__ = [
     "LossRatioClip",
     "QuantileClip",
     "RoundObservation",
+    "TwoSidedLacClip",
     "UnknownClipRule",
     "VotedStart",
     "automatic_scale",

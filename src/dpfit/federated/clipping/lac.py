@@ -99,6 +99,11 @@ class VotedStart:
     def candidates(self) -> list[float]:
         return [f * self.config.initial_clip for f in self.config.vote_factors]
 
+    def vote_trial_multiplier(self) -> float:
+        """Multiplier of the noise in each client's trial aggregate (std z C / m): one
+        round's update multiplier, the paper's objective."""
+        return self.update_multiplier
+
     def initialise_from_votes(
         self, votes: Sequence[Sequence[int]], rng: np.random.Generator
     ) -> np.ndarray:
