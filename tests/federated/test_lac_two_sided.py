@@ -240,3 +240,20 @@ def test_count_and_update_noise_drawn_are_the_noise_accounted():
     # one draw on the centred count (sensitivity 1/2): std z_count / 2
     assert rng.scales == [pytest.approx(z_count / 2, rel=1e-9)]
     assert rule.fraction_std() == pytest.approx(z_count / 2 / M, rel=1e-9)
+
+
+# -- the CLI ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["lac-2s", "fixed", "adaptive-quantile", "automatic"])
+def test_c_init_sets_every_rule_s_initial_clip(method):
+    import argparse
+
+    from dpfit.federated.cli import add_arguments, configs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server_cfg, _ = configs(parser.parse_args(["--method", method, "--c-init", "0.1"]))
+    assert server_cfg.initial_clip == 0.1
+    alias, _ = configs(parser.parse_args(["--method", method, "--initial-clip", "0.1"]))
+    assert alias == server_cfg

@@ -81,9 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--initial-clip",
+        "--c-init",
+        dest="initial_clip",
         type=float,
         default=1.0,
-        help="C (fixed), C0 (quantile, dynamic), C_init (lac), R (automatic)",
+        help="C_init of every rule: C (fixed), C0 (quantile, dynamic), the vote's centre (lac, "
+        "clac: candidates at or below it; lac-2s: 0.1x to 10x it), R (automatic)",
     )
     p.add_argument(
         "--clients", type=int, default=20, help="population N (not with a client column)"
@@ -427,8 +430,14 @@ def _header(server_cfg: Any, task: Any, engine: str) -> str:
         f"{task.examples_per_client or 'all'} examples each), {server_cfg.clients_per_round:g} "
         f"expected per round, {server_cfg.rounds} rounds, local {task.local_mode} "
         f"({engine} engine)"
-        + ("; first, every client votes for C_0" if server_cfg.method in ("lac", "clac") else "")
+        + ("; first, every client votes for C_0" if _votes(server_cfg.method) else "")
     )
+
+
+def _votes(method: str) -> bool:
+    from dpfit.federated.clipping import clip_rule_class
+
+    return clip_rule_class(method).needs_votes
 
 
 def _table(metrics: dict[str, Any]) -> list[str]:
