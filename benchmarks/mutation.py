@@ -492,6 +492,78 @@ MUTATIONS += (
 )
 
 
+# one rule wherever a model leaves the process: a release and a later resume are one fork
+_RELEASE_TESTS = ("tests/test_run_outputs.py", "-k", "partial_model_is or older_than_a_release")
+MUTATIONS += (
+    Mutation(
+        "partial-release-past-the-checkpoint",
+        "Ctrl-C releases the live model, past the checkpoint --resume continues (a fork "
+        "reported as one run)",
+        (
+            (
+                "dpfit/train.py",
+                "    found = ckpt.list_checkpoints(config.checkpoint_dir) if "
+                "config.checkpoint_dir else []\n    if not found:",
+                "    found = []\n    if not found:",
+            ),
+        ),
+        _RELEASE_TESTS,
+    ),
+    Mutation(
+        "older-checkpoints-unclaimed",
+        "a released or superseded checkpoint is not claimed: resuming it counts as continuation 1",
+        (
+            (
+                "dpfit/checkpoint.py",
+                "        if at >= step or continuation_markers(path):",
+                "        if True:",
+            ),
+        ),
+        (
+            *_RELEASE_TESTS[:2],
+            _RELEASE_TESTS[2] + " or released_run_makes",
+            "tests/integrations/test_trainer.py",
+        ),
+    ),
+    Mutation(
+        "fork-report-ignores-longer-earlier-continuation",
+        "a fork's report assumes the earlier continuation as short as this one",
+        (
+            (
+                "dpfit/checkpoint.py",
+                "    longer = (continuation.earlier_steps or 0) - ",
+                "    longer = 0 * (continuation.earlier_steps or 0) - ",
+            ),
+        ),
+        ("tests/integrations/test_trainer.py", "-k", "released_run_makes"),
+    ),
+    Mutation(
+        "head-first-window-unguarded",
+        "Ctrl-C between the head-first steps and the main phase leaves no record of the spend",
+        (
+            (
+                "dpfit/train.py",
+                "    except BaseException as e:\n        aborted(e, head_engine)\n",
+                "    except ImportError as e:\n        aborted(e, head_engine)\n",
+            ),
+        ),
+        ("tests/test_run_outputs.py", "-k", "head_first_steps_and_the_main"),
+    ),
+    Mutation(
+        "trainer-delta-fixed",
+        "DPTrainer's delta is 1e-5 whatever the dataset size",
+        (
+            (
+                "dpfit/integrations/trainer.py",
+                "p.target_delta if p.target_delta is not None else default_delta(n)",
+                "p.target_delta if p.target_delta is not None else 1e-5",
+            ),
+        ),
+        ("tests/integrations/test_trainer.py", "-k", "default_delta"),
+    ),
+)
+
+
 # an image folder's architecture read from its images
 MUTATIONS += (
     Mutation(

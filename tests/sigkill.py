@@ -65,3 +65,21 @@ def assert_resumed_as_uninterrupted(
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{name}: {msg}")
     assert len((out / "steps.csv").read_text().splitlines()) == total + 1, msg
+
+
+def as_if_crashed_after(checkpoint_dir: Path, step: int) -> None:
+    """Leave `checkpoint_dir` as a crash right after checkpoint `step` would have: the later
+    checkpoints gone, and with them the claims that they and the later releases made on the
+    older ones (a resume's own claim stays) and the later lines of the release log."""
+    import json
+
+    for at, path in ckpt.list_checkpoints(checkpoint_dir):
+        for marker in ckpt.continuation_markers(path):
+            if at > step or json.loads(marker.read_text()).get("reached", -1) > step:
+                marker.unlink()
+        if at > step:
+            path.unlink()
+    log = Path(checkpoint_dir) / ckpt.RELEASES
+    if log.exists():
+        kept = [ln for ln in log.read_text().splitlines() if json.loads(ln)["step"] <= step]
+        log.write_text("".join(f"{ln}\n" for ln in kept))

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracle import Capture, make_engine, oracle_per_example
+from sigkill import as_if_crashed_after
 from torch import nn
 
 import dpfit
@@ -409,7 +410,7 @@ def test_resume_keeps_freeze_a_and_reads_older_checkpoints_as_training_lora_a(
         return main(args)
 
     assert run("a", "--no-lora-freeze-a") == 0  # both matrices, as runs before the rule
-    ckpt.latest_checkpoint(ck).unlink()  # as if killed after step 1: one step left
+    as_if_crashed_after(ck, 1)  # killed after step 1: one step left
     assert run("b", "--resume") == 2
     assert "lora_freeze_a: False -> True" in capsys.readouterr().err
     path = ckpt.latest_checkpoint(ck)

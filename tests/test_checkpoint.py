@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from sigkill import assert_resumed_as_uninterrupted, kill_after_checkpoint
+from sigkill import as_if_crashed_after, assert_resumed_as_uninterrupted, kill_after_checkpoint
 
 from dpfit import checkpoint as ckpt
 from dpfit.cli import main
@@ -103,7 +103,7 @@ def test_resume_keeps_the_dropout_rate_and_reads_older_checkpoints_as_the_models
         )
 
     assert run("a") == 0
-    ckpt.latest_checkpoint(ck).unlink()  # as if killed after step 1: one step left
+    as_if_crashed_after(ck, 1)  # killed after step 1: one step left
     assert run("b", "--resume", "--dropout", "0.1") == 2
     assert "dropout: 0.0 -> 0.1" in capsys.readouterr().err
     # a checkpoint written before the dropout rule ran the model's own rates: it resumes with
@@ -172,7 +172,8 @@ def test_claim_marks_a_checkpoint_once_and_forks_only_when_asked(tmp_path):
     assert ckpt.latest_checkpoint(tmp_path) == path  # markers are not checkpoints
     for step in (5, 6):  # pruned with their checkpoint
         ckpt.save_checkpoint(tmp_path, step, {"step": step})
-    assert not list(tmp_path.glob("*.continued-*"))
+    # 4's markers went with it; 5 is claimed by the run that went on to write 6
+    assert [p.name for p in tmp_path.glob("*.continued-*")] == ["ckpt-000000005.pt.continued-1"]
 
 
 def test_fork_report_composes_every_continuation():
@@ -203,9 +204,7 @@ def test_second_continuation_is_refused_the_crash_resume_chain_is_not(tiny, tmp_
         )
 
     def crash_after(step):
-        for s, p in ckpt.list_checkpoints(ck):
-            if s > step:
-                p.unlink()
+        as_if_crashed_after(ck, step)
 
     assert run("a", "--checkpoint-every", "2") == 0  # checkpoints at steps 4 and 6 kept
     crash_after(4)

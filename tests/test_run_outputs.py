@@ -445,3 +445,109 @@ def test_a_rare_label_error_stays_short_with_many_names():
     with pytest.raises(RareLabelError) as e:
         check_data_label_names(names, dict.fromkeys(names, 1), "d.csv", False, "metrics.json")
     assert "person-0009, ... (990 more)" in str(e.value) and len(str(e.value)) < 600
+
+
+# -- releases and forks: one rule wherever a model leaves the process ----------------------
+
+
+def _stop_at(step: int):
+    def on_step(row, total):
+        if row.step == step:
+            raise KeyboardInterrupt  # as Ctrl-C inside the progress callback
+
+    return on_step
+
+
+def _ck_config(tiny, tmp_path, name, **kw):
+    base = dict(
+        model=tiny[0], data=tiny[1], max_steps=6, batch_size=20, physical_batch_size=120,
+        head_first=False, output=str(tmp_path / name), checkpoint_dir=str(tmp_path / "ck"),
+    )  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def test_a_partial_model_is_the_checkpoint_that_resume_continues(tiny, tmp_path):
+    """Ctrl-C after step 4 with checkpoint 3 the newest: the model released is checkpoint 3's
+    (step 4 leaves the process in no form), so --resume continues exactly what was released
+    and the pair of releases costs the resumed run's 6 steps, as it reports; releasing the
+    live step-4 model too would have made an unaccounted fork (3 shared + 1 + 3 = 7 steps)."""
+    from safetensors.torch import load_file
+
+    from dpfit import checkpoint as ckpt
+
+    config = _ck_config(tiny, tmp_path, "a", checkpoint_every=3)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, on_step=_stop_at(4))
+    m = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert m["status"] == "interrupted" and m["steps"] == 3 and m["steps_discarded"] == 1
+    assert m["privacy"]["steps"] == 3
+    saved = ckpt.load_checkpoint(ckpt.checkpoint_path(tmp_path / "ck", 3))["trainable"]
+    released = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    backbone = {n.removeprefix("backbone."): v for n, v in saved.items() if "backbone." in n}
+    assert backbone and set(backbone) <= set(released)
+    for name, value in backbone.items():
+        torch.testing.assert_close(released[name], value, rtol=0, atol=0, msg=name)
+    resumed = train(dataclasses.replace(config, output=str(tmp_path / "b"), resume=True))
+    assert resumed.metrics["steps"] == 6
+    cont = resumed.metrics["continuation"]
+    assert cont["continuation"] == 1 and not cont["fork"] and cont["shared_steps"] == 3
+
+
+def test_resuming_a_checkpoint_older_than_a_release_is_a_fork(tiny, tmp_path):
+    """A finished run released the model of step 6; checkpoint 5 (kept beside 6) was continued
+    by it. Resuming 5 is refused unless asked, then reported as what releasing both costs: 5
+    shared steps + 1 + 1 (checked against dp-accounting directly)."""
+    from accounting_oracle import ADD_REMOVE, direct_epsilon
+
+    from dpfit import checkpoint as ckpt
+
+    config = _ck_config(tiny, tmp_path, "a")
+    done = train(config)
+    ckpt.checkpoint_path(tmp_path / "ck", 6).unlink()  # the newest gone: 5 is what is left
+    again = dataclasses.replace(config, output=str(tmp_path / "b"), resume=True)
+    with pytest.raises(ckpt.CheckpointForkError, match="already continued"):
+        train(again)
+    fork = train(dataclasses.replace(again, output=str(tmp_path / "c"), allow_fork=True))
+    report = fork.metrics["continuation"]
+    assert report["fork"] and report["continuation"] == 2 and report["shared_steps"] == 5
+    sigma, q = done.privacy["noise_multiplier"], done.privacy["sample_rate"]
+    assert report["epsilon_if_all_continuations_released"] == pytest.approx(
+        direct_epsilon(sigma, q, 7, done.privacy["delta"], ADD_REMOVE, kind="rdp"), rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("where", ["probe evaluation", "main engine", "first checkpoint"])
+def test_ctrl_c_between_the_head_first_steps_and_the_main_phase_keeps_the_run(
+    tiny, tmp_path, monkeypatch, where
+):
+    """After the head-first steps and before the main phase's first step: the epsilon spent
+    is on disk, and --resume continues from the head-first checkpoint when one was written."""
+    import dpfit.train as train_mod
+    from dpfit import checkpoint as ckpt
+
+    targets = {
+        "probe evaluation": ("_score_before", train_mod._score_before),
+        "main engine": ("_make_engine", train_mod._make_engine),
+        "first checkpoint": ("save_checkpoint", ckpt.save_checkpoint),
+    }
+    name, real = targets[where]
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    owner = ckpt if name == "save_checkpoint" else train_mod
+    monkeypatch.setattr(owner, name, interrupted)
+    config = _ck_config(tiny, tmp_path, "a", head_first=True, head_epochs=1, max_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    m = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert m["status"] == "interrupted" and m["epsilon"] > 0 and m["privacy"]["steps"] > 0
+    monkeypatch.setattr(owner, name, real)
+    again = dataclasses.replace(config, output=str(tmp_path / "b"), resume=True)
+    if where == "probe evaluation":  # the head-first checkpoint was written
+        resumed = train(again)
+        assert resumed.metrics["steps"] == 2
+        assert resumed.metrics["head_first_steps"] == m["privacy"]["steps"]
+    else:  # nothing to continue: said so, never a silent fresh start
+        with pytest.raises(ckpt.CheckpointError, match="nothing to continue"):
+            train(again)

@@ -123,6 +123,9 @@ def save_checkpoint(directory: str | Path, step: int, state: Mapping, keep: int 
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(directory)
+    # the run goes on from every older checkpoint: it is their continuation (a later resume
+    # of one is a fork), whether or not this run releases anything
+    claim_superseded(list_checkpoints(directory), step, f"superseded by {final.name}")
     for _, old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
         for marker in continuation_markers(old):
@@ -250,6 +253,10 @@ class Continuation:
     checkpoint: str
     number: int
     steps: int
+    # an upper bound on the steps every earlier continuation took past the checkpoint (from
+    # the newest checkpoint and release of the run's folder when this one claimed it); None
+    # where nothing tells (each then assumed as long as this one)
+    earlier_steps: int | None = None
 
     @property
     def fork(self) -> bool:
@@ -267,7 +274,10 @@ def continuation_markers(path: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def claim_continuation(path: str | Path, steps: int, allow_fork: bool = False) -> Continuation:
+def claim_continuation(
+    path: str | Path, steps: int, allow_fork: bool = False, *, reach: int | None = None,
+    at: int | None = None,
+) -> Continuation:  # fmt: skip
     """Record, before anything is drawn, that checkpoint `path` is being continued.
 
     Each continuation of a checkpoint draws fresh noise and batches, so it is a mechanism of
@@ -277,6 +287,10 @@ def claim_continuation(path: str | Path, steps: int, allow_fork: bool = False) -
     created with O_EXCL: of two concurrent resumes exactly one gets it), and a second one is
     refused unless `allow_fork`. The usual crash-resume chain is not affected: a continuation
     writes newer checkpoints, and the resume after its crash starts from the newest one.
+
+    `at` / `reach`: the checkpoint's own step and the furthest step the run's folder shows
+    (newest checkpoint or release), in one unit: a fork's report then counts every earlier
+    continuation as ``reach - at`` steps long when that is longer than its own.
     """
     path = Path(path)
     number = 1
@@ -302,7 +316,8 @@ def claim_continuation(path: str | Path, steps: int, allow_fork: bool = False) -
                 number,
                 steps,
             )
-        return Continuation(path.name, number, steps)
+        earlier = None if reach is None or at is None or number == 1 else max(0, reach - at)
+        return Continuation(path.name, number, steps, earlier)
 
 
 def _fork_refusal(path: Path) -> str:
@@ -348,13 +363,88 @@ def fork_report(continuation: Continuation, records: Sequence, delta: float, acc
         skip = max(0, skip - r.count)
         if take:
             own.append(StepRecord(r.noise_multiplier, r.sample_rate, take, r.sampling))
+    earlier = list(own)
+    longer = (continuation.earlier_steps or 0) - sum(r.count for r in own)
+    if longer > 0 and own:  # an earlier continuation went further: its steps as this one's
+        last = own[-1]
+        earlier.append(StepRecord(last.noise_multiplier, last.sample_rate, longer, last.sampling))
     ledger = PrivacyLedger(delta, accountant, list(records))
-    extra = tuple(own) * (continuation.number - 1)
+    extra = tuple(earlier) * (continuation.number - 1)
     report["epsilon_if_all_continuations_released"] = ledger.epsilon(extra=extra)
+    if continuation.earlier_steps is not None:
+        report["earlier_continuation_steps_at_most"] = continuation.earlier_steps
+    assumed = (
+        f"each earlier one as long as the furthest the run's folder shows "
+        f"({continuation.earlier_steps} steps) or this one, whichever is longer"
+        if continuation.earlier_steps is not None
+        else "each as long as this one"
+    )
     report["note"] = (
         f"continuation {continuation.number} of {continuation.checkpoint}: a fork. This run's "
         "epsilon counts its own steps once; releasing the outputs of several continuations "
         f"costs the {continuation.steps} shared steps composed with every continuation's own "
-        "steps (epsilon_if_all_continuations_released assumes each as long as this one)"
+        f"steps (epsilon_if_all_continuations_released assumes {assumed})"
     )
     return report
+
+
+# -- releases: one rule wherever a model leaves the process ------------------------------
+
+RELEASES = ".releases.jsonl"
+
+
+def claim_superseded(checkpoints: Sequence[tuple[int, Path]], step: int, why: str) -> list[Path]:
+    """Claim every checkpoint older than `step` as continued by the run that wrote it.
+
+    Called before a model of a later state leaves the process (a partial or final save, a
+    pushed model) and whenever a newer checkpoint is written: the run that goes on from a
+    checkpoint is its first continuation, whether or not anyone resumes it. Without the
+    claim, a later resume of the older checkpoint would count as continuation 1 while the
+    released later state shares its steps: two releases, one run's epsilon. With it, such a
+    resume is a fork that must be asked for (--fork) and is reported with both releases.
+    A checkpoint that already has a continuation marker is left as it is.
+    """
+    claimed = []
+    for at, path in checkpoints:
+        if at >= step or continuation_markers(path):
+            continue
+        marker = path.with_name(f"{path.name}{CONTINUED}1")
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as f:
+            record = {"started": time.time(), "pid": os.getpid(), "by": why, "reached": step}
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        claimed.append(path)
+    for directory in {p.parent for p in claimed}:
+        _fsync_dir(directory)
+    return claimed
+
+
+def record_release(directory: str | Path, step: int, what: str) -> None:
+    """Append to the folder's release log that a model of `step` left the process: a later
+    fork of an older checkpoint reads the furthest release from it (:func:`reach`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"step": step, "what": what, "time": time.time(), "pid": os.getpid()})
+    with open(directory / RELEASES, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def reach(directory: str | Path, checkpoints: Sequence[tuple[int, Path]] = ()) -> int | None:
+    """The furthest step this folder's run got to that may have left the process: its newest
+    checkpoint or recorded release (None for an empty folder)."""
+    steps = [at for at, _ in checkpoints]
+    log = Path(directory) / RELEASES
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                logger.warning("%s: unreadable line %r ignored", log, line[:80])
+    return max(steps) if steps else None

@@ -693,9 +693,10 @@ def _head_phase(
     device, note: Callable[[str], None],
     casts: FrozenWeightCasts,
     on_abort: Callable[[BaseException, object], None] | None = None,
-) -> dict | None:  # fmt: skip
+) -> tuple[dict | None, object]:  # fmt: skip
     """Train the head alone on frozen features for `steps` logical steps; returns the
-    engine state (ledger, generator) to carry into the main phase (None if non-private).
+    engine state (ledger, generator) to carry into the main phase (None if non-private) and
+    the (detached) engine, whose ledger is the run's record until the main engine holds it.
     `on_abort(error, engine)` keeps the record of head steps taken before an error. `casts`:
     the run's bf16 frozen-weight copies, which the main phase reuses."""
     import dpfit
@@ -747,11 +748,11 @@ def _head_phase(
         if engine is not None:
             engine.detach()
     if engine is None:
-        return None
+        return None, None
     state = engine.state_dict()
     state.pop("loader", None)  # the main phase has a loader of its own
     note(f"head-first: {steps} private head steps, epsilon so far {engine.epsilon():.3f}")
-    return state
+    return state, engine
 
 
 def _score_before(
@@ -799,6 +800,40 @@ def _resolve_sigma(config: TrainConfig, q: float, steps: int, delta: float) -> f
 
 
 # -- the run ---------------------------------------------------------------------------------
+
+
+def _main_setup(
+    model, config: TrainConfig, n: int, total_steps: int, delta: float, sigma: float | None,
+    head_state: dict | None, items, collate, batch_size: int, head_steps: int,
+):  # fmt: skip
+    """The main phase's engine (carrying the head-first ledger), optimizer, loader and
+    stepper: (engine or None when non-private, optimizer, loader, stepper, first lr)."""
+    engine = None
+    if config.non_private:
+        loader = ShuffledBatches(
+            items, batch_size, config.physical_batch_size, collate, config.seed
+        )
+        stepper = PlainStepper(loader)
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        engine = _make_engine(model, config, n, total_steps, delta, sigma)
+        if head_state is not None:
+            engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
+        params = list(engine.parameters())
+    first_lr = config.full_lr if config.full_epochs and config.full_lr else config.lr
+    optimizer = OPTIMIZERS[config.optimizer](params, first_lr, config.weight_decay)
+    if engine is not None:  # the optimizer first: an empty first batch steps at once
+        loader = engine.data_loader(
+            items,
+            collate_fn=collate,
+            physical_batch_size=config.physical_batch_size,
+            # distributed: every rank stops at the same logical step (the ledger counts the
+            # head-first steps too)
+            max_steps=head_steps + total_steps,
+            optimizer=optimizer,
+        )
+        stepper = engine
+    return engine, optimizer, loader, stepper, first_lr
 
 
 def train(
@@ -903,7 +938,8 @@ def train(
             note("chunked loss: the output head's logits computed and recomputed in chunks")
     described = recipe.describe()
     note(
-        f"recipe (from n={n}, {prep.num_classes} classes, epsilon {config.epsilon}, delta "
+        f"recipe (from n={n}, {f'{prep.num_classes} classes' if prep.num_classes else 'causal LM'}, "
+        f"epsilon {config.epsilon}, delta "
         f"{delta:.3g}, {summary.total:,} parameters): {described}"
         + (f"; overridden by {set_by}: {', '.join(overrides)}" if overrides else "")
     )
@@ -955,48 +991,32 @@ def train(
     frozen_casts = FrozenWeightCasts(model, config.precision, device)
     if head_steps and not config.non_private:
         sigma = _resolve_sigma(config, batch_size / n, head_steps + total_steps, delta)
-    if head_steps and resume_path is None:
-
-        def head_aborted(error: BaseException, head_engine) -> None:
-            if config.output and is_main_process():
-                steps_done = head_engine.steps_taken
-                _save_partial(error, config, task, prep, model, head_engine, steps_done, note)
-
-        with _oom_guard(config):
-            head_state = _head_phase(  # None when non-private: no ledger to carry
-                model, items, collate, config, n, delta, sigma or 0.0, head_steps, device, note,
-                on_abort=head_aborted, casts=frozen_casts,
-            )  # fmt: skip
-        head_scores = _score_before(
-            task, prep, model, config, device, note, "head-first: the linear probe alone"
-        )
-    if config.non_private:
-        loader = ShuffledBatches(
-            items, batch_size, config.physical_batch_size, collate, config.seed
-        )
-        stepper = PlainStepper(loader)
-        params = [p for p in model.parameters() if p.requires_grad]
-    else:
-        engine = _make_engine(model, config, n, total_steps, delta, sigma)
-        if head_state is not None:
-            engine.load_state_dict(head_state)  # one ledger: the head steps are composed in
-            head_epsilon = engine.epsilon()
-        params = list(engine.parameters())
-    first_lr = config.full_lr if config.full_epochs and config.full_lr else config.lr
-    optimizer = OPTIMIZERS[config.optimizer](params, first_lr, config.weight_decay)
-    if engine is not None:  # the optimizer first: an empty first batch steps at once
-        loader = engine.data_loader(
-            items,
-            collate_fn=collate,
-            physical_batch_size=config.physical_batch_size,
-            # distributed: every rank stops at the same logical step (the ledger counts the
-            # head-first steps too)
-            max_steps=head_steps + total_steps,
-            optimizer=optimizer,
-        )
-        stepper = engine
-    first_step = stepper.steps_taken  # head-first steps already on the ledger
+    head_engine = None  # the head-first phase's, while its ledger is the run's record
     continuation: ckpt.Continuation | None = None
+    first_step = 0
+
+    def aborted(error: BaseException, spent) -> None:
+        """The steps taken spent privacy: keep their record (and release what may be)."""
+        if spent is not None and spent.steps_taken and config.output and is_main_process():
+            _save_partial(error, config, task, prep, model, spent, note, first_step, continuation)
+
+    if head_steps and resume_path is None:
+        with _oom_guard(config):
+            head_state, head_engine = _head_phase(  # (None, None) when non-private
+                model, items, collate, config, n, delta, sigma or 0.0, head_steps, device, note,
+                on_abort=aborted, casts=frozen_casts,
+            )  # fmt: skip
+    try:  # from the head-first steps on, an error or Ctrl-C keeps the record of what was spent
+        engine, optimizer, loader, stepper, first_lr = _main_setup(
+            model, config, n, total_steps, delta, sigma, head_state, items, collate, batch_size,
+            head_steps,
+        )  # fmt: skip
+    except BaseException as e:
+        aborted(e, head_engine)
+        raise
+    if engine is not None and head_state is not None:
+        head_epsilon = engine.epsilon()  # one ledger: the head steps are composed in
+    first_step = stepper.steps_taken  # head-first steps already on the ledger
 
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path)
@@ -1021,9 +1041,11 @@ def train(
         note(f"resumed from {resume_path.name}: logical step {len(rows)}, epoch {epoch + 1}")
         if engine is not None and len(rows) < total_steps and is_main_process():
             # fresh noise and batches from here on: a second continuation is a fork
+            found = ckpt.list_checkpoints(config.checkpoint_dir)
             continuation = ckpt.claim_continuation(
-                resume_path, engine.steps_taken, config.allow_fork
-            )
+                resume_path, engine.steps_taken, config.allow_fork,
+                at=len(rows), reach=ckpt.reach(config.checkpoint_dir, found),
+            )  # fmt: skip
             if continuation.fork:
                 note(
                     f"--fork: continuation {continuation.number} of {resume_path.name}; "
@@ -1055,7 +1077,15 @@ def train(
         )
 
     if head_steps and resume_path is None:
-        save(0)  # the head-first phase's ledger and head: a kill from here on can --resume
+        try:  # the head-first phase's ledger and head: a kill from here on can --resume
+            save(0)
+            head_scores = _score_before(
+                task, prep, model, config, device, note, "head-first: the linear probe alone"
+            )
+            save(0)  # with the probe's score, which a resumed run reports
+        except BaseException as e:
+            aborted(e, engine or head_engine)
+            raise
 
     acc_loss, acc_n = 0.0, 0
 
@@ -1118,10 +1148,16 @@ def train(
     except BudgetExhaustedError as e:
         note(f"stopped early: {e}")
     except BaseException as e:  # the steps taken spent privacy: keep their record and model
-        if engine is not None and engine.steps_taken and config.output and is_main_process():
-            _save_partial(e, config, task, prep, model, engine, len(rows), note)
+        aborted(e, engine)
         raise
     train_time = elapsed_before + time.perf_counter() - t_loop
+    if engine is not None and config.checkpoint_dir and is_main_process():
+        # the outputs release this state: checkpoint it first (so --resume continues exactly
+        # what was released), claim the older checkpoints and log the release
+        found = ckpt.list_checkpoints(config.checkpoint_dir)
+        if not found or found[-1][0] != len(rows):
+            save(epoch)
+        _claim_release(config.checkpoint_dir, len(rows), "the run's outputs")
 
     # From here on the privacy is spent: nothing may be lost to an error (metrics.json first).
     privacy = None
@@ -1188,17 +1224,64 @@ def _epsilon_by_phase(
     return phases
 
 
+def _claim_release(directory: str | Path, step: int, what: str) -> None:
+    """One rule wherever a model leaves the process: every older checkpoint of the run is
+    claimed as continued (a later resume of one is a fork), and the release is logged (a
+    fork's report counts how far the run got)."""
+    ckpt.claim_superseded(ckpt.list_checkpoints(directory), step, f"released: {what}")
+    ckpt.record_release(directory, step, what)
+
+
+def _released_state(config: TrainConfig, model, engine, first_step: int) -> int:
+    """Put the state to release into `model` and `engine`; return how many of the steps
+    taken it leaves out.
+
+    A run that checkpoints releases its newest checkpoint: the live state may be partway
+    through a step (a Ctrl-C in the progress callback or in a save), and a model released
+    past the checkpoint that --resume continues would share its steps with the resumed run,
+    an unaccounted fork. Steps after the checkpoint leave the process in no form (their
+    epsilon was shown, a public function of the step count), and --resume redraws them.
+    """
+    found = ckpt.list_checkpoints(config.checkpoint_dir) if config.checkpoint_dir else []
+    if not found:
+        return 0
+    state = ckpt.load_checkpoint(found[-1][1])
+    taken = engine.steps_taken
+    if sum(int(r["count"]) for r in state["stepper"]["ledger"]["records"]) == taken:
+        return 0
+    ckpt.load_trainable_state(model, state["trainable"])
+    engine.load_state_dict(state["stepper"])
+    return taken - engine.steps_taken
+
+
 def _save_partial(
     error: BaseException, config: TrainConfig, task: Task, prep: Prepared, model, engine,
-    steps: int, note: Callable[[str], None],
+    note: Callable[[str], None], first_step: int,
+    continuation: ckpt.Continuation | None = None,
 ) -> None:  # fmt: skip
     """A run stopped by an error or Ctrl-C after spending privacy: OUTPUT/metrics.json with
-    what was spent (status "failed" or "interrupted") and the model as it stands (a noised
-    model is post-processing of the steps taken). Best effort: the original error wins."""
+    what was spent (status "failed" or "interrupted") and the model so far (a noised model
+    is post-processing of the steps taken; with checkpoints, the newest one's, see
+    _released_state). Best effort: the original error wins."""
     out = Path(config.output)
     status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    releasable = True
+    discarded = 0
+    try:
+        discarded = _released_state(config, model, engine, first_step)
+        if config.checkpoint_dir:
+            what = f"the {status} run's model so far"
+            _claim_release(config.checkpoint_dir, engine.steps_taken - first_step, what)
+    except Exception:  # noqa: BLE001 - then the record of what was spent, and no model
+        logger.exception("could not settle the state to release: %s gets no model", out)
+        releasable = False
+    steps = engine.steps_taken - first_step
     privacy = dict(engine.privacy_record())
     privacy["insecure_seed"] = bool(config.insecure_reproducible_noise)
+    if continuation is not None:
+        privacy["continuation"] = ckpt.fork_report(
+            continuation, engine.ledger.records, engine.target_delta, engine.ledger.accountant
+        )
     record = {
         "status": status,
         # the type only: a message may quote shapes or values of the private batch (it is
@@ -1209,12 +1292,18 @@ def _save_partial(
         "epsilon": privacy["epsilon"],
         "delta": privacy["delta"],
         "steps": steps,
+        # taken after the newest checkpoint and released in no form (--resume redraws them)
+        "steps_discarded": discarded,
         "insecure_seed": privacy["insecure_seed"],
         "privacy": privacy,
         "config": dataclasses.asdict(config),
     }
+    if "continuation" in privacy:
+        record["continuation"] = privacy["continuation"]
     try:
         write_json(out / "metrics.json", record)
+        if not releasable:
+            return
         _merge_lora(model, config)
         task.save(prep, model, out / "model")
         window = {}  # long texts: how they were cut, so `dpfit evaluate` cuts them alike
@@ -1227,9 +1316,10 @@ def _save_partial(
     except Exception:  # noqa: BLE001 - the error that stopped training is the one to raise
         logger.exception("could not write the record of the %s run to %s", status, out)
         return
+    kept = f" (the newest checkpoint's; {discarded} later step(s) discarded)" if discarded else ""
     note(
         f"{status} after {steps} steps, epsilon {privacy['epsilon']:.4g} spent: {out} holds "
-        "its metrics.json and the model so far"
+        f"its metrics.json and the model so far{kept}"
         + ("; rerun with --resume to continue" if config.checkpoint_dir else "")
     )
 

@@ -371,3 +371,48 @@ def test_resuming_one_checkpoint_twice_is_a_fork_refused_unless_asked(make, tmp_
     assert fork["fork"] and fork["continuation"] == 2 and fork["shared_steps"] == 2
     assert fork["epsilon_if_all_continuations_released"] > record["epsilon"]
     assert not json.loads((tmp_path / "one" / "dpfit.json").read_text())["continuation"]["fork"]
+
+
+def test_a_released_run_makes_its_older_checkpoints_forks(make, tmp_path):
+    """transformers keeps every checkpoint-N: once the model of step 6 is saved, resuming
+    checkpoint-2 would release a second continuation of it. It is refused unless allow_fork,
+    and then reported with both continuations' steps (2 shared + 4 + 4 = 10)."""
+    from accounting_oracle import ADD_REMOVE, direct_epsilon
+
+    from dpfit.checkpoint import CheckpointForkError
+
+    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-4)
+    kw = dict(max_steps=6, per_device_train_batch_size=8, save_steps=2, save_strategy="steps")
+    model, ds, collator = make()
+    done = DPTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=ds,
+                     data_collator=collator, privacy=privacy)  # fmt: skip
+    done.train()
+    done.save_model()
+    q = done.privacy_engine.sample_rate
+    model, ds, collator = make()
+    again = DPTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=ds,
+                      data_collator=collator, privacy=privacy)  # fmt: skip
+    with pytest.raises(CheckpointForkError, match="already continued"):
+        again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    model, ds, collator = make()
+    args = targs(tmp_path, **{**kw, "output_dir": str(tmp_path / "fork")})
+    fork = DPTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
+                     privacy=dataclasses.replace(privacy, allow_fork=True))  # fmt: skip
+    fork.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    fork.save_model()
+    report = json.loads((tmp_path / "fork" / "dpfit.json").read_text())["continuation"]
+    assert report["fork"] and report["earlier_continuation_steps_at_most"] == 4
+    assert report["epsilon_if_all_continuations_released"] == pytest.approx(
+        direct_epsilon(1.0, q, 10, 1e-4, ADD_REMOVE, kind="rdp"), rel=1e-6
+    )
+
+
+def test_default_delta_follows_the_dataset_size(make, tmp_path):
+    """PrivacyArguments' delta is dpfit train's rule, min(1e-5, n^-1.1), not a fixed 1e-5
+    whatever n (at 48,000 examples 1e-5 would be over 1/n^1.1)."""
+    model, ds, collator = make()
+    big = datasets.concatenate_datasets([ds] * 500)  # 48,000 rows
+    t = DPTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=big,
+                  data_collator=collator, privacy=PrivacyArguments(noise_multiplier=1.0))  # fmt: skip
+    assert t.privacy_engine.target_delta == pytest.approx(48_000**-1.1)
+    assert t.privacy_engine.target_delta < 1e-5

@@ -54,6 +54,7 @@ import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ from transformers.trainer_utils import (
     get_last_checkpoint,
 )
 
+from dpfit import checkpoint as ckpt
 from dpfit import distributed
 from dpfit.checkpoint import Continuation, claim_continuation, fork_report, load_checkpoint
 from dpfit.config import PRIVACY_UNITS
@@ -74,6 +76,7 @@ from dpfit.errors import DPFitError, LossReductionError
 from dpfit.integrations.losses import LossInputs, per_example_loss_for
 from dpfit.models import head_module_names
 from dpfit.params import make_bias_trainable
+from dpfit.recipe import default_delta
 from dpfit.sampling import EmptyBatch, PhysicalBatches
 
 logger = logging.getLogger(__name__)
@@ -113,7 +116,8 @@ class PrivacyArguments:
     """The privacy half of a DPTrainer's configuration."""
 
     target_epsilon: float | None = 8.0
-    target_delta: float = 1e-5
+    # None: dpfit train's rule, min(1e-5, n^-1.1) for n training units (below 1/n at any n)
+    target_delta: float | None = None
     noise_multiplier: float | None = None  # overrides target_epsilon
     max_grad_norm: float = 1.0
     clipping: str = "flat"
@@ -310,6 +314,7 @@ class DPTrainer(Trainer):
         self._eval_prefixes = {"eval"}
         self._resumed_loader_state: dict | None = None
         self._continuation: Continuation | None = None
+        self._resumed_from: str | None = None  # the run folder of the checkpoint continued
         if self.privacy.bias_only:
             heads = self.privacy.train_head
             make_bias_trainable(
@@ -343,7 +348,7 @@ class DPTrainer(Trainer):
             self.model,
             expected_batch_size=min(a.per_device_train_batch_size * a.world_size, n),
             sample_size=n,
-            target_delta=p.target_delta,
+            target_delta=p.target_delta if p.target_delta is not None else default_delta(n),
             max_grad_norm=p.max_grad_norm,
             clipping=p.clipping,
             accountant=p.accountant,
@@ -545,9 +550,14 @@ class DPTrainer(Trainer):
         self.privacy_engine.load_state_dict(state)
         self._resumed_loader_state = state.get("loader")
         if self.is_world_process_zero():  # fresh noise from here: a second one is a fork
+            folder = os.path.dirname(os.path.abspath(checkpoint))
+            self._resumed_from = folder
+            found = self._engine_checkpoints(folder)
+            at = int(os.path.basename(os.path.normpath(checkpoint)).rsplit("-", 1)[-1])
             self._continuation = claim_continuation(
-                path, self.privacy_engine.steps_taken, self.privacy.allow_fork
-            )
+                path, self.privacy_engine.steps_taken, self.privacy.allow_fork,
+                at=at, reach=ckpt.reach(folder, found),
+            )  # fmt: skip
         logger.info(
             "resumed privacy state from %s: %d steps, epsilon %.4f",
             path,
@@ -569,8 +579,33 @@ class DPTrainer(Trainer):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+        # the run goes on from every older checkpoint (and may log or push their successors):
+        # a later resume of one is a fork
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        ckpt.claim_superseded(self._engine_checkpoints(run_dir), step, f"superseded by {folder}")
+
+    @staticmethod
+    def _engine_checkpoints(run_dir: str) -> list[tuple[int, Path]]:
+        """(global step, engine state file) of the run's checkpoint-N folders, oldest first."""
+        found = []
+        if os.path.isdir(run_dir):
+            for name in os.listdir(run_dir):
+                head, _, tail = name.rpartition("-")
+                path = Path(run_dir, name, ENGINE_STATE_NAME)
+                if head == PREFIX_CHECKPOINT_DIR and tail.isdigit() and path.is_file():
+                    found.append((int(tail), path))
+        return sorted(found)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        if self.is_world_process_zero():  # a release: claim the older checkpoints first
+            run_dir = self.args.output_dir
+            step = self.state.global_step
+            ckpt.claim_superseded(self._engine_checkpoints(run_dir), step, "released: save_model")
+            ckpt.record_release(run_dir, step, f"save_model({output_dir or run_dir})")
+            if self._resumed_from is not None and self._resumed_from != os.path.abspath(run_dir):
+                # a later fork of the checkpoint continued learns how far this one went
+                ckpt.record_release(self._resumed_from, step, f"save_model({run_dir})")
         super().save_model(output_dir, _internal_call)
         out = output_dir or self.args.output_dir
         os.makedirs(out, exist_ok=True)
