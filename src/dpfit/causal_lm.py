@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpfit import progress
 from dpfit.windows import Window, windows  # noqa: F401 - re-exported: the cutting lives there
 
 log = logging.getLogger(__name__)
@@ -37,11 +37,23 @@ def make_examples(lines: Sequence[str], lines_per_example: int) -> list[str]:
 def split_examples(
     examples: Sequence[str], n_train: int, n_eval: int, seed: int
 ) -> tuple[list[str], list[str]]:
-    """Held-out examples come from the end of the play, training ones from the rest."""
-    held = list(examples[-n_eval:]) if n_eval else []
-    rest = list(examples[: len(examples) - n_eval])
-    random.Random(seed).shuffle(rest)
-    return rest[:n_train], held
+    """(training, held-out): the `n_eval` examples with the smallest keyed hash of their text
+    are held out, and the `n_train` of the rest with the smallest (independent) key train
+    (dpfit.data.rowhash). Each example's side comes from its own text and the seed, so adding
+    one example changes the training ones by one example (by one in and one out when
+    `n_train` caps them), whatever its position; a seeded shuffle of positions would move
+    many. A text of fewer than 2 `n_eval` examples holds out half of them (never all: the
+    held-out examples are never trained on), and there one added example may also swap one
+    example in and one out."""
+    from dpfit.data.rowhash import HELD_OUT, SUBSAMPLE, row_keys, smallest
+
+    keys = row_keys((e.encode("utf-8") for e in examples), seed, HELD_OUT)
+    n_held = min(n_eval, len(examples) // 2)
+    held_idx = set(smallest(keys, n_held).tolist()) if n_held > 0 else set()
+    held = [e for i, e in enumerate(examples) if i in held_idx]
+    rest = [e for i, e in enumerate(examples) if i not in held_idx]
+    rest_keys = row_keys((e.encode("utf-8") for e in rest), seed, SUBSAMPLE)
+    return [rest[i] for i in smallest(rest_keys, n_train)], held
 
 
 class TokenizedLines(torch.utils.data.Dataset):
@@ -123,11 +135,13 @@ def perplexity(
     model.eval()
     nll, tokens = 0.0, 0
     for i in range(0, len(data), batch_size):
+        progress.report("perplexity", i, len(data))
         batch = collate([data[j] for j in range(i, min(len(data), i + batch_size))])
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         total, count = per_example_token_nll(logits, batch["labels"])
         nll += float(total.sum())
         tokens += int(count.sum())
+    progress.report("perplexity", len(data), len(data))
     model.train(was_training)
     return math.exp(nll / max(tokens, 1))
 
@@ -140,7 +154,8 @@ def sample_lines(
     torch.manual_seed(seed)
     model.eval()
     out = []
-    for prompt in prompts:
+    for k, prompt in enumerate(prompts):
+        progress.report("samples", k, len(prompts))
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
         gen = model.generate(
             ids,
@@ -152,4 +167,5 @@ def sample_lines(
             pad_token_id=tokenizer.eos_token_id,
         )
         out.append((prompt, tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)))
+    progress.report("samples", len(prompts), len(prompts))
     return out

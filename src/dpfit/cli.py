@@ -578,9 +578,21 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
         if result.output_dir is not None:
             print(f"wrote {result.output_dir}/metrics.json, steps.csv, plots and model/")
             if m.get("task") == "classification":
-                data = "" if m["config"].get("data") is None else " --data FILE"
-                print(f"score it: dpfit evaluate --model {result.output_dir}/model{data}")
+                print(f"score it: dpfit evaluate --model {result.output_dir}/model{_score_data(m)}")
     return 0
+
+
+def _score_data(m: dict) -> str:
+    """The --data part of the `dpfit evaluate` hint: the rows this run held out of its file
+    (re-derived by their hash, never saved), its --eval-data, or none (bundled data)."""
+    config = m["config"]
+    if config.get("data") is None:
+        return ""
+    if config.get("eval_data") is not None:
+        return f" --data {config['eval_data']}"
+    if m.get("held_out_fraction") is not None:
+        return f" --data {config['data']} --held-out"
+    return " --data FILE"
 
 
 def _eprint(msg: str, file=None) -> None:
@@ -598,6 +610,13 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         help="CSV/JSONL/TSV file or saved `datasets` folder (default, for a model trained on "
         "the bundled data: its test split, the same movies held out)",
+    )
+    p.add_argument(
+        "--held-out",
+        action="store_true",
+        help="score only the rows of --data that the training run held out as its test set, "
+        "chosen again by the run's per-row hash (seed and rule from DIR/metrics.json); "
+        "nothing private is saved",
     )
     p.add_argument("--text-column", default="text")
     p.add_argument("--label-column", default="label")
@@ -634,6 +653,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from dpfit.vision.models import is_image_model_folder
 
     if is_image_model_folder(args.model):
+        if getattr(args, "held_out", False):  # else the whole --data, training rows too
+            raise DPFitError(
+                "--held-out re-derives a text classifier's held-out rows; for an image model "
+                "score on a separate --data without --held-out"
+            )
         return vision_cli.run_evaluate(args)
     _set_threads(args.threads)
     loaded = load_classifier(args.model)
@@ -643,7 +667,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
     record_path = Path(args.model) / "dpfit.json"
     privacy = json.loads(record_path.read_text()) if record_path.is_file() else None
     length, stride = _evaluation_windows(args, privacy)  # refused before any data is read
-    if args.data is None:
+    if getattr(args, "held_out", False):
+        if args.data is None:
+            raise DPFitError("--held-out picks rows of the training file: give it with --data")
+        from dpfit.tasks.classification import recorded_held_out
+
+        data = recorded_held_out(args.model, args.data, names)
+    elif args.data is None:
         data = _bundled_test_split(args.model, privacy, names)
     else:
         data = load_texts(args.data, args.text_column, args.label_column, label_names=names)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -227,11 +228,12 @@ def test_iid_partition_sizes_and_determinism(tmp_path, bert):
     _, task = configs(_parser().parse_args([*argv, "--clients-per-round", "2"]))
     assert task.num_clients == 40 // 5  # N = rows // --examples-per-client
     clients = _clients(task)
-    assert [len(c) for c in clients] == [5] * 8
-    assert sorted(t for c in clients for t in c) == sorted(
-        r["text"] for r in csv.DictReader(open(train))
-    )  # every row in exactly one client
-    # the rows are put in a --seed order first: a label-sorted file still gives mixed clients
+    # each row's client is its own hash's (stable when a row is added or removed: see
+    # test_partition_neighbours.py), so sizes are binomial around 5, capped at 5
+    assert all(1 <= len(c) <= 5 for c in clients) and sum(map(len, clients)) >= 30
+    uncapped = client_partition(dataclasses.replace(task, examples_per_client=0)).clients
+    assert sorted(i for c in uncapped for i in c) == list(range(40))  # each row in one client
+    # each row's client from its own hash: a label-sorted file still gives mixed clients
     labels = [{e.label for e in client_examples(task, i)} for i in range(8)]
     assert sum(len(s) == 2 for s in labels) >= 4
     # public randomness from --seed: the same seed, the same clients; another, others
@@ -243,7 +245,7 @@ def test_iid_partition_sizes_and_determinism(tmp_path, bert):
     assert _clients(other) != clients
     # --clients given: N as given, each client capped at --examples-per-client
     _, task = configs(_parser().parse_args([*argv, "--clients", "4", "--clients-per-round", "2"]))
-    assert task.num_clients == 4 and [len(c) for c in _clients(task)] == [5] * 4
+    assert task.num_clients == 4 and [len(c) for c in _clients(task)] == [5] * 4  # ~10 each
 
 
 def test_dirichlet_partition_sizes_and_determinism(tmp_path, bert):

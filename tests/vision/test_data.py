@@ -97,7 +97,8 @@ def test_public_split_is_seeded_disjoint_and_complete():
     d.images.flags.writeable = False
     pub, priv = public_private_split(d, 0.1, seed=3)
     pub2, priv2 = public_private_split(d, 0.1, seed=3)
-    assert len(pub) == 10 and len(priv) == 90
+    # each image is public by its own hash: binomially about 10 of 100
+    assert len(pub) + len(priv) == 100 and 3 <= len(pub) <= 20
     assert np.array_equal(pub.images, pub2.images) and np.array_equal(priv.labels, priv2.labels)
     rows = {img.tobytes() + bytes([int(y)]) for img, y in zip(d.images, d.labels, strict=True)}
     got_pub = [i.tobytes() + bytes([int(y)]) for i, y in zip(pub.images, pub.labels, strict=True)]

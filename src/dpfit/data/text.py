@@ -13,12 +13,13 @@ import csv
 import io
 import json
 import logging
-import random
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from dpfit.data.bundled import (
     ROTTEN_TOMATOES_LABELS,
@@ -26,11 +27,20 @@ from dpfit.data.bundled import (
     rotten_tomatoes,
     split_by_group,
 )
+from dpfit.data.rowhash import (
+    HELD_OUT,
+    SUBSAMPLE,
+    held_out_mask,
+    row_keys,
+    smallest,
+    text_row,
+)
 from dpfit.errors import DPFitError
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json")
+SKIPPED_SHOWN = 5  # rows skipped for an empty cell: where the first few are, in the warning
 
 
 class DataError(DPFitError, ValueError):
@@ -85,34 +95,36 @@ class LabeledTexts:
         counts = Counter(self.labels)
         return {name: counts.get(i, 0) for i, name in enumerate(self.label_names)}
 
+    def row_keys(self, seed: int, purpose: str) -> np.ndarray:
+        """Each row's key in [0, 1) from its text and label name (dpfit.data.rowhash)."""
+        names = self.label_names
+        rows = (text_row(t, names[y]) for t, y in zip(self.texts, self.labels, strict=True))
+        return row_keys(rows, seed, purpose)
+
     def subsample(self, n: int, seed: int = 0) -> LabeledTexts:
-        """A seeded random subset of `n` examples (all of them if n >= len)."""
+        """The `n` rows with the smallest keys (all of them if n >= len): one row added to
+        the data changes this subset by at most one row in and one row out."""
         if n >= len(self):
             return self
-        idx = sorted(random.Random(seed).sample(range(len(self)), n))
+        idx = smallest(self.row_keys(seed, SUBSAMPLE), n).tolist()
+        return self._pick(idx, f"random {n} of {len(self)} by row hash, seed {seed}")
+
+    def split(self, fraction: float, seed: int = 0) -> tuple[LabeledTexts, LabeledTexts]:
+        """(rest, held-out): a row is held out iff its own key is below `fraction`, so one
+        row added to or removed from the data changes each side by that row alone. About
+        `fraction` of the rows are held out (binomially many; possibly none)."""
+        held = held_out_mask(self.row_keys(seed, HELD_OUT), fraction)
+        rest_idx = [i for i in range(len(self)) if not held[i]]
+        held_idx = [i for i in range(len(self)) if held[i]]
+        return self._pick(rest_idx, "train part"), self._pick(held_idx, "held-out part")
+
+    def _pick(self, idx: Sequence[int], tag: str) -> LabeledTexts:
         return LabeledTexts(
             tuple(self.texts[i] for i in idx),
             tuple(self.labels[i] for i in idx),
             self.label_names,
-            f"{self.source} (random {n} of {len(self)})",
+            f"{self.source} ({tag})",
         )
-
-    def split(self, fraction: float, seed: int = 0) -> tuple[LabeledTexts, LabeledTexts]:
-        """Seeded random (rest, held-out) split with `fraction` of examples held out."""
-        order = list(range(len(self)))
-        random.Random(seed).shuffle(order)
-        k = max(1, round(fraction * len(self)))
-        held, rest = sorted(order[:k]), sorted(order[k:])
-
-        def pick(idx: list[int], tag: str) -> LabeledTexts:
-            return LabeledTexts(
-                tuple(self.texts[i] for i in idx),
-                tuple(self.labels[i] for i in idx),
-                self.label_names,
-                f"{self.source} ({tag})",
-            )
-
-        return pick(rest, "train part"), pick(held, "held-out part")
 
 
 def from_examples(
@@ -326,7 +338,7 @@ def _load(
     raw_labels: list[str] = []
     kept_at: list[str] = []
     groups: list[str] = []
-    skipped = 0
+    skipped: list[str] = []  # where each skipped row is ("line 7")
     if group_column is not None and all(_blank(r.get(group_column)) for r in rows):
         raise ColumnError(
             f"{path}: column {group_column!r} is empty in every row (columns: "
@@ -336,13 +348,13 @@ def _load(
     for row, at in zip(rows, where, strict=True):
         text, label = row.get(text_column), row.get(label_column)
         if group_column is not None and _blank(row.get(group_column)):
-            skipped += 1
+            skipped.append(at)
             continue
         if text is None or label is None or (isinstance(text, str) and not text.strip()):
-            skipped += 1
+            skipped.append(at)
             continue
         if label == "" or (isinstance(label, str) and not label.strip()):
-            skipped += 1
+            skipped.append(at)
             continue
         texts.append(text)
         raw_labels.append(_label_key(label))
@@ -351,7 +363,8 @@ def _load(
             groups.append(_label_key(row[group_column]))
     if skipped:
         what = "text, label or " + repr(group_column) if group_column else "text or label"
-        logger.warning("%s: skipped %d rows with an empty %s", path, skipped, what)
+        shown = ", ".join(skipped[:SKIPPED_SHOWN]) + (", ..." if skipped[SKIPPED_SHOWN:] else "")
+        logger.warning("%s: skipped %d rows with an empty %s (%s)", path, len(skipped), what, shown)
     if not texts:
         raise EmptyDataError(
             f"{path}: no row has both a non-empty {text_column!r} and {label_column!r}"

@@ -29,8 +29,10 @@ import numpy as np
 from dpfit.data.bundled import TextExample, rotten_tomatoes, split_by_group
 from dpfit.federated.client import TaskConfig, build_client_app, evaluate, task_model
 from dpfit.federated.data import (  # noqa: F401 - PartitionError re-exported
+    BUNDLED_LABELS,
     PartitionError,
     client_cap_seed,
+    client_keys,
     client_partition,
     federation,
     partition_rows,
@@ -80,6 +82,8 @@ def partitions(
             alpha,
             seed,
             natural_ids=movie_client if partition == "movie" else None,
+            keys=client_keys(train, BUNDLED_LABELS, seed) if partition != "movie" else None,
+            num_labels=len(BUNDLED_LABELS),
         )
     except PartitionError as exc:
         raise PartitionError(str(exc).replace("natural clients", "movie clients")) from None

@@ -8,8 +8,13 @@ CSV / JSONL / saved ``datasets`` folder, read by ``dpfit train``'s loader
 
 - natural clients: each distinct value of a client column is one client (the bundled
   ``movie`` partition is this, with movies hashed onto N clients);
-- ``iid``: the rows in a ``--seed`` order, dealt into N equal shards;
-- ``dirichlet``: label skew, each client's label mix drawn from Dirichlet(alpha), seeded.
+- ``iid``: each row's client from a keyed hash of the row (text and label) and ``--seed``,
+  uniform over the N clients (sizes vary binomially around rows / N);
+- ``dirichlet``: label skew: each label's spread over the clients drawn from Dirichlet(alpha)
+  with ``--seed``, and each row placed by its own keyed hash against its label's spread.
+
+A row's synthetic client depends on that row alone (``dpfit.data.rowhash``): adding or
+removing one row changes one client by that row, never the others.
 
 A synthetic partition is setup, not private output: it comes from ``--seed`` (public
 randomness, like the data split), and the protected unit is then one synthetic client.
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from dpfit.data.bundled import ROTTEN_TOMATOES_LABELS, TextExample
+from dpfit.data.rowhash import CLIENT, row_keys, text_row
 from dpfit.data.text import DataError, LabeledTexts, load_grouped_texts, load_texts
 from dpfit.tasks.labels import parse_labels
 
@@ -72,15 +78,22 @@ def partition_rows(
     alpha: float,
     seed: int,
     natural_ids: Sequence[str] | Sequence[int] | None = None,
+    keys: Sequence[float] | np.ndarray | None = None,
+    num_labels: int | None = None,
 ) -> tuple[tuple[int, ...], ...]:
-    """Row indices of each client, by flwr-datasets partitioners.
+    """Row indices of each client.
 
-    ``partition``: ``iid`` (contiguous equal shards of the rows as ordered), ``dirichlet``
-    (label skew; at least 2 rows a client) or ``natural`` (one client per distinct value of
-    ``natural_ids``, in sorted order: client i holds the i-th value's rows).
+    ``partition``: ``iid`` or ``dirichlet`` (:func:`hashed_clients`: each row's client from
+    its own key in [0, 1), ``keys``, e.g. :func:`client_keys`) or ``natural`` (one client per
+    distinct value of ``natural_ids``, in sorted order: client i holds the i-th value's rows;
+    flwr-datasets' NaturalIdPartitioner).
     """
+    if partition in ("iid", "dirichlet"):
+        if keys is None or len(keys) != len(labels):
+            raise PartitionError(f"an {partition} partition needs one row key per row")
+        return hashed_clients(labels, keys, num_clients, partition, alpha, seed, num_labels)
     import datasets
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
+    from flwr_datasets.partitioner import NaturalIdPartitioner
 
     data: dict[str, list] = {"idx": list(range(len(labels))), "label": list(labels)}
     if partition == "natural":
@@ -88,17 +101,6 @@ def partition_rows(
             raise PartitionError("a natural partition needs one client id per row")
         data["client"] = list(natural_ids)
         part = NaturalIdPartitioner(partition_by="client")
-    elif partition == "iid":
-        part = IidPartitioner(num_partitions=num_clients)
-    elif partition == "dirichlet":
-        part = DirichletPartitioner(
-            num_partitions=num_clients,
-            partition_by="label",
-            alpha=alpha,
-            min_partition_size=2,
-            self_balancing=False,
-            seed=seed,
-        )
     else:
         raise PartitionError(f"unknown partition {partition!r}")
     part.dataset = datasets.Dataset.from_dict(data)
@@ -106,19 +108,63 @@ def partition_rows(
         found = len(set(natural_ids or ()))
         if found < num_clients:
             raise PartitionError(f"only {found} natural clients for {num_clients} requested")
-    try:
-        # NaturalIdPartitioner draws a tqdm bar on stderr, which is the operator's log
-        with contextlib.redirect_stderr(io.StringIO()):
-            out = [part.load_partition(i) for i in range(num_clients)]
-    except ValueError as exc:
-        if partition != "dirichlet":
-            raise
-        raise PartitionError(
-            f"Dirichlet(alpha={alpha}) over {num_clients} clients keeps leaving some client "
-            f"with fewer than 2 of the {len(labels)} training examples ({exc}). Use fewer "
-            "clients, a larger --alpha, or --partition iid."
-        ) from exc
+    # NaturalIdPartitioner draws a tqdm bar on stderr, which is the operator's log
+    with contextlib.redirect_stderr(io.StringIO()):
+        out = [part.load_partition(i) for i in range(num_clients)]
     return tuple(tuple(int(x) for x in p["idx"]) for p in out)
+
+
+MIN_DIRICHLET_ROWS = 2  # rows a Dirichlet client must hold (flwr-datasets' default minimum)
+
+
+def client_keys(rows: Sequence[TextExample], names: Sequence[str], seed: int) -> np.ndarray:
+    """Each row's key in [0, 1) for its synthetic client: a keyed hash of its text and label
+    name (dpfit.data.rowhash), so the row's client depends on that row alone."""
+    return row_keys((text_row(e.text, names[e.label]) for e in rows), seed, CLIENT)
+
+
+def hashed_clients(
+    labels: Sequence[int],
+    keys: Sequence[float] | np.ndarray,
+    num_clients: int,
+    partition: str,
+    alpha: float,
+    seed: int,
+    num_labels: int | None = None,
+) -> tuple[tuple[int, ...], ...]:
+    """Row indices of each client, every row placed by its own key alone.
+
+    ``iid``: client floor(key * N). ``dirichlet``: label y's spread over the N clients is
+    drawn from Dirichlet(alpha) with ``seed`` (public: it depends on the seed, N, alpha and
+    the number of labels, not on the rows), and a row of label y goes to the client whose
+    interval of that spread holds its key. Adding or removing a row changes one client by
+    that row. A client left with too few rows is an error that says what to change.
+    """
+    keys = np.asarray(keys, dtype=np.float64)
+    ys = np.asarray(labels, dtype=np.int64)
+    if partition == "iid":
+        owner = np.minimum((keys * num_clients).astype(np.int64), num_clients - 1)
+        least, fix = 1, "fewer --clients (or a larger --examples-per-client)"
+    elif partition == "dirichlet":
+        k = num_labels if num_labels is not None else int(ys.max(initial=-1)) + 1
+        spread = np.random.default_rng(seed).dirichlet([alpha] * num_clients, size=max(k, 1))
+        edges = np.cumsum(spread, axis=1)
+        owner = np.array(
+            [np.searchsorted(edges[y], u, side="right") for y, u in zip(ys, keys, strict=True)],
+            dtype=np.int64,
+        )
+        owner = np.minimum(owner, num_clients - 1)
+        least, fix = MIN_DIRICHLET_ROWS, "fewer clients, a larger --alpha, or --partition iid"
+    else:
+        raise PartitionError(f"unknown partition {partition!r}")
+    sizes = np.bincount(owner, minlength=num_clients)
+    if sizes.min() < least:
+        raise PartitionError(
+            f"{partition} over {num_clients} clients leaves {int((sizes < least).sum())} "
+            f"client(s) with fewer than {least} of the {len(ys)} training examples (each "
+            f"row's client comes from a hash of the row and --seed). Use {fix}."
+        )
+    return tuple(tuple(int(i) for i in np.flatnonzero(owner == c)) for c in range(num_clients))
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,12 +274,12 @@ def _client_partition(
     seed: int,
 ) -> Clients:
     rows, groups = user_rows(data, text_column, label_column, labels, client_column)
-    # a --seed order first, as the bundled split is a seeded shuffle: IID shards of a file
-    # sorted by label or by client are still IID
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
+    # file order: a synthetic client comes from each row's own hash (hashed_clients), so a
+    # file sorted by label or by client still gives IID clients, and no other row's client
+    # (nor its place in its client's list) depends on where a row sits
     train = tuple(
-        TextExample(rows.texts[i], rows.labels[i], groups[i] if groups else "") for i in order
+        TextExample(rows.texts[i], rows.labels[i], groups[i] if groups else "")
+        for i in range(len(rows))
     )
     ys = [e.label for e in train]
     if partition == "column":
@@ -256,7 +302,10 @@ def _client_partition(
                 f"{data}: {len(train)} rows cannot make {num_clients} clients; pass fewer "
                 "--clients or a smaller --examples-per-client"
             )
-        clients = partition_rows(ys, num_clients, partition, alpha, seed)
+        keys = client_keys(train, rows.label_names, seed)
+        clients = partition_rows(
+            ys, num_clients, partition, alpha, seed, keys=keys, num_labels=rows.num_labels
+        )
     else:
         raise PartitionError(
             f"partition {partition!r} is not one for a user's file: use --client-column COL, "
@@ -320,9 +369,14 @@ def _server_splits(
             f"{eval_data} has {len(held)} usable row(s); the server halves it into validation "
             f"and test, so give at least {MIN_EVAL_EXAMPLES}"
         )
-    val, test = held.split(0.5, seed=seed)
+    # the server's set is public: a seeded shuffle of positions halves it exactly (no row's
+    # privacy is at stake, so no per-row rule is needed, and neither half is ever empty)
+    order = list(range(len(held)))
+    random.Random(seed).shuffle(order)
+    cut = max(1, round(0.5 * len(held)))
+    val, test = sorted(order[cut:]), sorted(order[:cut])
 
-    def examples(d: LabeledTexts) -> tuple[TextExample, ...]:
-        return tuple(TextExample(t, y) for t, y in zip(d.texts, d.labels, strict=True))
+    def examples(idx: list[int]) -> tuple[TextExample, ...]:
+        return tuple(TextExample(held.texts[i], held.labels[i]) for i in idx)
 
     return examples(val), examples(test)

@@ -1,12 +1,13 @@
 """Causal language modelling as a task plug-in: DP-BiTFiT-Add on lines of text or documents.
 
 Data: a text file's non-empty lines (default: the bundled Hamlet), joined a few at a time into
-examples (truncated at the max length); the last ones are held out. Or long documents
-(``--data convention-speeches``, the bundled 2012 convention speeches, or a .jsonl file with
-one document per line): each document is cut into windows of the max length every
-``--stride`` tokens, no token a target twice, and a tenth of the documents (split by speaker)
-is held out. The privacy unit (``--privacy-unit``) is then a window, or a whole document: all
-its windows sampled and clipped as one contribution (dpfit.clipped_sum.DocumentSums). Model: the bundled SmolLM2 (or any causal LM folder or
+examples (truncated at the max length); those with the smallest keyed hash of their text are
+held out. Or long documents (``--data convention-speeches``, the bundled 2012 convention
+speeches, or a .jsonl file with one document per line): each document is cut into windows of
+the max length every ``--stride`` tokens, no token a target twice, and about a tenth of the
+documents is held out, a speaker's (or an ungrouped document's) side from a keyed hash of it.
+The privacy unit (``--privacy-unit``) is then a window, or a whole document: all its windows
+sampled and clipped as one contribution (dpfit.clipped_sum.DocumentSums). Model: the bundled SmolLM2 (or any causal LM folder or
 .gguf file) with zero-initialised biases added where it has none. Loss: each example's mean
 token NLL, averaged over examples (per-example decomposable). Metric: held-out perplexity
 before and after, plus a few sampled continuations.
@@ -18,6 +19,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +32,15 @@ from dpfit.causal_lm import (
     perplexity,
     sample_lines,
     split_examples,
+)
+from dpfit.data.rowhash import (
+    FIXED_SIZE_NOTE,
+    FIXED_SIZE_RECORD,
+    HELD_OUT,
+    SPLIT_RULE,
+    SUBSAMPLE,
+    row_keys,
+    smallest,
 )
 from dpfit.dropout import MODEL as MODEL_DROPOUT
 from dpfit.dropout import config_rates, set_config_rates
@@ -47,10 +58,29 @@ from dpfit.windows import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HELD_OUT_DOCUMENTS = 0.1  # the share of documents (by group) held out for perplexity
 EVAL_TOKENS = 2048  # tokens per evaluation batch of long windows (logits are vocab x tokens)
 DOCUMENT_PROMPTS = {"convention-speeches": ("Four years ago,", "My fellow Americans,", "We")}
+
+
+HAMLET_PROMPTS = ("To be, or not", "My lord,", "O, what a")
+SAMPLE_PROMPTS = 3  # prompts drawn from the held-out texts of the user's own data
+PROMPT_WORDS = 4  # each: the opening words of one held-out text
+
+
+def held_out_prompts(texts: Sequence[str]) -> tuple[str, ...]:
+    """Sample prompts for the user's own data: the opening words of the first held-out texts
+    (evaluation data, like the perplexity; never the private training texts), or none."""
+    prompts = []
+    for text in texts:
+        words = text.split()[:PROMPT_WORDS]
+        if words:
+            prompts.append(" ".join(words))
+        if len(prompts) == SAMPLE_PROMPTS:
+            break
+    return tuple(prompts)
 
 
 def _document_source(data: str | None) -> str | None:
@@ -91,7 +121,35 @@ def read_documents(config) -> tuple[list[str], list[str], str]:
                 'as {"text": "..."} or name the field with --text-column'
             )
         texts.append(row[config.text_column])
-    return texts, [f"line {i}" for i in range(len(texts))], str(path)
+    return texts, [""] * len(texts), str(path)  # each line its own group, keyed by its text
+
+
+def held_out_documents(
+    texts: Sequence[str], groups: Sequence[str], fraction: float, seed: int
+) -> list[bool]:
+    """Which documents are held out: a group (a speaker) as a whole, by a keyed hash of its
+    name; a document without a group by a keyed hash of its text (dpfit.data.rowhash). Each
+    side changes by exactly the document (or group) added or removed."""
+    names = sorted({g for g in groups if g})
+    by_group = dict(
+        zip(names, row_keys((b"group\0" + g.encode() for g in names), seed, HELD_OUT), strict=True)
+    )
+    alone = iter(
+        row_keys(
+            (b"text\0" + t.encode() for t, g in zip(texts, groups, strict=True) if not g),
+            seed,
+            HELD_OUT,
+        )
+    )
+    keys = [by_group[g] if g else next(alone) for g in groups]
+    return [bool(k < fraction) for k in keys]
+
+
+def capped_documents(docs: Sequence[T], k: int, seed: int) -> list[T]:
+    """The `k` documents (objects with a .text) with the smallest keyed hash of their text:
+    one document added changes them by at most one in and one out."""
+    keys = row_keys((d.text.encode("utf-8") for d in docs), seed, SUBSAMPLE)
+    return [docs[i] for i in smallest(keys, k)]
 
 
 @dataclass
@@ -101,7 +159,8 @@ class CausalLMTask:
     lines_per_example: int = 2
     eval_examples: int = 64
     default_train_examples: int = 512
-    sample_prompts: tuple[str, ...] = ("To be, or not", "My lord,", "O, what a")
+    # None: the bundled data's own (HAMLET_PROMPTS, DOCUMENT_PROMPTS), else held-out openings
+    sample_prompts: tuple[str, ...] | None = None
     sample_tokens: int = 20
     eval_batch_size: int = 16
     name: str = "causal-lm"
@@ -115,7 +174,7 @@ class CausalLMTask:
         source = _document_source(config.data)
         if source is not None:
             texts, groups, what = read_documents(config)
-            prompts = DOCUMENT_PROMPTS.get(source, self.sample_prompts)
+            prompts = DOCUMENT_PROMPTS.get(source)  # own documents: from the held-out ones
             prep = self.prepare_documents(model, tokenizer, texts, groups, config, what, prompts)
         else:
             if (
@@ -129,6 +188,8 @@ class CausalLMTask:
                     "convention-speeches or --data FILE.jsonl (one document per line)"
                 )
             prep = self.prepare_from(model, tokenizer, self._lines(config), config)
+            if config.data is None and self.sample_prompts is None:  # the bundled Hamlet
+                prep.state["prompts"] = HAMLET_PROMPTS
         rate = getattr(config, "dropout", None)
         if rate is not None and rate != MODEL_DROPOUT:
             prep.notes.append(dropout_note(model, model.config, rate))
@@ -181,6 +242,9 @@ class CausalLMTask:
         examples = make_examples(lines, self.lines_per_example)
         n_train = config.max_train_examples or self.default_train_examples
         train_texts, eval_texts = split_examples(examples, n_train, self.eval_examples, config.seed)
+        split = {"split_rule": SPLIT_RULE}
+        if len(examples) - len(eval_texts) > n_train:
+            split["file_neighbouring"] = FIXED_SIZE_RECORD
         if not train_texts:
             raise DPFitError("no training examples: the text has too few lines")
         pad = (
@@ -197,9 +261,18 @@ class CausalLMTask:
             head_names=(),
             notes=[
                 f"causal LM: {len(train_texts)} training examples of {self.lines_per_example} "
-                f"lines, {len(eval_texts)} held out from the end; biases added (DP-BiTFiT-Add)"
+                f"lines, {len(eval_texts)} held out (those with the smallest keyed hash of "
+                "their text); biases added (DP-BiTFiT-Add)",
+                *([FIXED_SIZE_NOTE] if "file_neighbouring" in split else []),
             ],
-            state={"train": train_texts, "held": held, "pad": pad, "before": before},
+            state={
+                "train": train_texts,
+                "held": held,
+                "pad": pad,
+                "before": before,
+                "split": split,
+                "prompts": self._prompts(None, eval_texts),
+            },  # fmt: skip
             biases_added=True,
         )
 
@@ -218,17 +291,18 @@ class CausalLMTask:
         n (what the sampling rate and the recipe count) is the training documents with
         privacy_unit "document", their windows with "window".
         """
-        import random
-
         from dpfit.biases import add_biases
-        from dpfit.data.bundled import TextExample, split_by_group
+        from dpfit.data.bundled import TextExample
 
         examples = [TextExample(t, 0, g) for t, g in zip(texts, groups, strict=True)]
-        train_docs, held_docs = split_by_group(
-            examples, (1 - HELD_OUT_DOCUMENTS, HELD_OUT_DOCUMENTS), seed=config.seed
-        )
-        if config.max_train_examples is not None and config.max_train_examples < len(train_docs):
-            train_docs = random.Random(config.seed).sample(train_docs, config.max_train_examples)
+        held = held_out_documents(texts, groups, HELD_OUT_DOCUMENTS, config.seed)
+        train_docs = [e for e, h in zip(examples, held, strict=True) if not h]
+        held_docs = [e for e, h in zip(examples, held, strict=True) if h]
+        split = {"split_rule": SPLIT_RULE, "held_out_fraction": HELD_OUT_DOCUMENTS}
+        capped = config.max_train_examples is not None
+        if capped and config.max_train_examples < len(train_docs):
+            train_docs = capped_documents(train_docs, config.max_train_examples, config.seed)
+            split["file_neighbouring"] = FIXED_SIZE_RECORD
         held_docs = held_docs[: self.eval_examples]
         if not train_docs or not held_docs:
             raise DPFitError(
@@ -255,8 +329,9 @@ class CausalLMTask:
             head_names=(),
             notes=[
                 f"causal LM on {what}: {len(docs)} training documents ({shape}), "
-                f"{len(held_docs)} held out by group; privacy unit: {unit}; biases added "
-                "(DP-BiTFiT-Add)"
+                f"{len(held_docs)} held out by group (each group's side from a keyed hash of "
+                f"it and --seed); privacy unit: {unit}; biases added (DP-BiTFiT-Add)",
+                *([FIXED_SIZE_NOTE] if "file_neighbouring" in split else []),
             ],
             state={
                 "docs": docs,
@@ -266,12 +341,21 @@ class CausalLMTask:
                 "length": length,
                 "stride": stride,
                 "unit": unit,
-                "prompts": tuple(prompts or self.sample_prompts),
+                "prompts": self._prompts(prompts, [d.text for d in held_docs]),
                 "width": length if config.pad_to_max_length else None,
+                "split": split,
             },
             biases_added=True,
             privacy_unit=unit,
         )
+
+    def _prompts(self, given: Sequence[str] | None, held: Sequence[str]) -> tuple[str, ...]:
+        """The sample prompts: `given` (a bundled corpus's), the task's own, or the opening
+        words of held-out texts; never the training texts."""
+        for prompts in (given, self.sample_prompts):
+            if prompts is not None:
+                return tuple(prompts)
+        return held_out_prompts(held)
 
     @staticmethod
     def _eval_batch(length: int) -> int:
@@ -311,7 +395,7 @@ class CausalLMTask:
         documents = "docs" in prep.state
         batch = self._eval_batch(prep.state["length"]) if documents else 16
         after = perplexity(model, prep.state["held"], make_collate(prep.state["pad"]), batch)
-        prompts = prep.state.get("prompts", self.sample_prompts)
+        prompts = prep.state.get("prompts", self.sample_prompts or ())
         samples = sample_lines(model, prep.tokenizer, prompts, self.sample_tokens, config.seed)
         extra = {}
         if documents:
@@ -321,6 +405,7 @@ class CausalLMTask:
             "perplexity_before": prep.state["before"],
             "perplexity_after": after,
             "eval_n": len(prep.state["held"]),
+            **prep.state.get("split", {}),
             "train_examples": prep.n,
             "samples": [{"prompt": p, "continuation": c} for p, c in samples],
         }

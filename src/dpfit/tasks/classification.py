@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from dpfit import progress
+from dpfit.data.rowhash import FIXED_SIZE_NOTE, FIXED_SIZE_RECORD, SPLIT_RULE, small_test_note
 from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
 from dpfit.errors import DPFitError
 from dpfit.models import load_classifier
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+HELD_OUT_FRACTION = 0.1  # of a user's file held out as the test set when no --eval-data
+
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -57,6 +60,7 @@ class PreparedData:
     train: LabeledTexts
     test: LabeledTexts
     notes: tuple[str, ...]
+    split: dict = field(default_factory=dict)  # split_record(): the rule, for metrics.json
 
 
 def prepare_data(config: TrainConfig) -> PreparedData:
@@ -85,24 +89,102 @@ def prepare_data(config: TrainConfig) -> PreparedData:
                     f"{config.data} has {len(train)} examples, too few to hold out a test "
                     "set; pass --eval-data"
                 )
-            train, test = train.split(0.1, seed=config.seed)
+            train, test = train.split(HELD_OUT_FRACTION, seed=config.seed)
+            if not len(test) or not len(train):
+                raise DPFitError(
+                    f"{config.data}: no row fell on the "
+                    f"{'held-out' if not len(test) else 'training'} side of the "
+                    f"{HELD_OUT_FRACTION:.0%} hold-out (each row's side comes from a hash of "
+                    "the row and --seed); pass --eval-data, or another --seed"
+                )
             notes.append(
-                f"no --eval-data: holding out a random 10% of {config.data} as the test set "
-                f"({len(test)} examples)"
+                f"no --eval-data: holding out the rows of {config.data} whose keyed hash "
+                f"(--seed {config.seed}) falls below {HELD_OUT_FRACTION:g}, about "
+                f"{HELD_OUT_FRACTION:.0%}, as the test set ({len(test)} examples); score on "
+                "them again with dpfit evaluate --held-out"
             )
     if config.eval_data is not None:
         test = load_texts(
             config.eval_data, config.text_column, config.label_column, label_names=train.label_names
         )
+    subsampled = False
     if config.max_train_examples is not None and config.max_train_examples < len(train):
         notes.append(
-            f"training on a random {config.max_train_examples} of {len(train)} training examples "
-            "(--full-data or --max-train-examples to change)"
+            f"training on the {config.max_train_examples} of {len(train)} training examples "
+            "with the smallest keyed row hash (--full-data or --max-train-examples to change); "
+            f"{FIXED_SIZE_NOTE}"
         )
         train = train.subsample(config.max_train_examples, seed=config.seed)
+        subsampled = True
     if config.data is not None:
         notes.insert(label_note_at, _public_label_note(train, config))
-    return PreparedData(train, test, tuple(notes))
+    small = small_test_note(len(test))
+    if small is not None:
+        notes.append(small)
+    split = split_record(config.data is not None and config.eval_data is None, subsampled)
+    return PreparedData(train, test, tuple(notes), split)
+
+
+def split_record(held_out: bool, subsampled: bool) -> dict:
+    """What metrics.json says about how the user's file was split (public: the rule and the
+    fraction; `dpfit evaluate --held-out` re-derives the held-out rows from it). Empty when
+    no row-hash split was made (the bundled data is split by movie)."""
+    if not held_out and not subsampled:
+        return {}
+    record: dict = {"split_rule": SPLIT_RULE}
+    if held_out:
+        record["held_out_fraction"] = HELD_OUT_FRACTION
+    if subsampled:
+        record["file_neighbouring"] = FIXED_SIZE_RECORD
+    return record
+
+
+def recorded_held_out(model: str | Path, data: str | Path, label_names: Sequence[str]):
+    """The rows of `data` that the run which trained `model` held out as its test set,
+    re-derived by the same per-row hash from the seed, fraction and rule in the run's
+    metrics.json (DIR/metrics.json beside DIR/model): no private row is ever saved.
+
+    Because each row's side is its own, a row the run trained on is never among these even
+    if `data` has since gained or lost rows. Raises DPFitError when the run held nothing out
+    or made its split by an earlier rule, with what to do instead.
+    """
+    import json
+
+    run = Path(model).expanduser().parent / "metrics.json"
+    if not run.is_file():
+        raise DPFitError(
+            f"--held-out reads the training run's seed and split rule from {run} (the "
+            "metrics.json beside the model folder), which does not exist; keep the run folder "
+            "whole, or score on a separate file without --held-out"
+        )
+    metrics = json.loads(run.read_text())
+    config = metrics.get("config") or {}
+    if config.get("data") is None:
+        raise DPFitError(
+            f"{model} was trained on the bundled data: drop --held-out and --data to score "
+            "its held-out test split"
+        )
+    if config.get("eval_data") is not None:
+        raise DPFitError(
+            f"{model}'s run held nothing out: it scored on --eval-data "
+            f"{config['eval_data']}; score on that file with --data and without --held-out"
+        )
+    fraction = metrics.get("held_out_fraction")
+    if metrics.get("split_rule") != SPLIT_RULE or fraction is None:
+        raise DPFitError(
+            f"{model}'s run held out its test rows by an earlier rule (a seeded permutation "
+            f"of row positions), which this dpfit does not reproduce (it splits by a hash of "
+            f"each row, {SPLIT_RULE}); retrain with this version, or score on a separate file"
+        )
+    labels = config.get("labels")
+    rows = load_texts(
+        data,
+        config.get("text_column", "text"),
+        config.get("label_column", "label"),
+        label_names=label_names,
+        label_ids=labels is not None,  # as train read them: number k is the k-th name
+    )
+    return rows.split(float(fraction), seed=int(config.get("seed", 0)))[1]
 
 
 def _public_label_note(train: LabeledTexts, config: TrainConfig) -> str:
@@ -388,6 +470,7 @@ class ClassificationTask:
             "eval_n": res.n,
             "per_class": res.per_class,
             "eval_source": data.test.source,
+            **data.split,
             **extra,
             "train_examples": prep.n,
             "pooling": prep.state["pooling"],

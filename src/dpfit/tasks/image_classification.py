@@ -7,8 +7,8 @@ It runs through the one training loop (:func:`dpfit.train.train`), so private fi
 What is the image task's own: reading the images, the public/private split, the model
 factory, the loss and the metric, and saving the model with its pretraining record.
 
-The public/private split is a seeded random fraction of the training data
-(:func:`dpfit.vision.data.public_private_split`). Pretraining records it in the saved model;
+The public/private split is a seeded fraction of the training data, each image's side from a
+keyed hash of the image (:func:`dpfit.vision.data.public_private_split`). Pretraining records it in the saved model;
 private fine-tuning of that model on the same data reuses it and refuses a split that would
 put examples the model has already seen non-privately into the "private" set.
 
@@ -23,13 +23,20 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpfit.data.rowhash import (
+    EVAL_SUBSAMPLE,
+    FIXED_SIZE_NOTE,
+    FIXED_SIZE_RECORD,
+    SPLIT_RULE,
+    small_test_note,
+)
 from dpfit.errors import DPFitError
 from dpfit.tasks import Prepared
 from dpfit.tasks.labels import check_data_label_names
@@ -121,6 +128,7 @@ class PreparedImages:
     public_split: dict | None  # {"source", "fraction", "seed", "n_public"} when one was made
     notes: tuple[str, ...]
     label_source: str = "bundled"  # why the class names may be published
+    split: dict = field(default_factory=dict)  # the row-hash rule and fractions, for metrics
 
 
 def _is_bundled(spec: str | None) -> bool:
@@ -172,6 +180,15 @@ def prepare_images(
             "on the same data protects nothing. Pretrain on a public share "
             "(--public-fraction) or on separate public data"
         )
+    if same_source and "seed" in recorded_split and private_side:
+        if recorded_split.get("rule") != SPLIT_RULE:
+            raise DPFitError(
+                f"the model was pretrained non-privately on a public share of {source} chosen "
+                f"by an earlier split rule (a seeded permutation of the images); this dpfit "
+                f"chooses each image's side by a hash of the image ({SPLIT_RULE}), so its "
+                "private side would include images the model has seen. Pretrain again with "
+                "this version (dpfit pretrain), or fine-tune on other data"
+            )
     if same_source and "seed" in recorded_split:
         rec = (float(recorded_split["fraction"]), int(recorded_split["seed"]))
         if private_side and (fraction, seed) not in ((None, None), (None, rec[1]), rec):
@@ -202,8 +219,9 @@ def prepare_images(
     else:
         data, test = data.split(HELD_OUT, seed=seed)
         notes.append(
-            f"no --eval-data: holding out a random {HELD_OUT:.0%} of {config.data} as the test "
-            f"set ({len(test)} images, split seed {seed})"
+            f"no --eval-data: holding out the images of {config.data} whose keyed hash "
+            f"(split seed {seed}) falls below {HELD_OUT:g}, about {HELD_OUT:.0%}, as the test "
+            f"set ({len(test)} images)"
         )
     public_split = None
     if fraction:
@@ -212,6 +230,7 @@ def prepare_images(
             "source": source,
             "fraction": fraction,
             "seed": seed,
+            "rule": SPLIT_RULE,
             "n_public": len(public),
             "n_private": len(private),
         }
@@ -223,15 +242,29 @@ def prepare_images(
     elif not private_side:
         notes.append(f"all of {source} is treated as public (no --public-fraction)")
         public_split = {"source": source, "fraction": 1.0}
+    split: dict = {}
+    if config.eval_data is None and not _is_bundled(config.data):
+        split["held_out_fraction"] = HELD_OUT
+    if fraction:
+        split["public_fraction"] = fraction
     if config.max_train_examples is not None and config.max_train_examples < len(data):
-        notes.append(f"training on a random {config.max_train_examples} of {len(data)} images")
+        notes.append(
+            f"training on the {config.max_train_examples} of {len(data)} images with the "
+            f"smallest keyed hash; {FIXED_SIZE_NOTE}"
+        )
         data = data.subsample(config.max_train_examples, seed=config.seed)
+        split["file_neighbouring"] = FIXED_SIZE_RECORD
     if opts.max_eval_examples is not None and opts.max_eval_examples < len(test):
         notes.append(f"evaluating on a random {opts.max_eval_examples} of {len(test)} images")
-        test = test.subsample(opts.max_eval_examples, seed=config.seed)
+        test = test.subsample(opts.max_eval_examples, seed=config.seed, purpose=EVAL_SUBSAMPLE)
+    small = small_test_note(len(test))
+    if small is not None:
+        notes.append(small)
     label_source, note = _label_names(data, config, source, all_public)
     notes.insert(label_note_at, note)
-    return PreparedImages(data, test, public_split, tuple(notes), label_source)
+    if split:
+        split = {"split_rule": SPLIT_RULE, **split}
+    return PreparedImages(data, test, public_split, tuple(notes), label_source, split)
 
 
 def _fresh_model_note(name: str, given: str | None) -> list[str]:
@@ -394,6 +427,7 @@ class ImageClassificationTask:
             "model": image_model.spec.arch,
             "image_size": image_model.spec.image_size,
             "public_split": data.public_split,
+            **data.split,
             "label_names_public": True,
             "label_names_source": data.label_source,
         }

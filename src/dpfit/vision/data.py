@@ -23,6 +23,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpfit.data.rowhash import (
+    HELD_OUT,
+    PUBLIC,
+    SUBSAMPLE,
+    held_out_mask,
+    image_row,
+    row_keys,
+    smallest,
+)
 from dpfit.errors import DPFitError
 from dpfit.vision.augment_names import AUGMENTS
 
@@ -120,36 +129,53 @@ class ImageData:
         counts = np.bincount(self.labels, minlength=len(self.label_names))
         return {n: int(c) for n, c in zip(self.label_names, counts, strict=True)}
 
-    def split(self, fraction: float, seed: int) -> tuple[ImageData, ImageData]:
-        """(rest, held) with a random `fraction` held out; public randomness (seeded)."""
+    def row_keys(self, seed: int, purpose: str) -> np.ndarray:
+        """Each image's key in [0, 1) from its pixels and class name (dpfit.data.rowhash)."""
+        names = self.label_names
+        rows = (image_row(x, names[y]) for x, y in zip(self.images, self.labels, strict=True))
+        return row_keys(rows, seed, purpose)
+
+    def split(
+        self, fraction: float, seed: int, purpose: str = HELD_OUT
+    ) -> tuple[ImageData, ImageData]:
+        """(rest, held): an image is held out iff its own key is below `fraction` (public
+        randomness, seeded), so one image added or removed changes each side by that image
+        alone. `purpose` keeps independent splits (held-out test, public share) independent."""
         if not 0 < fraction < 1:
             raise ValueError(f"fraction must be in (0, 1), got {fraction}")
-        perm = np.random.default_rng(seed).permutation(len(self))
-        k = max(1, round(fraction * len(self)))
-        if k >= len(self):
-            raise ImageDataError(f"{self.source}: {len(self)} examples are too few to split")
-        held, rest = np.sort(perm[:k]), np.sort(perm[k:])
+        held = held_out_mask(self.row_keys(seed, purpose), fraction)
+        if held.all() or not held.any():
+            raise ImageDataError(
+                f"{self.source}: no image of {len(self)} fell on the "
+                f"{'held' if not held.any() else 'remaining'} side of a {fraction:g} split "
+                "(each image's side comes from a hash of it and the seed); use more images, "
+                "another seed, or give the split's data separately"
+            )
         pct = f"{100 * fraction:g}%"
-        return self.subset(rest, f"all but {pct}, seed {seed}"), self.subset(
-            held, f"{pct}, seed {seed}"
+        rest_idx, held_idx = np.flatnonzero(~held), np.flatnonzero(held)
+        return self.subset(rest_idx, f"all but {pct} by row hash, seed {seed}"), self.subset(
+            held_idx, f"{pct} by row hash, seed {seed}"
         )
 
-    def subsample(self, n: int, seed: int) -> ImageData:
+    def subsample(self, n: int, seed: int, purpose: str = SUBSAMPLE) -> ImageData:
+        """The `n` images with the smallest keys: one image added to the data changes this
+        subset by at most one image in and one out."""
         if n >= len(self):
             return self
-        idx = np.sort(np.random.default_rng(seed).permutation(len(self))[:n])
-        return self.subset(idx, f"random {n}, seed {seed}")
+        idx = smallest(self.row_keys(seed, purpose), n)
+        return self.subset(idx, f"random {n} by row hash, seed {seed}")
 
 
 def public_private_split(
     data: ImageData, public_fraction: float, seed: int
 ) -> tuple[ImageData, ImageData]:
-    """(public, private): a seeded random `public_fraction` of `data` is declared public.
+    """(public, private): the images whose own key is below `public_fraction` are public.
 
     The same (data, fraction, seed) always gives the same split, so ``dpfit pretrain`` and
-    ``dpfit train`` agree on which examples are public without exchanging index lists.
+    ``dpfit train`` agree on which examples are public without exchanging index lists; and an
+    image is public or private by itself, whatever else the data holds.
     """
-    private, public = data.split(public_fraction, seed)
+    private, public = data.split(public_fraction, seed, purpose=PUBLIC)
     return public, private
 
 
