@@ -111,8 +111,11 @@ class RecordingClients:
         return self.last_losses
 
 
-def setup(args: argparse.Namespace):
-    """Task, engine, validation and test data (the cache is shared by every run)."""
+def setup(args: argparse.Namespace, client_data=None):
+    """Task, engine, validation and test data (the cache is shared by every run).
+
+    ``client_data``: partition id -> examples, when the clients are not the IID split's
+    (benchmarks/federated_misspec.py's label-skewed clients)."""
     import torch
 
     from dpfit.federated.app import client_examples, splits
@@ -128,9 +131,8 @@ def setup(args: argparse.Namespace):
     )  # fmt: skip
     lm = load_local_model(task.model, task.local_mode, task.lora_r, task.seed)
     memo = Path(args.vote_memo) if getattr(args, "vote_memo", None) else None
-    engine = RecordingClients(
-        BatchedClients(lm, task, lambda p: client_examples(task, p)), memo=memo
-    )
+    client_data = client_data or (lambda p: client_examples(task, p))
+    engine = RecordingClients(BatchedClients(lm, task, client_data), memo=memo)
     _, val, test = splits(task.seed)
     val = stratified(val, args.val_examples, seed=task.seed)
     val_data = ([e.text for e in val], [e.label for e in val])
@@ -140,7 +142,7 @@ def setup(args: argparse.Namespace):
     if cache_file is not None and cache_file.exists():  # the frozen layers' output, reused
         engine.cache.store.update(torch.load(cache_file))
     loaded = len(engine.cache.store)
-    engine.cache.fill([e.text for p in range(task.num_clients) for e in client_examples(task, p)])
+    engine.cache.fill([e.text for p in range(task.num_clients) for e in client_data(p)])
     engine.cache.fill(val_data[0] + test_data[0])
     if cache_file is not None and len(engine.cache.store) > loaded:  # written only if it grew
         torch.save(engine.cache.store, cache_file)

@@ -1,0 +1,140 @@
+"""The misspecification protocol's script: its plan, its heterogeneous clients, and the
+pre-registered verdict computed from synthetic rows (no model is trained)."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+from benchmark_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("federated_misspec")
+
+
+def _args(bench, **kw) -> argparse.Namespace:
+    base = dict(
+        c_inits=list(bench.C_INITS),
+        epsilons=list(bench.EPSILONS),
+        partitions=list(bench.PARTITIONS),
+        seeds=[0, 1, 2, 3, 4],
+        methods=list(bench.METHODS),
+        no_sweep=False,
+    )
+    return argparse.Namespace(**dict(base, **kw))
+
+
+def test_the_plan_is_the_registered_protocol(bench):
+    plan = bench.plan_runs(_args(bench))
+    assert len(plan) == len(set(plan)) == 6 * 3 * 2 * 2 * 5 + 7 * 2 * 2 * 5
+    fixed = {k[4] for k in plan if k[0] == "fixed"}
+    assert fixed == set(bench.SWEEP) >= set(bench.C_INITS)
+    pilot = bench.plan_runs(
+        _args(
+            bench,
+            seeds=[0],
+            epsilons=[8.0],
+            c_inits=[0.1, 10.0],
+            partitions=["iid"],
+            methods=["lac-2s", "lac", "fixed"],
+            no_sweep=True,
+        )
+    )
+    assert len(pilot) == 6
+    assert bench.estimate_cpu_s(pilot, set(pilot)) == 0
+
+
+def test_label_skewed_clients_are_heterogeneous_and_reproducible(bench):
+    train = [SimpleNamespace(label=i % 2, text=str(i)) for i in range(2000)]
+    a = bench.label_skew_clients(train, 100, 10, 0.3, seed=0)
+    b = bench.label_skew_clients(train, 100, 10, 0.3, seed=0)
+    assert [[e.text for e in c] for c in a] == [[e.text for e in c] for c in b]
+    assert all(len(c) == 10 for c in a)
+    pure = sum(len({e.label for e in c}) == 1 for c in a)
+    assert pure > 30  # Dirichlet(0.3) over 2 labels: most clients hold mostly one label
+    iid_like = bench.label_skew_clients(train, 100, 10, 100.0, seed=0)
+    assert sum(len({e.label for e in c}) == 1 for c in iid_like) < 5
+
+
+def _rows(bench, new_minus_star: float, star: float = 1.0) -> list[dict]:
+    """The complete protocol's rows with fixed C* scoring 0.70 (+ seed noise), every other
+    clip 0.60, and lac-2s at C* + ``new_minus_star``."""
+    rows = []
+    for eps in bench.EPSILONS:
+        for part in bench.PARTITIONS:
+            for s in range(5):
+                wobble = 0.002 * (s - 2)
+                for c in bench.SWEEP:
+                    acc = 0.70 + wobble if c == star else 0.60
+                    rows.append(
+                        dict(
+                            method="fixed",
+                            epsilon_target=eps,
+                            partition=part,
+                            seed=s,
+                            c_init=c,
+                            test_accuracy=acc,
+                        )
+                    )
+                for c in bench.C_INITS:
+                    d = new_minus_star + 0.001 * ((s * 7 + int(c * 10)) % 3 - 1)
+                    rows.append(
+                        dict(
+                            method="lac-2s",
+                            epsilon_target=eps,
+                            partition=part,
+                            seed=s,
+                            c_init=c,
+                            test_accuracy=0.70 + wobble + d,
+                        )
+                    )
+    for r in rows:
+        r.update(
+            clients=1000,
+            clients_per_round=100,
+            rounds_requested=30,
+            lr=0.5,
+            cpu_seconds=1.0,
+            initial_clip=r["c_init"],
+            rounds=[],
+        )
+    return rows
+
+
+def test_c_star_is_the_best_swept_clip(bench):
+    rows = _rows(bench, 0.0, star=0.5)
+    best, accs = bench.c_star(rows, 8.0, "iid")
+    assert best == 0.5 and len(accs) == 5
+
+
+@pytest.mark.parametrize("gap,within", [(0.0, True), (-0.005, True), (-0.02, False)])
+def test_the_verdict_reads_the_lower_end_against_one_point(bench, gap, within):
+    text = bench.render(_rows(bench, gap), "federated_misspec")
+    n = 12 if within else 0
+    assert f"{n} of 12 cells within 1 point" in text
+    assert "Cell-averaged lac-2s minus C*" in text
+    # no lac rows: condition 3 cannot be met, so the default stays
+    assert "NOT met): the default stays lac." in text
+
+
+def test_the_default_changes_only_when_all_three_conditions_hold(bench):
+    rows = _rows(bench, 0.0)
+    lac = [
+        dict(r, method="lac", test_accuracy=r["test_accuracy"] - 0.05)
+        for r in rows
+        if r["method"] == "lac-2s"
+    ]
+    text = bench.render(rows + lac, "federated_misspec")
+    assert "(conditions 1, 2, 3: met, met, met): lac-2s becomes the --method default." in text
+    better_lac = [dict(r, test_accuracy=r["test_accuracy"] + 0.1) for r in lac]
+    text = bench.render(rows + better_lac, "federated_misspec")
+    assert "met, met, NOT met): the default stays lac." in text
+
+
+def test_a_partial_protocol_draws_no_verdict(bench):
+    rows = [r for r in _rows(bench, 0.0) if r["seed"] < 3]
+    text = bench.render(rows, "federated_misspec_pilot")
+    assert "no verdict" in text and "PILOT, 3 seed(s), not the protocol" in text
