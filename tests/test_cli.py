@@ -380,3 +380,103 @@ def test_train_runs_auto_precision_by_default(tiny, tmp_path, monkeypatch):
         out = tmp_path / want
         assert main(train_args(tiny, "--epsilon", "2", "--output", str(out))) == 0
         assert json.loads((out / "metrics.json").read_text())["config"]["precision"] == want
+
+
+# -- a new user's second hour: clear messages, honest durations --------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["train", "--epsilon", "abc"], "--epsilon must be a positive number, got 'abc'"),
+        (["train", "--epsilon", "0"], "--epsilon must be a positive number, got '0'"),
+        (["train", "--epochs", "two"], "--epochs must be a whole number >= 1, got 'two'"),
+        (["train", "--noise-multiplier", "x"], "--noise-multiplier must be a number, got 'x'"),
+    ],
+)
+def test_a_bad_option_value_is_one_line_and_a_hint(capsys, argv, line):
+    """No usage dump and no internal function name (_positive_float): the option, the value,
+    what it must be, and where to look."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dpfit train: error: {line}", "(see: dpfit train --help)"]
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "federated"])
+def test_help_shows_the_default_column_names(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--text-column TEXT_COLUMN the text column (default: text)" in text or (
+        "--text-column TEXT_COLUMN your data's text column (default: text)" in text
+    )
+    assert "(default: label)" in text
+
+
+@pytest.mark.parametrize("offline", ["1", "0"])
+def test_a_misspelled_model_lists_the_bundled_names_at_once(tiny, monkeypatch, capsys, offline):
+    """Offline, or a near miss of a bundled name online: refused before any data is read or
+    any network call, naming the bundled models."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, offline)
+    assert main(train_args(tiny, "--model", "minlm")) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "(minilm, smollm2)" in lines[0] and "did you mean 'minilm'?" in lines[0]
+
+
+def test_empty_cells_are_skipped_with_their_line_numbers(tiny, tmp_path, caplog):
+    data = tmp_path / "d.csv"
+    rows = [f"the film was good {i},pos\nthe film was bad {i},neg\n" for i in range(30)]
+    rows[1] = "the film was good 1,\n,neg\n"  # lines 4 and 5 of the file (header is line 1)
+    data.write_text("text,label\n" + "".join(rows))
+    with caplog.at_level("WARNING", logger="dpfit"):
+        assert main(train_args(tiny, "--data", str(data), "--max-steps", "1", "--no-output")) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert "skipped 2 rows with an empty text or label (line 4, line 5)" in warning
+
+
+def test_progress_in_a_log_is_a_few_plain_lines_with_the_time_left(tiny, capsys):
+    """stderr is not a terminal here (as in a captured log): no control codes, no redraws,
+    a line per tenth of the run at most (or per 30 s), and an estimate of the time left."""
+    model, data, _ = tiny
+    argv = ["train", "--model", model, "--data", data, "--epochs", "1", "--batch-size", "8",
+            "--physical-batch-size", "8", "--threads", "1", "--no-head-first", "--no-output"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err
+    training = [ln for ln in err.splitlines() if ln.startswith("training:")]
+    assert 3 <= len(training) <= 13, training
+    estimate = [ln for ln in training if "left at" in ln]
+    assert estimate and re.search(r"about \d+ (s|min) left at [\d.]+ (s/step|step/s)", estimate[0])
+    assert re.fullmatch(r"training: (\d+)/\1 steps in \d+ s, eps=.*", training[-1]), training[-1]
+
+
+def test_a_causal_lm_on_own_text_samples_from_held_out_text(tmp_path, capsys):
+    """Sample prompts come from the user's held-out examples (never the training ones, never
+    the bundled Hamlet), and the recipe note names the task instead of "0 classes"."""
+    from dpfit.tasks.causal_lm import HAMLET_PROMPTS, CausalLMTask
+    from dpfit.train import TrainConfig
+
+    folder = save_tiny_random_model(tmp_path / "gpt2", arch="gpt2")
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(f"{i} the good movie was great" for i in range(80)))
+    argv = ["train", "--task", "causal-lm", "--model", str(folder), "--data", str(lines),
+            "--max-train-examples", "32", "--batch-size", "8", "--max-length", "16",
+            "--max-steps", "1", "--threads", "1", "--quiet", "--no-output", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    note = next(ln for ln in captured.err.splitlines() if "note: recipe" in ln)
+    assert "causal LM" in note and "0 classes" not in note
+    prompts = [s["prompt"] for s in json.loads(captured.out)["samples"]]
+    assert prompts and not set(prompts) & set(HAMLET_PROMPTS)
+
+    config = TrainConfig(task="causal-lm", model=str(folder), data=str(lines),
+                         max_train_examples=32)  # fmt: skip
+    prep = CausalLMTask().prepare(config)
+    assert prep.state["prompts"] and not set(prep.state["prompts"]) & set(HAMLET_PROMPTS)
+    for prompt in prep.state["prompts"]:
+        assert not any(t.startswith(prompt) for t in prep.state["train"]), prompt

@@ -11,9 +11,11 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 from dpfit.audit import cli as audit_cli
 from dpfit.console import quiet_hub_libraries
@@ -22,13 +24,17 @@ from dpfit.errors import DPFitError
 logger = logging.getLogger("dpfit")
 
 EXIT_USAGE = 2
+STAGE_UNITS = {"samples": "prompt"}  # what a progress stage counts, if not examples
 EXIT_INTERRUPTED = 130
 
 
 def _positive_int(s: str) -> int:
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
     if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {s!r}")
     return v
 
 
@@ -42,10 +48,29 @@ def _dropout_rate(text: str) -> float | str:
 
 
 def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s!r}")
     return v
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes as one line and a hint, not the whole usage: "dpfit train: error:
+    --epsilon must be a positive number, got 'abc'" (argparse's own wording names the
+    option as "argument --epsilon:" and a failed type by its function's name)."""
+
+    def error(self, message: str) -> NoReturn:
+        message = re.sub(r"^argument ([^:]+): must ", r"\1 must ", message)
+        message = re.sub(
+            r"^argument ([^:]+): invalid (float|int) value: ",
+            lambda m: f"{m[1]} must be a {'whole ' if m[2] == 'int' else ''}number, got ",
+            message,
+        )
+        message = re.sub(r"^argument ([^:]+):", r"\1:", message)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n(see: {self.prog} --help)\n")
 
 
 # -- train -----------------------------------------------------------------------------------
@@ -68,8 +93,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eval-data", help="file scored at the end (default: test split / 10%% held out)"
     )
-    g.add_argument("--text-column", default="text")
-    g.add_argument("--label-column", default="label")
+    g.add_argument("--text-column", default="text", help="your data's text column (default: text)")
+    g.add_argument(
+        "--label-column", default="label", help="your data's label column (default: label)"
+    )
     g.add_argument("--max-length", type=_positive_int, help="tokens per example (recipe: 128)")
     g.add_argument(
         "--stride",
@@ -475,6 +502,10 @@ def _set_threads(spec: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from dpfit.models import check_model_name
+
+    if args.task != "image-classification":  # vision hook: image models have their own names
+        check_model_name(args.model)  # a typo fails in seconds, not after the data is read
     # -- distributed: re-run through torchrun, or join its process group; rank 0 alone talks
     from dpfit import distributed
 
@@ -513,37 +544,32 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
     """Run `config` with a progress bar, then print the result table (or --json): the one
     output path of ``dpfit train`` and ``dpfit pretrain``. `run` replaces
     :func:`dpfit.train.train` (same signature), e.g. pretraining's length rule."""
-    from tqdm.auto import tqdm
-
     from dpfit import distributed, progress
+    from dpfit.console import PhaseProgress
     from dpfit.reporting import format_table, to_json
     from dpfit.train import train
 
-    bar = None
+    bar: PhaseProgress | None = None  # the training phase: estimate, then bar or plain lines
 
     def on_note(msg: str) -> None:
         if not distributed.is_main_process():
             return
-        (tqdm.write if bar is not None else _eprint)(f"note: {msg}", file=sys.stderr)
+        (bar.write if bar is not None else _eprint)(f"note: {msg}")
 
     def on_step(row, total: int) -> None:
         nonlocal bar
         if args.quiet:
             return
-        if bar is None:
-            bar = tqdm(
-                total=total, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
-            )
-            bar.update(row.step - 1)  # resumed runs start part-way
+        if bar is None:  # resumed runs start part-way
+            bar = PhaseProgress("training", total, "step", initial=row.step - 1, estimate=True)
         post = {}
         if row.loss is not None:  # non-private runs only: a private run's loss is not shown
             post["loss"] = f"{row.loss:.4f}"
         if math.isfinite(row.epsilon):
             post["eps"] = f"{row.epsilon:.3f}"
-        bar.set_postfix(post, refresh=False)
-        bar.update(1)
+        bar.update_to(row.step, post)
 
-    stages: dict = {}  # stage -> its bar (features, tokenising, evaluating)
+    stages: dict = {}  # stage -> its progress (features, tokenising, evaluating)
 
     def on_progress(stage: str, done: int, total: int) -> None:
         if args.quiet or not distributed.is_main_process() or total <= 0:
@@ -552,11 +578,11 @@ def run_config(config, args: argparse.Namespace, command: str = "train", run=Non
         if stage_bar is None:
             if done >= total:
                 return
-            stage_bar = stages[stage] = tqdm(
-                total=total, desc=stage, unit="ex", file=sys.stderr, dynamic_ncols=True,
-                delay=1.0, leave=False,
-            )  # fmt: skip
-        stage_bar.update(done - stage_bar.n)
+            unit = STAGE_UNITS.get(stage, "example")
+            stage_bar = stages[stage] = PhaseProgress(
+                stage, total, unit, initial=done, leave=False, delay=1.0
+            )
+        stage_bar.update_to(done)
         if done >= total:
             stages.pop(stage).close()
 
@@ -618,8 +644,8 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
         "chosen again by the run's per-row hash (seed and rule from DIR/metrics.json); "
         "nothing private is saved",
     )
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--label-column", default="label")
+    p.add_argument("--text-column", default="text", help="the text column (default: text)")
+    p.add_argument("--label-column", default="label", help="the label column (default: label)")
     p.add_argument(
         "--max-length",
         type=_positive_int,
@@ -869,9 +895,7 @@ COMMANDS["pretrain"] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dpfit", description="Differentially private fine-tuning (DP-BiTFiT)."
-    )
+    parser = _Parser(prog="dpfit", description="Differentially private fine-tuning (DP-BiTFiT).")
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="-v info, -vv debug logs"
     )

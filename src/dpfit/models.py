@@ -73,7 +73,57 @@ def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, dict, bool]:
             f"model {s!r} is not a folder with a transformers model (config.json + weights); "
             "check the path, or pass a hub id like 'org/name'"
         )
+    _check_hub_name(s)
     return s, {}, False
+
+
+def check_model_name(name_or_path: str | os.PathLike | None) -> None:
+    """Refuse at once a --model that names nothing loadable (a typo of a bundled name, a
+    missing path, a hub id while offline and not cached), before any data is read. Loads
+    nothing: an existing path, a bundled name or a possible hub id passes."""
+    if not name_or_path:
+        return
+    from dpfit.data.bundled import BUNDLED_MODELS
+
+    p = Path(name_or_path).expanduser()
+    if p.exists() or str(name_or_path).strip().lower() in BUNDLED_MODELS:
+        return
+    _resolve(name_or_path)  # raises for a path that is not there and for a name as above
+
+
+def _check_hub_name(name: str) -> None:
+    """Fail at once, listing the bundled names, for a name that cannot be a model we can
+    get: not in the hub cache and either offline (nothing to download) or a near miss of a
+    bundled name (a typo would otherwise wait on the network, then blame it)."""
+    import difflib
+
+    from dpfit.data.bundled import BUNDLED_MODELS
+
+    if _hub_cached(name):
+        return
+    near = difflib.get_close_matches(name.strip().lower(), BUNDLED_MODELS, n=1, cutoff=0.6)
+    if not near and not hub_offline():
+        return
+    bundled = ", ".join(BUNDLED_MODELS)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    where = "" if near else " and the hub is off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set)"
+    raise ModelLoadError(
+        f"model {name!r} is not a bundled model ({bundled}), a local folder or a model in "
+        f"the hub cache{where}; {hint}pass --model {bundled.replace(', ', ' or --model ')}, "
+        "or a folder"
+    )
+
+
+def _hub_cached(name: str) -> bool:
+    """Whether `name` is a hub id with a config.json in the local hub cache."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return False
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
 
 
 def head_module_names(model) -> tuple[str, ...]:

@@ -23,9 +23,11 @@ def _run(argv):
     return run(parser.parse_args(argv))
 
 
-# What `dpfit federated` prints without -v: a header, the vote's start and end, one line per
-# round, then the table.
-OWN_LINE = re.compile(r"^(dpfit federated: .*|clip vote: .*|round +\d+/\d+  C=.*|\|.*\||)$")
+# What `dpfit federated` prints without -v: a header, where it writes, the vote's start and
+# end, one line per round, then the table and what it wrote.
+OWN_LINE = re.compile(
+    r"^(dpfit federated: .*|output: .*|clip vote: .*|round +\d+/\d+  C=.*|\|.*\||wrote .*|)$"
+)
 
 
 def _foreign_lines(text: str) -> list[str]:
@@ -65,9 +67,10 @@ def test_default_output_is_rounds_and_table_only(capfd):
     captured = capfd.readouterr()
     lines = captured.out.splitlines()
     assert lines[0].startswith("dpfit federated: lac, eps=8")
+    assert lines[1].startswith("output: ") and "--output DIR" in lines[1]
     # the vote is the longest silent stretch before round 1: it says when it starts and ends
-    assert lines[1] == "clip vote: 4 clients score the candidates ..."
-    assert lines[2] == "clip vote: done"
+    assert lines[2] == "clip vote: 4 clients score the candidates ..."
+    assert lines[3] == "clip vote: done"
     assert sum(line.startswith("round ") for line in lines) == 2
     assert "majority class" in captured.out and "test acc" in captured.out
     assert _foreign_lines(captured.out) == []
@@ -212,3 +215,68 @@ def test_bad_vote_factors_are_a_one_line_error(factors, capsys):
     assert _run([*TINY, "--method", "lac", "--vote-factors", *factors]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vote_factors" in err[0], err
+
+
+def test_batched_engine_with_the_default_mode_says_which_flag_to_add(capsys):
+    """The other defaults train heads, which the batched engine cannot batch: one line, with
+    the command's prefix, the modes it has and the flag to add; refused before any model."""
+    assert _run(["--engine", "batched"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("dpfit federated: error: --engine batched runs local mode lora-top")
+    assert "got --local-mode head" in err[0] and "add --local-mode lora-top" in err[0]
+
+
+def test_a_run_keeps_its_outputs_in_a_new_run_folder_by_default(tmp_path, monkeypatch, capsys):
+    """Like `dpfit train`: runs/federated-<date-time>/ unless --output (or --no-output)."""
+    monkeypatch.setenv("DPFIT_RUNS_DIR", str(tmp_path / "runs"))
+    base = [*TINY, "--engine", "local", "--method", "fixed", "--rounds", "1"]
+    assert _run(base) == 0
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"federated-\d{8}-\d{6}", folder.name)
+    assert json.loads((folder / "metrics.json").read_text())["rounds"] == 1
+    assert (folder / "rounds.csv").is_file()
+    out = capsys.readouterr().out
+    assert f"output: {folder}" in out and f"wrote {folder}/metrics.json" in out
+    assert _run([*base, "--no-output"]) == 0
+    assert len(list((tmp_path / "runs").iterdir())) == 1
+    assert _run([*base, "--output", str(folder)]) == 2  # an earlier run is never overwritten
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_table_and_round_line_show_the_same_last_clip(tmp_path, capsys):
+    """The table's clip is the one the last round ran with, as its round line prints it (the
+    clip after the last update, a next round's, is metrics.json's final_clip)."""
+    out = tmp_path / "out"
+    argv = [*TINY, "--engine", "local", "--method", "dynamic", "--output", str(out)]
+    assert _run(argv) == 0  # dynamic: C_t = C_0 rho^(t/T), a new clip after every round
+    text = capsys.readouterr().out
+    last_line = [ln for ln in text.splitlines() if ln.startswith("round ")][-1]
+    clip_in_line = re.search(r"C=(\S+)", last_line)[1]
+    header, _, row = [ln for ln in text.splitlines() if ln.startswith("|")]
+    cells = dict(zip(header.split("|"), row.split("|"), strict=True))
+    assert cells[" C last round "].strip() == clip_in_line
+    m = json.loads((out / "metrics.json").read_text())
+    rows = list(csv.DictReader(open(out / "rounds.csv")))
+    assert m["last_round_clip"] == pytest.approx(float(rows[-1]["clip_norm"]))
+    assert m["final_clip"] != pytest.approx(m["last_round_clip"])  # the two quantities differ
+
+
+def test_batched_vote_and_frozen_features_report_progress_as_they_go():
+    """The batched vote moves on within a chunk of clients (its local steps, then each
+    candidate), and the frozen-feature pass reports its chunks: no long silent stretch."""
+    from dpfit import progress
+    from dpfit.federated.batched import FEATURES_STAGE, run_batched
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = [*TINY, "--engine", "batched", "--local-mode", "lora-top", "--method", "lac",
+            "--rounds", "1"]  # fmt: skip
+    server_cfg, task = configs(parser.parse_args(argv))
+    reports: list[tuple[str, int, int]] = []
+    with progress.listening(lambda *r: reports.append(r)):
+        run_batched(server_cfg, task)
+    vote = [done for stage, done, total in reports if stage == "clip vote"]
+    assert vote[0] == 0 and vote[-1] == 4
+    assert any(0 < d < 4 for d in vote) and vote == sorted(vote)
+    assert any(stage == FEATURES_STAGE for stage, _, _ in reports)

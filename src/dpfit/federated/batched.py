@@ -57,6 +57,8 @@ FLAT_CHUNK = 256  # (client, example) pairs per top-layer computation
 PROJECT_CHUNK = 512  # texts per frozen q/k/v product
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
+LOCAL_MODES = ("lora-top",)  # what this engine can batch (everything that trains on top)
+FEATURES_STAGE = "frozen features"  # progress stage of FrozenCache.fill
 
 
 class BatchedEngineError(ClientTaskError):
@@ -93,6 +95,7 @@ class FrozenCache:
         backbone.encoder.layer = layers[:-1]  # the frozen part only; restored below
         try:
             for i in range(0, len(order), EVAL_CHUNK):
+                progress.report(FEATURES_STAGE, i, len(order))
                 idx = order[i : i + EVAL_CHUNK]
                 batch = lm.batch([ids[j] for j in idx])
                 out = backbone(**batch).last_hidden_state
@@ -101,6 +104,7 @@ class FrozenCache:
                     self.store[missing[j]] = out[row, :n].clone()
         finally:
             backbone.encoder.layer = layers
+        progress.report(FEATURES_STAGE, len(order), len(order))
 
     @torch.no_grad()
     def project(self, texts: Sequence[str], weight: torch.Tensor) -> None:
@@ -150,7 +154,7 @@ class TopLayer:
     """The top BERT layer, pooling and head as a function of stacked client parameters."""
 
     def __init__(self, lm: LocalModel) -> None:
-        if lm.local_mode != "lora-top":
+        if lm.local_mode not in LOCAL_MODES:
             raise BatchedEngineError(
                 f"the batched engine needs --local-mode lora-top, got {lm.local_mode!r}"
             )
@@ -417,16 +421,22 @@ class BatchedClients:
         start: Sequence[np.ndarray],
         data: list[Sequence[TextExample]],
         rngs: list[np.random.Generator],
+        on_step: Callable[[int, int], None] | None = None,
     ) -> list[list[np.ndarray]]:
-        """Each client's update (new - start), as ``client.local_train`` would return it."""
+        """Each client's update (new - start), as ``client.local_train`` would return it.
+
+        ``on_step(done, total)``: after each local step (progress only; ``total`` is known once
+        the last epoch's plan is drawn, an estimate before)."""
         task, k = self.task, len(data)
         stacked = [t.requires_grad_(True) for t in self._stack(start, k)]
         opt = _StackedOptimizer(task.local_optimizer, stacked, task.lr)
+        steps_done = 0
         for _ in range(task.local_epochs):
             plans = [
                 _batches(len(d), task.local_batch_size, r) for d, r in zip(data, rngs, strict=True)
             ]
-            for s in range(max(len(p) for p in plans)):
+            epoch_steps = max(len(p) for p in plans)
+            for s in range(epoch_steps):
                 rows: list[list[tuple[str, int] | None]] = []
                 sizes = []
                 for d, p in zip(data, plans, strict=True):
@@ -444,6 +454,9 @@ class BatchedClients:
                 for kidx, ce in self._chunk_losses(stacked, rows):
                     (ce / denom.index_select(0, kidx)).sum().backward()
                 opt.step(active)
+                steps_done += 1
+                if on_step is not None:
+                    on_step(steps_done, epoch_steps * task.local_epochs)
         out = []
         for i in range(k):
             out.append(
@@ -497,13 +510,23 @@ class BatchedClients:
         expected_clients: float,
     ) -> np.ndarray:
         """(clients, candidates) local losses after one simulated noisy aggregate per
-        candidate, drawn as ``client.candidate_losses`` draws them (the vote query)."""
+        candidate, drawn as ``client.candidate_losses`` draws them (the vote query).
+
+        Progress: the "clip vote" stage in clients, moved on within each chunk of clients by
+        its local steps and its candidates' evaluations (a chunk can take a minute)."""
         out = []
+        work = len(candidates) + 1  # a chunk's training counts as one share, each candidate one
         for c in range(0, len(pids), CLIENT_CHUNK):
             chunk = list(pids[c : c + CLIENT_CHUNK])
+
+            def moved(share: float, c: int = c, size: int = len(chunk)) -> None:
+                progress.report("clip vote", c + int(size * share), len(pids))
+
             data = self._data(chunk)
             rngs = [np.random.default_rng([self.task.seed, p, 0]) for p in chunk]
-            updates = self.train(start, data, rngs)
+            updates = self.train(
+                start, data, rngs, on_step=lambda i, n, moved=moved: moved(i / n / work)
+            )
             trials: list[list[list[np.ndarray]]] = [[] for _ in candidates]
             for u, rng in zip(updates, rngs, strict=True):
                 for j, cand in enumerate(candidates):
@@ -524,6 +547,7 @@ class BatchedClients:
                     for i in range(len(start))
                 ]
                 cols.append(self.mean_losses(stacked, data))
+                moved((j + 2) / work)
             out.append(np.asarray(cols).T)
         return np.concatenate(out, axis=0)
 

@@ -55,6 +55,8 @@ ROUND_COLUMNS = (
 # keeps the usual adapter rate.
 LOCAL_LR = {"head": 1e-2, "bias": 3e-3, "lora": 1e-3, "lora-top": 1e-3}
 
+STAGE_DELAY_S = 2.0  # a stage that ends sooner shows no progress (tiny runs stay terse)
+
 DEFAULT_RUN = {
     "engine": "local",
     "clients": 1000,
@@ -201,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("simulation", "local", "batched"),
         default="simulation",
         help="Flower simulation engine (Ray), in-process (no Ray), or batched: all of a "
-        "round's clients as one computation (--local-mode lora-top; same server core)",
+        "round's clients as one computation (needs --local-mode lora-top; same server core)",
     )
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs for the simulation engine")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint each round; resume")
@@ -211,7 +213,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue a checkpoint that was already continued (a fork: releasing both runs "
         "costs the shared rounds plus both continuations' own rounds; refused without it)",
     )
-    p.add_argument("--output", default=None, help="write metrics.json, rounds.csv, plots")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="folder for metrics.json, rounds.csv and plots; must not hold an earlier run "
+        "(default: a new runs/federated-<date-time>/)",
+    )
+    p.add_argument(
+        "--no-output", action="store_true", help="write no files (only the table or --json)"
+    )
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
     p.add_argument(
         "--write-app",
@@ -310,7 +320,8 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "rounds": len(h),
         "rounds_requested": server.config.rounds,
         "initial_clip": server.initial_clip,
-        "final_clip": server.rule.clip_norm,
+        "last_round_clip": h[-1].clip_norm if h else math.nan,  # the round lines' last C
+        "final_clip": server.rule.clip_norm,  # after the last round: a next round's C
         "vote_counts": server.vote_counts,
         "num_clients": server.config.num_clients,
         "clients_per_round": server.config.clients_per_round,
@@ -441,33 +452,89 @@ def _votes(method: str) -> bool:
 
 
 def _table(metrics: dict[str, Any]) -> list[str]:
+    # C_0 and the clip the last round ran with, as its round line prints it ("C=");
+    # metrics.json's final_clip is the clip after the last round (what a next round would use)
     return [
-        "| method | epsilon | delta | z | rounds | C_0 | C_T | test acc | majority class |",
+        "| method | epsilon | delta | z | rounds | C_0 | C last round | test acc "
+        "| majority class |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| {metrics['method']} | {_fmt(metrics['epsilon'])} | {metrics['delta']:g} | "
         f"{_fmt(metrics['noise_multiplier'])} | {metrics['rounds']} | "
-        f"{metrics['initial_clip']:.4g} | {metrics['final_clip']:.4g} | "
+        f"{_fmt(metrics['initial_clip'])} | {_fmt(metrics['last_round_clip'])} | "
         f"{_fmt(metrics['accuracy'])} | {_fmt(metrics['majority_accuracy'])} |",
     ]
 
 
+def _error(msg: object) -> int:
+    """One line on stderr, as `dpfit train` says its errors; the exit code of a usage error."""
+    print(f"dpfit federated: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def check_engine(engine: str, local_mode: str) -> None:
+    """Refuse, before any model loads, a local mode the batched engine cannot run."""
+    from dpfit.federated.batched import LOCAL_MODES
+
+    if engine == "batched" and local_mode not in LOCAL_MODES:
+        others = ", ".join(m for m in ("head", "bias", "lora") if m not in LOCAL_MODES)
+        raise ValueError(
+            f"--engine batched runs local mode {' or '.join(LOCAL_MODES)} only (LoRA on the "
+            f"top layer's query/value + its biases + head), got --local-mode {local_mode}; "
+            f"add --local-mode {LOCAL_MODES[0]}, or use --engine local for {others}"
+        )
+
+
+def output_folder(args: argparse.Namespace) -> Path | None:
+    """--output, else a new runs/federated-<date-time>/ (as `dpfit train` names its runs), or
+    None with --no-output; created and checked before any round spends privacy."""
+    from dpfit.errors import DPFitError
+    from dpfit.outputs import check_output_dir, default_run_dir
+
+    if args.no_output:
+        if args.output:
+            raise DPFitError("--output and --no-output contradict each other; pick one")
+        return None
+    folder = Path(args.output) if args.output else default_run_dir("federated")
+    return check_output_dir(folder, resume=bool(args.checkpoint_dir))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the federated job (or write the Flower app); returns a process exit code."""
-    from dpfit.federated.accounting import CalibrationError
+    from dpfit.errors import DPFitError
+    from dpfit.models import check_model_name
 
     try:
         server_cfg, task = configs(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        check_engine(args.engine, task.local_mode)
+        check_model_name(task.model)  # a typo fails now, not after the data is read
+    except (ValueError, DPFitError) as exc:
+        return _error(exc)
     if args.write_app:
         from dpfit.federated.deploy import write_app
 
         path = write_app(args.write_app, server_cfg, task, output=args.output or "")
         print(f"wrote {path}; deploy with: flwr run {args.write_app} <connection> --stream")
         return 0
+    try:
+        out = output_folder(args)
+    except DPFitError as exc:
+        return _error(exc)
+    try:
+        return _run(args, server_cfg, task, out)
+    finally:
+        if out is not None and not args.output:  # a run that wrote nothing leaves no folder
+            try:
+                out.rmdir()  # only if empty
+            except OSError:
+                pass
+
+
+def _run(args: argparse.Namespace, server_cfg: Any, task: Any, out: Path | None) -> int:
+    from dpfit.federated.accounting import CalibrationError
+
     quiet_third_party(getattr(args, "verbose", 0))
     from dpfit import progress as dpfit_progress
+    from dpfit.console import PhaseProgress
     from dpfit.federated.app import make_evaluate_fn, run_local, run_simulation
 
     quiet = args.json
@@ -479,6 +546,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if not quiet:
         print(_header(server_cfg, task, args.engine), flush=True)
+        if out is not None and not args.output:
+            print(f"output: {out} (--output DIR to choose, --no-output: none)", flush=True)
     if task.data:
         data_notes(task, quiet)
     # no per-round times on stdout: a round's duration depends on how many clients were
@@ -492,14 +561,29 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
+    bars: dict[str, PhaseProgress] = {}  # stage -> its progress on stderr, while it runs
+
     def on_stage(stage: str, done: int, total: int) -> None:
-        # the vote and other long stretches before round 1 say what they are doing
-        if quiet:
+        # the vote and other long stretches before round 1 say what they are doing: the vote
+        # its start and end on stdout, each stage its progress (and time left) on stderr
+        if quiet or total <= 0:
             return
-        if done == 0:
-            print(f"{stage}: {total} clients score the candidates ...", flush=True)
-        elif done >= total:
-            print(f"{stage}: done", flush=True)
+        vote = stage == "clip vote"
+        bar = bars.get(stage)
+        if bar is None:
+            if done >= total:  # an end already reported, or a stage with nothing to do
+                return
+            if vote:
+                print(f"{stage}: {total} clients score the candidates ...", flush=True)
+            unit = "client" if vote else "text"
+            bar = bars[stage] = PhaseProgress(
+                stage, total, unit, initial=done, leave=False, delay=STAGE_DELAY_S
+            )
+        bar.update_to(done)
+        if done >= total:
+            bars.pop(stage).close()
+            if vote:
+                print(f"{stage}: done", flush=True)
 
     try:
         stages = dpfit_progress.listening(on_stage)
@@ -519,19 +603,19 @@ def run(args: argparse.Namespace) -> int:
                 verbose=getattr(args, "verbose", 0),
             )
     except CalibrationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # e.g. the batched engine asked for a local mode it cannot run
+        return _error(exc)
+    except ValueError as exc:  # e.g. a model the batched engine cannot run
         from dpfit.federated.batched import BatchedEngineError
 
         if not isinstance(exc, BatchedEngineError):
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     finally:
         stages.__exit__(None, None, None)
-    if args.output:
-        metrics = write_outputs(server, task, args.output)
+        for bar in bars.values():
+            bar.close()
+    if out is not None:
+        metrics = write_outputs(server, task, out)
     else:
         test_loss, test_acc = make_evaluate_fn(task, "test")(server.params)
         metrics = summary(server, task, test_acc, test_loss)
@@ -542,4 +626,6 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(_table(metrics)))
         if server.stop_reason:
             print(f"stopped early: {server.stop_reason}")
+        if out is not None:
+            print(f"wrote {out}/metrics.json, rounds.csv and plots")
     return 0

@@ -24,16 +24,16 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--client-column",
         default=None,
-        help="column saying whose each row is: each distinct value is one client "
-        "(without it: --partition iid|dirichlet cuts the rows into synthetic clients)",
+        help="column saying whose each row is: each distinct value is one client (no "
+        "default: without it, --partition iid|dirichlet cuts the rows into synthetic clients)",
     )
     g.add_argument(
         "--eval-data",
         default=None,
         help="the server's PUBLIC validation and test set (halved with --seed); needed with --data",
     )
-    g.add_argument("--text-column", default="text")
-    g.add_argument("--label-column", default="label")
+    g.add_argument("--text-column", default="text", help="the text column (default: text)")
+    g.add_argument("--label-column", default="label", help="the label column (default: label)")
     g.add_argument(
         "--labels",
         default=None,
