@@ -99,7 +99,7 @@ def test_csv_client_column_round_trips_through_the_batched_engine(bert, files, t
     argv = _args(
         bert, train, ev, "--client-column", "user", "--engine", "batched",
         "--local-mode", "lora-top", "--clients-per-round", "3", "--rounds", "2",
-        "--output", str(out),
+        "--output", str(out), "--public-labels",
     )  # fmt: skip
     assert run(_parser().parse_args(argv)) == 0
     m = json.loads((out / "metrics.json").read_text())
@@ -109,7 +109,8 @@ def test_csv_client_column_round_trips_through_the_batched_engine(bert, files, t
     assert "public by declaration" in m["num_clients_from"]
     captured = capfd.readouterr()
     assert "N = 6 clients" in captured.out and "q = m/N" in captured.out
-    assert "treated as PUBLIC (each seen >= 20 times): neg, pos" in captured.out
+    # 6 clients: no name read from the data is carried by 20 (the gate counts clients)
+    assert "PUBLIC (declared public with --public-labels): neg, pos" in captured.out
     # the size of small clients is read from private rows: the operator's stderr only
     assert "1 of 6 clients hold fewer than one local batch" in captured.err
     assert "fewer than one local batch" not in captured.out
@@ -169,6 +170,7 @@ def test_local_flower_engine_equals_the_batched_engine_on_user_data(bert, files)
         model=bert, local_mode="lora-top", max_length=16, local_batch_size=4, lr=0.05,
         num_clients=len(sizes), partition="column", client_column="user",
         examples_per_client=0, eval_examples=0, data=str(train), eval_data=str(ev),
+        public_labels=True,
     )  # fmt: skip
     cfg = ServerConfig(
         method="fixed", num_clients=len(sizes), clients_per_round=3, rounds=2,
@@ -192,7 +194,7 @@ def test_simulation_engine_takes_user_data(bert, files, tmp_path):
     argv = _args(
         bert, train, ev, "--client-column", "user", "--engine", "simulation",
         "--local-mode", "bias", "--clients-per-round", "2", "--rounds", "1",
-        "--method", "fixed", "--output", str(out),
+        "--method", "fixed", "--output", str(out), "--public-labels",
     )  # fmt: skip
     assert run(_parser().parse_args(argv)) == 0
     m = json.loads((out / "metrics.json").read_text())
@@ -253,6 +255,7 @@ def test_dirichlet_partition_sizes_and_determinism(tmp_path, bert):
     argv = _args(
         bert, train, ev, "--partition", "dirichlet", "--dirichlet-alpha", "0.3",
         "--clients", "4", "--examples-per-client", "0", "--clients-per-round", "2",
+        "--labels", "neg,pos",
     )  # fmt: skip
     _, task = configs(_parser().parse_args(argv))
     assert task.alpha == 0.3 and task.num_clients == 4
@@ -300,7 +303,7 @@ def test_a_file_with_one_client_is_refused(bert, tmp_path, files, capsys):
 def test_unknown_labels_are_refused(bert, files, tmp_path, capsys):
     train, _, _ = files
     ev = _write(tmp_path / "ev.csv", [{"text": "good", "label": "meh"}] * 2)
-    err = _error(_args(bert, train, ev, "--client-column", "user"), capsys)
+    err = _error(_args(bert, train, ev, "--client-column", "user", "--public-labels"), capsys)
     assert "'meh'" in err and "training label set" in err
     _, ev, _ = files
     err = _error(_args(bert, train, ev, "--client-column", "user", "--labels", "neg,ok"), capsys)
@@ -309,7 +312,8 @@ def test_unknown_labels_are_refused(bert, files, tmp_path, capsys):
 
 def test_rare_label_names_follow_the_train_gate(bert, files, tmp_path, capsys):
     """Label names read from the data are published (metrics.json, the app's config): a name
-    fewer than 20 training rows carry needs --labels or --public-labels, as in dpfit train."""
+    fewer than 20 clients carry (the privacy unit, as dpfit train counts its unit) needs
+    --labels or --public-labels."""
     _, ev, _ = files
     rows = _rows({"a": 30, "b": 30})
     rows[0]["label"] = "Zed Q. Person"
@@ -319,12 +323,15 @@ def test_rare_label_names_follow_the_train_gate(bert, files, tmp_path, capsys):
     argv = _args(bert, data, ev, "--client-column", "user", "--public-labels")
     _, task = configs(_parser().parse_args([*argv, "--clients-per-round", "2"]))
     assert client_partition(task).label_names == ("Zed Q. Person", "neg", "pos")
-    # the gate counts the rows that train: a cap can make a common name rare
-    rows = _rows({"a": 21, "b": 21, "c": 21})
+    # the gate counts the rows that train: a cap can leave a client without a name it holds
+    rows = _rows({f"c{c:02d}": 10 for c in range(24)})
+    for c in range(24):
+        rows[10 * c]["label"] = "x"  # one row of each client: 24 clients carry it
     data = _write(tmp_path / "capped.csv", rows)
-    capped = _args(bert, data, ev, "--client-column", "user", "--examples-per-client", "5")
-    err = _error([*capped, "--clients-per-round", "2"], capsys)
-    assert "fewer than 20" in err
+    full = _args(bert, data, ev, "--client-column", "user", "--clients-per-round", "2")
+    assert "x" in client_partition(configs(_parser().parse_args(full))[1]).label_names
+    err = _error([*full, "--examples-per-client", "5"], capsys)  # about 12 keep their x
+    assert "x" in err.split("fewer than 20 clients (")[1].split(")")[0].split(", ")
 
 
 @pytest.mark.parametrize(
@@ -332,7 +339,10 @@ def test_rare_label_names_follow_the_train_gate(bert, files, tmp_path, capsys):
     [
         (["--client-column", "user", "--partition", "iid"], "not both"),
         (["--client-column", "user", "--clients", "4"], "holds 6 clients"),
-        (["--client-column", "user", "--clients-per-round", "9"], "--clients-per-round 6 or less"),
+        (
+            ["--client-column", "user", "--clients-per-round", "9", "--public-labels"],
+            "--clients-per-round 6 or less",
+        ),
         (["--partition", "movie"], "--client-column"),
         (["--partition", "iid", "--examples-per-client", "0"], "--clients N"),
     ],

@@ -20,8 +20,8 @@ A synthetic partition is setup, not private output: it comes from ``--seed`` (pu
 randomness, like the data split), and the protected unit is then one synthetic client.
 
 Label names of a user's file follow ``dpfit train``'s rule (``dpfit.tasks.labels``): given
-with ``--labels``, or read from the data and each carried by enough training rows, or
-declared public.
+with ``--labels``, or read from the data and each carried by enough clients (the privacy
+unit: a client with many rows of a name counts once), or declared public.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import functools
 import io
 import random
 import re
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -328,16 +327,21 @@ def _label_note(
     examples_per_client: int,
     seed: int,
 ) -> str:
-    """dpfit train's label gate, on the rows that train: every client's (capped) rows."""
-    from dpfit.tasks.labels import check_data_label_names
+    """dpfit train's label gate, on the rows that train (every client's capped rows), counting
+    the privacy unit: the number of distinct clients whose rows carry each name. A client
+    holding many rows of a name is one unit, so it counts once."""
+    from dpfit.tasks.labels import LabelUnits, check_data_label_names
 
     if parse_labels(labels) is not None:
         return f"label names (public, from --labels): {', '.join(names)}"
-    counts: Counter[str] = Counter()
+    row_labels: list[str] = []
+    row_clients: list[int] = []
     for pid, idx in enumerate(clients):
         for i in subsample(list(idx), examples_per_client, client_cap_seed(seed, pid)):
-            counts[names[train[i].label]] += 1
-    return check_data_label_names(names, counts, data, public_labels, "metrics.json (label_names)")
+            row_labels.append(names[train[i].label])
+            row_clients.append(pid)
+    units = LabelUnits.count(row_labels, row_clients, "clients")
+    return check_data_label_names(names, units, data, public_labels, "metrics.json (label_names)")
 
 
 def server_splits(task: TaskConfig) -> tuple[tuple[TextExample, ...], tuple[TextExample, ...]]:
