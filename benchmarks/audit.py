@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.workers import last_json_line
 from torch import nn
 
 from dpfit.audit.central import AuditConfig, white_box_audit
@@ -173,7 +174,7 @@ def part_bundled():
         wall = time.perf_counter() - t0
         if out.returncode not in (0, 3):
             raise RuntimeError(out.stderr[-2000:])
-        d = json.loads(out.stdout.strip().splitlines()[-1])
+        d = last_json_line(out.stdout)
         d = {k: v for k, v in d.items() if k != "tried"}
         d.update(
             case=f"bundled {kind}", command=" ".join(["dpfit", *cmd[3:]]), wall_s=round(wall, 1)

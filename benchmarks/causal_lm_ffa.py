@@ -42,8 +42,9 @@ import time
 from pathlib import Path
 
 from causal_lm_lr import MAX_LENGTH, cpu_s, prepare_speeches, recorded
-from doc_block import write_between_markers
-from paired_t import t_interval
+from harness.records import append_jsonl, read_jsonl
+from harness.render import write_between_markers
+from harness.stats import t_interval
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit
@@ -114,8 +115,7 @@ def run(seeds: list[int], arms: list[str], steps: int, out: Path) -> None:
                 ),
             }
             print(json.dumps(row), flush=True)
-            with path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(path, row)
             del model, result
 
 
@@ -200,7 +200,7 @@ def doc_block(rows: list[dict]) -> str:
 
 
 def report(out: Path) -> None:
-    rows = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    rows = read_jsonl(out.with_suffix(".jsonl"))
     md = render(rows)
     out.with_suffix(".md").write_text(md)
     print(md)

@@ -25,6 +25,8 @@ import resource
 import sys
 from pathlib import Path
 
+from harness.records import append_jsonl, read_jsonl
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit
 RESULTS = HERE / "results"
@@ -44,10 +46,7 @@ def cpu_s() -> float:
 
 def recorded(path: Path, fields: tuple[str, ...]) -> set[tuple]:
     """The arms a results log already holds, keyed by `fields` (a stopped run resumes)."""
-    if not path.exists():
-        return set()
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return {tuple(r[f] for f in fields) for r in rows}
+    return {tuple(r[f] for f in fields) for r in read_jsonl(path)}
 
 
 def prepare_speeches(batch: int, steps: int, held_documents: int):
@@ -112,13 +111,12 @@ def run(lrs: list[float], steps: int, arms: list[str], out: Path) -> None:
                 ),
             }
             print(json.dumps(row), flush=True)
-            with path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(path, row)
             del model, result
 
 
 def report(out: Path) -> None:
-    rows = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    rows = read_jsonl(out.with_suffix(".jsonl"))
     arms = [a for a in ARMS if any(r["arm"] == a for r in rows)]
     lrs = sorted({r["lr"] for r in rows})
     steps = sorted({r["steps"] for r in rows})

@@ -42,13 +42,14 @@ import math
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from doc_block import write_between_markers
+from harness.records import append_jsonl, read_jsonl
+from harness.render import write_between_markers
+from harness.workers import run_json_worker
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))  # this checkout's dpfit, as in the workers
@@ -185,11 +186,7 @@ def _planned_walks(task: str, row: str, variant: str, spec: dict) -> str:
 
 def _spawn(spec: dict) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent / "src")}
-    cmd = [sys.executable, __file__, "_worker", json.dumps(spec)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"worker failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_worker([sys.executable, __file__, "_worker", json.dumps(spec)], env)
 
 
 def _worker(spec: dict) -> None:
@@ -273,15 +270,11 @@ def mcnemar_p(lost: int, gained: int) -> float:
 
 
 def _read() -> list[dict]:
-    if not RUNS.is_file():
-        return []
-    return [json.loads(line) for line in RUNS.read_text().splitlines() if line.strip()]
+    return read_jsonl(RUNS)
 
 
 def _append(row: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    with RUNS.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_jsonl(RUNS, row)
 
 
 def _key(r: dict, walks: str) -> tuple:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared workloads, when imported from elsewhere
+from harness.workers import last_json_line  # noqa: E402
 from workloads import MINILM_MAX_LENGTH, Workload, minilm_workload  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -132,7 +133,7 @@ def run_worker(src: Path, args: argparse.Namespace) -> dict:
          "--max-length", str(args.max_length)],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return last_json_line(out.stdout)
 
 
 def main() -> None:

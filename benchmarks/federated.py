@@ -65,6 +65,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness.records import read_jsonl
 
 from dpfit.federated import app as fed_app
 from dpfit.federated import client as fed_client
@@ -689,7 +690,7 @@ def load_partial(path: Path) -> tuple[dict, list[dict], float]:
     """The runs of an interrupted invocation (``<name>.partial.jsonl``): a seed's default
     (or privately tuned) runs are kept if all of them finished for every method, partition
     and epsilon; tables then say which seeds each row has."""
-    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    lines = read_jsonl(Path(path))
     settings, runs = dict(lines[0]["settings"]), lines[1:]
     keep = []
     for proto in ("default", "private tuning"):

@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from harness.workers import last_json_line
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -39,7 +41,7 @@ def run_seed(seed: int, extra: list[str]) -> dict:
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-    metrics = json.loads(res.stdout.strip().splitlines()[-1])
+    metrics = last_json_line(res.stdout)
     return {
         "seed": seed,
         "command": " ".join(["dpfit", *cmd[3:]]),

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from doc_block import write_between_markers
+from harness.render import write_between_markers
 
 RESULTS = Path(__file__).parent / "results"
 DOCS = Path(__file__).parent.parent / "docs" / "federated.md"

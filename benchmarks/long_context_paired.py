@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import long_context  # noqa: E402  (the arms, exactly as the memory benchmark builds them)
+from harness.workers import last_json_line  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 ARMS = ("nonpriv-bias", "dp-bitfit")
@@ -111,7 +112,7 @@ def run_setting(
         [sys.executable, __file__, "--_child", json.dumps(spec)],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = last_json_line(out.stdout)
     dp, nonpriv = res["cpu_s"]["dp-bitfit"], res["cpu_s"]["nonpriv-bias"]
     ratios = [d / n for d, n in zip(dp, nonpriv, strict=True)]
     # getrusage splits a thread's time by sampled ticks: a step shorter than a tick may read 0

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from doc_block import write_between_markers  # noqa: E402
+from harness.render import write_between_markers  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "long_documents.md"

@@ -1,17 +1,6 @@
-"""The two-sided t interval on the mean of paired differences, for every benchmark that
-reports one (utility, causal_lm_ffa): one quantile function, not a table per script."""
+"""Kept so that scripts importing ``paired_t`` (utility, federated_misspec) still run; the
+interval lives in harness.stats."""
 
-from __future__ import annotations
+from harness.stats import t_interval
 
-import statistics
-
-
-def t_interval(diffs: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """Two-sided t interval on the mean of paired differences (None below two pairs)."""
-    from scipy import stats
-
-    if len(diffs) < 2:
-        return None
-    m, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
-    half = float(stats.t.ppf(0.5 + level / 2, len(diffs) - 1)) * se
-    return m - half, m + half
+__all__ = ["t_interval"]

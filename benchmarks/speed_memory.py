@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.memory import peak_rss, reset_peak_rss, rss_now
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 BATCH = 8
@@ -116,33 +118,6 @@ def conv1d_to_linear(model):
 
 
 # ---------------------------------------------------------------------------- memory probes
-def _rss_now() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss(resettable: bool) -> int:
-    if resettable:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
-
-
 class SavedTensorMeter:
     """Bytes autograd saves for backward (unique storages, parameters excluded: also a frozen
     weight's bf16 copy that dpfit.frozen_casts swaps into its Parameter for the step)."""
@@ -346,8 +321,8 @@ def worker(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        resettable = _reset_peak_rss()
-        base = _rss_now()
+        resettable = reset_peak_rss()
+        base = rss_now()
     meter = SavedTensorMeter(model)
     wl = spec.get("warmup_length") or spec["length"]
     xw = x if wl == spec["length"] else x[:, :wl].contiguous()
@@ -373,7 +348,7 @@ def worker(spec: dict) -> dict:
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = _peak_rss(resettable) - base
+        peak = peak_rss(resettable) - base
     res.update(
         wall_s=walls,
         cpu_s=cpus,

@@ -49,7 +49,8 @@ def worker(spec: dict) -> dict:
     import time
 
     import torch
-    from speed_memory import SavedTensorMeter, _peak_rss, _reset_peak_rss, _rss_now
+    from harness.memory import peak_rss, reset_peak_rss, rss_now
+    from speed_memory import SavedTensorMeter
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -110,13 +111,13 @@ def worker(spec: dict) -> dict:
         return t
 
     gc.collect()
-    resettable = _reset_peak_rss()
-    base = _rss_now()
+    resettable = reset_peak_rss()
+    base = rss_now()
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         trainer.train()
     wall = time.perf_counter() - t0
-    peak = _peak_rss(resettable) - base
+    peak = peak_rss(resettable) - base
     return {
         "arm": arm,
         "rep": spec["rep"],

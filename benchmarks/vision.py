@@ -72,10 +72,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from harness.memory import peak_rss, reset_peak_rss, rss_now
+from harness.records import append_jsonl, read_jsonl
+from harness.workers import run_json_worker
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -189,7 +192,7 @@ def pretrain(model: str, args) -> str:
 
 
 def cmd_utility(args) -> None:
-    done = {_key(r) for r in _read(RUNS)}
+    done = {_key(r) for r in read_jsonl(RUNS)}
     for model in args.models:
         model_dir = None
         for seed in args.seeds:
@@ -304,7 +307,7 @@ def _train_worker(spec: dict) -> dict:
     return {**{k: m[k] for k in keep}, **start, "worker_wall_s": time.perf_counter() - t0,
             "train_cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0),
             "worker_cpu_s": ru.ru_utime + ru.ru_stime, "load_avg": os.getloadavg()[0],
-            "peak_rss_mb": _peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
+            "peak_rss_mb": peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- size scan
@@ -324,7 +327,7 @@ def cmd_scan(args) -> None:
     median over a run's rounds. `--run NAME` resumes a run (rows already in it are skipped)."""
     run = args.run or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     done = {(r["method"], r["image_size"], r["model"], r.get("round"))
-            for r in _read(SCAN) if r.get("run") == run}  # fmt: skip
+            for r in read_jsonl(SCAN) if r.get("run") == run}  # fmt: skip
     print(f"scan run {run}", flush=True)
     for rnd in range(args.rounds):
         for size in args.sizes:
@@ -424,9 +427,9 @@ def _scan_worker(spec: dict) -> dict:
     step = _scan_step(spec)
     out: dict = {"batch": spec["batch"], "steps": spec["steps"], "threads": _threads()}
     gc.collect()
-    if not _reset_peak_rss():
+    if not reset_peak_rss():
         raise SystemExit("the scan needs Linux (/proc/self/clear_refs to reset VmHWM)")
-    first_base = _rss_now()
+    first_base = rss_now()
     for _ in range(spec["warmup"]):
         step()
     gc.collect()
@@ -439,13 +442,13 @@ def _scan_worker(spec: dict) -> dict:
             cpus.append(time.process_time() - c0)
         out.update(wall_s_per_step=statistics.median(walls), cpu_s_per_step=statistics.median(cpus),
                    load_avg=os.getloadavg()[0],
-                   first_design_memory_mb=(_peak_rss() - first_base) / 2**20)  # fmt: skip
+                   first_design_memory_mb=(peak_rss() - first_base) / 2**20)  # fmt: skip
         return out
-    _reset_peak_rss()
-    base = _rss_now()
+    reset_peak_rss()
+    base = rss_now()
     for _ in range(MEMORY_STEPS):
         step()
-    out["step_memory_mb"] = (_peak_rss() - base) / 2**20
+    out["step_memory_mb"] = (peak_rss() - base) / 2**20
     out["tensor_peak_mb"] = tensor_peak(step) / 2**20
     out["memory_load_avg"] = os.getloadavg()[0]
     return out
@@ -453,9 +456,9 @@ def _scan_worker(spec: dict) -> dict:
 
 # ---------------------------------------------------------------------------- report
 def cmd_report(args) -> None:
-    runs, scan_all = list(_read(RUNS)), list(_read(SCAN))
+    runs, scan_all = list(read_jsonl(RUNS)), list(read_jsonl(SCAN))
     scan = _scan_rows(scan_all)
-    pre = list(_read(RESULTS / "vision_pretrain.jsonl"))
+    pre = list(read_jsonl(RESULTS / "vision_pretrain.jsonl"))
     lines = ["# Private image classification (FashionMNIST): measured rows", ""]
     loads = [r["load_avg"] for r in runs + scan_all if "load_avg" in r]
     load = (
@@ -803,44 +806,12 @@ def _plot(summary: dict, scan: list[dict], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- plumbing
-def _rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _spawn(spec: dict, extra_env: dict | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(_threads()), **(extra_env or {})}
     src = str(HERE.parent / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, __file__, "_worker", json.dumps(spec)],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise SystemExit(f"worker failed ({spec}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    cmd = [sys.executable, __file__, "_worker", json.dumps(spec)]
+    return run_json_worker(cmd, env, label=f" ({spec})")
 
 
 def _evaluate_worker(spec: dict) -> dict:
@@ -864,7 +835,7 @@ def _evaluate_worker(spec: dict) -> dict:
     return {"accuracy": res["accuracy"], "eval_n": res["n"], "epsilon": None, "steps": 0,
             "train_examples": n_private,
             "train_time_s": 0.0, "train_cpu_s": 0.0, "trainable_fraction": 0.0,
-            "peak_rss_mb": _peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
+            "peak_rss_mb": peak_rss() / 2**20, "threads": _threads()}  # fmt: skip
 
 
 def _worker(spec: dict) -> None:
@@ -877,20 +848,9 @@ def _worker(spec: dict) -> None:
     print(json.dumps(out))
 
 
-def _read(path: Path):
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)
-
-
 def _append(path: Path, row: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     row = {**row, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_jsonl(path, row, durable=True)
 
 
 def main(argv=None) -> None:
