@@ -3,7 +3,7 @@
 On CPU under bf16 autocast, transformers' eager attention (two products and a softmax) beat
 PyTorch's `scaled_dot_product_attention` for the bundled MiniLM with its padding mask at every
 length measured, up to 512 tokens, forward and backward; in float32 neither was faster
-throughout (`benchmarks/attention_kernels.py`, `benchmarks/results/attention_kernels*.md`). On
+throughout (`benchmarks/archive/attention_kernels.py`, `benchmarks/results/archive/attention_kernels*.md`). On
 a GPU SDPA's fused kernels win, and beyond the lengths measured eager's L x L scores cost
 memory, so those keep SDPA. The two compute the same function (dropout on the attention
 weights included); only the speed differs. Models a user builds and hands to `PrivacyEngine`

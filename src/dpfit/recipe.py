@@ -15,7 +15,7 @@ The rule for private runs follows the DP fine-tuning literature:
   B = BATCH_PER_SQRT_N * sqrt(n) (1,000 for n = 10,000), at most n / MIN_STEPS_PER_EPOCH and
   at least MIN_BATCH. The cap keeps CPU cost at a few passes on small data: at n = 1,000,
   B = n/10 with 3 epochs has about the same sigma/B as B = 316 with 13 epochs, for a quarter
-  of the compute (the utility suite's recipe search, benchmarks/results/recipe_search.md).
+  of the compute (the utility suite's recipe search, benchmarks/results/archive/recipe_search.md).
 * **Enough steps, few epochs.** Epochs are the fewest that give MIN_STEPS logical steps,
   between MIN_EPOCHS and MAX_EPOCHS: each extra epoch raises sigma (about as sqrt(epochs)),
   so more passes only pay while there are too few steps to converge.
@@ -44,7 +44,7 @@ bias-only + head and 5e-5 for all weights. 1e-3 is the top of BiTFiT's own non-p
 (Ben Zaken et al. 2022: 1e-4 to 1e-3) and the usual smaller fine-tuning step of LP-FT; at
 5e-3, 3 epochs of batch 32 pulled the features toward the training speakers and ended 3-5
 points below the starting probe on convention-party, while 1e-3 ends level with it there
-(mean of seeds) and as high as 5e-3 or higher on the other suite tasks (benchmarks/results/recipe_variants.jsonl, adopted into
+(mean of seeds) and as high as 5e-3 or higher on the other suite tasks (benchmarks/results/archive/recipe_variants.jsonl, adopted into
 the suite). In every mode
 they also start with the head alone (LP-FT, Kumar et al. 2022, "Fine-tuning can distort
 pretrained features and underperform out-of-distribution"): NON_PRIVATE_HEAD_EPOCHS epochs of
@@ -116,7 +116,7 @@ HEAD_FIRST_EPOCH_FRACTION = 1.0
 # A linear probe on fixed features takes a much larger step than biases inside the network:
 # under DP noise with automatic clipping and Adam, lr 0.1 reaches the non-private probe's
 # accuracy in 3 epochs where 0.01 is still near the majority class
-# (benchmarks/results/dp_probe.jsonl of the utility suite).
+# (benchmarks/results/archive/dp_probe.jsonl of the utility suite).
 HEAD_FIRST_LR = 0.1
 # Classification starts with the head-first phase unless told otherwise (every mode).
 HEAD_FIRST_BY_DEFAULT = True

@@ -1,4 +1,4 @@
-"""benchmarks/position_sums.py: its in-step ablations swap what they say they swap, and the
+"""benchmarks/archive/position_sums.py (archived): its in-step ablations swap what they say they swap, and the
 committed floor table is what the committed JSON renders to."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "archive"))
 import position_sums  # noqa: E402
 
 from dpfit.grad_sample import registry  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "archive"
 
 
 @pytest.mark.parametrize("batch_dim", [0, 1])

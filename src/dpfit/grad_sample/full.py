@@ -423,7 +423,7 @@ def conv_outer(layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor
     materialising them would then cast the patches, K times the input, where conv_weight casts
     the input before unfolding. The results are the same either way (bitwise), and so is
     float32 memory, but for a bf16 model with k x k kernels that route holds more tensor
-    memory at its peak (benchmarks/conv_settle.py)."""
+    memory at its peak (benchmarks/archive/conv_settle.py)."""
     if layer.groups != 1:
         return conv_weight(layer, inputs, grad_output, bd)
     positions = grad_output[0].numel() // layer.out_channels

@@ -122,7 +122,7 @@ MATMUL_SUM_MIN_NUMEL = 1 << 20
 # and summed a few examples at a time (slices of about UPCAST_SLICE_BYTES): the copy then stays
 # in cache. The same float32 sums, example by example; on CPU a (56, 128, 1536) bf16 gradient
 # (44 MB as float32) took 24 ms upcast whole and 3 ms in slices, while below ~16 MB slicing
-# only adds calls (benchmarks/position_sums.py).
+# only adds calls (benchmarks/archive/position_sums.py).
 UPCAST_SLICE_ABOVE = 16 << 20
 UPCAST_SLICE_BYTES = 1 << 20
 
@@ -193,7 +193,7 @@ def sum_to_channel(g: torch.Tensor, channel_dim: int) -> torch.Tensor:
 
     Channels first (conv, GroupNorm: (B, C, positions)), the positions are the contiguous
     trailing axes, which torch's reduction reads at full speed: on CPU it beat the product with
-    a ones vector on every resnet-gn feature map tried (benchmarks/channel_sums.py), so no
+    a ones vector on every resnet-gn feature map tried (benchmarks/archive/channel_sums.py), so no
     product there (the product pays off for the middle-axis sums of `sum_positions`)."""
     c = channel_dim % g.dim()
     if c == g.dim() - 1:

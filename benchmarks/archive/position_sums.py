@@ -3,7 +3,7 @@ gradient, op by op: the floor under the throughput benchmark's target "DP-BiTFiT
 non-private bias-only time <= 1.02 in bf16" (throughput.TARGET_DP_OVER_NONPRIVATE) with torch's
 stock CPU kernels.
 
-    PYTHONPATH=src python benchmarks/position_sums.py
+    PYTHONPATH=src python benchmarks/archive/position_sums.py
 
 Both read one output gradient G of a linear layer (batch B, positions T, width D, bf16 under
 autocast). Non-private training needs one bias gradient, G summed over (B, T), which autograd
@@ -50,7 +50,7 @@ autocast, one thread. Side by side (every arm once per round in a rotating order
 Isolated timings over the step's gradients would mislead: in the step each sum runs right after
 autograd produced its gradient, still in cache.
 
-Writes benchmarks/results/position_sums.{json,md}. Budget: about two minutes.
+Writes benchmarks/results/archive/position_sums.{json,md}. Budget: about two minutes.
 """
 
 from __future__ import annotations
@@ -63,13 +63,16 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from channel_sums import micros  # best and median microseconds of one call, the same protocol
-from throughput import TARGET_DP_OVER_NONPRIVATE
+BENCHMARKS = Path(__file__).resolve().parents[1]  # archived in benchmarks/archive/
+sys.path.insert(0, str(BENCHMARKS))  # the harness and the scripts it borrows from
 
-from dpfit.grad_sample.registry import sum_positions
+import torch  # noqa: E402
+from channel_sums import micros  # noqa: E402  best and median microseconds of one call, the same protocol
+from throughput import TARGET_DP_OVER_NONPRIVATE  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from dpfit.grad_sample.registry import sum_positions  # noqa: E402
+
+RESULTS = BENCHMARKS / "results" / "archive"
 SHAPES = [(56, 28, 384), (56, 28, 1536), (56, 128, 384), (56, 128, 1536)]
 FORMS = {
     "non-private": lambda g: g.sum((0, 1)),
@@ -199,7 +202,7 @@ def run(step: bool = True, timed: int = 30) -> dict:
                 row["max_rel_error"][name] = err.item()
         rows.append(row)
     return {
-        "command": " ".join(["python benchmarks/position_sums.py", *sys.argv[1:]]),
+        "command": " ".join(["python benchmarks/archive/position_sums.py", *sys.argv[1:]]),
         "torch": torch.__version__,
         "load_average_1min": os.getloadavg()[0],
         "out_dtype": out_dtype_support(),

@@ -10,7 +10,7 @@ bundled MiniLM with the suite's defaults (rank 8, alpha 16, query/value), each e
 (zero at initialisation, so no gradient reaches the backbone) fitted first, here non-privately
 on a few thousand examples (the head-first phase's role).
 
-    python benchmarks/lora_norm_share.py --task convention-party --examples 64 --head-steps 30
+    python benchmarks/archive/lora_norm_share.py --task convention-party --examples 64 --head-steps 30
 
 Budget: about two minutes of one core (load, 30 head steps of 32, 64 single-example passes).
 """
@@ -29,7 +29,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # archived: utility is one up
 
 import utility  # noqa: E402
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     sample = [items[i] for i in torch.randperm(len(items), generator=g)[: args.examples]]
     out = {
         "question": __doc__.split("\n\n")[0],
-        "command": "python benchmarks/lora_norm_share.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python benchmarks/archive/lora_norm_share.py " + " ".join(argv or sys.argv[1:]),
         "task": args.task,
         "examples": args.examples,
         "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "targets": "peft default (bert)"},
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     fit_head(model, task, collate, items, prep.head_names, args.head_steps, args.seed)
     out["after_head_fit"] = per_example_shares(model, task, collate, sample, prep.head_names)
     out["head_steps"] = args.head_steps
-    path = utility.RESULTS / f"lora_norm_share_{args.task}.json"
+    path = utility.RESULTS / "archive" / f"lora_norm_share_{args.task}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
     return 0

@@ -1,12 +1,12 @@
 """Full mode's conv sampler, `conv_outer`, against `settle(conv_factors(...))`, the shared
 ghost-or-materialise rule applied to the factored gradient: same results? time, tensor peak?
 
-    PYTHONPATH=src python benchmarks/conv_settle.py
+    PYTHONPATH=src python benchmarks/archive/conv_settle.py
 
 Both routes on the resnet-gn conv shapes that full mode materialises (batch 16, 3 x 3 and 1 x 1
 kernels), in float32 and bfloat16, one thread: bitwise equality of the per-example gradients,
 the best of 7 repeats of the mean of 5 calls (ms), and the most tensor bytes live at once
-during one call (torch profiler memory events). Writes benchmarks/results/conv_settle.{json,md}.
+during one call (torch profiler memory events). Writes benchmarks/results/archive/conv_settle.{json,md}.
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ import functools
 import json
 import os
 import sys
-import timeit
 from pathlib import Path
 
-import torch
-from torch import nn
+BENCHMARKS = Path(__file__).resolve().parents[1]  # archived in benchmarks/archive/
+sys.path.insert(0, str(BENCHMARKS))  # the harness and the scripts it borrows from
 
-from dpfit.grad_sample.full import conv_factors, conv_outer, settle
-from dpfit.memory import tensor_peak
+import torch  # noqa: E402
+from harness.timing import best_ms  # noqa: E402
+from torch import nn  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from dpfit.grad_sample.full import conv_factors, conv_outer, settle  # noqa: E402
+from dpfit.memory import tensor_peak  # noqa: E402
+
+RESULTS = BENCHMARKS / "results" / "archive"
 # (in channels, out channels, kernel, stride, input side)
 SHAPES = [(1, 16, 3, 1, 112), (16, 16, 3, 1, 56), (16, 32, 3, 2, 112), (32, 64, 1, 2, 56),
           (16, 16, 3, 1, 28)]  # fmt: skip
@@ -36,10 +39,6 @@ def via_settle(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tens
 
 def tensor_peak_mb(fn) -> float:
     return tensor_peak(fn) / 2**20
-
-
-def best_ms(fn) -> float:
-    return 1000 * min(timeit.repeat(fn, number=5, repeat=7)) / 5
 
 
 def main() -> None:
@@ -64,7 +63,7 @@ def main() -> None:
             })  # fmt: skip
     load = os.getloadavg()[0]
     RESULTS.mkdir(exist_ok=True)
-    cmd = " ".join(["python benchmarks/conv_settle.py", *sys.argv[1:]])
+    cmd = " ".join(["python benchmarks/archive/conv_settle.py", *sys.argv[1:]])
     (RESULTS / "conv_settle.json").write_text(
         json.dumps({"command": cmd, "load_average_1min": load, "rows": rows}, indent=2) + "\n"
     )

@@ -12,9 +12,9 @@ same number of epochs; only the schedule differs:
 Scale: a seeded subsample (default 1,000 training reviews, 500 test reviews, 3 epochs,
 length 48) so the four runs take minutes on 2 CPU cores; the paper's CIFAR-100 trend
 (19.4 / 82.4 / 89.0 / 90.1 at eps=2) comes from full-size runs. Prints a markdown table and
-writes JSON under benchmarks/results/.
+writes JSON under benchmarks/results/archive/.
 
-    python benchmarks/two_phase.py [--train 1000] [--epochs 3] [--epsilon 3]
+    python benchmarks/archive/two_phase.py [--train 1000] [--epochs 3] [--epsilon 3]
 """
 
 from __future__ import annotations
@@ -141,7 +141,10 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="*", help="run only these rows (e.g. 0+BiTFiT full)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "two_phase.json"))
+    ap.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parents[1] / "results" / "archive" / "two_phase.json"),
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(2)

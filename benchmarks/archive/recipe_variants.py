@@ -2,10 +2,10 @@
 
 Why: to test a candidate change of the default rule (a batch or learning-rate rule) on the
 suite's own tasks and splits before adopting it. Each run appends one record to
-results/recipe_variants.jsonl; compare with the default row of the same task and seed in
+results/archive/recipe_variants.jsonl; compare with the default row of the same task and seed in
 results/utility_runs.jsonl.
 
-    PYTHONPATH=src python benchmarks/recipe_variants.py text-source 0 B250-eps8 \
+    PYTHONPATH=src python benchmarks/archive/recipe_variants.py text-source 0 B250-eps8 \
         '{"epsilon": 8.0, "batch_size": 250}'
 
 When a variant becomes the default rule, its runs are the suite's runs of that row: the same
@@ -15,7 +15,7 @@ the variant's value and leaves the rest of the recorded recipe as it was (a run 
 adopted if running the row now would run it again), and moves the row's runs under the old rule (this seed's and any other's) to
 results/utility_runs_superseded.jsonl:
 
-    PYTHONPATH=src python benchmarks/recipe_variants.py --adopt np-lr1e-3 np-bias
+    PYTHONPATH=src python benchmarks/archive/recipe_variants.py --adopt np-lr1e-3 np-bias
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-import utility as U
+BENCHMARKS = Path(__file__).resolve().parents[1]  # archived in benchmarks/archive/
+sys.path.insert(0, str(BENCHMARKS))  # the harness and the scripts it borrows from
 
-RESULTS = Path(__file__).resolve().parent / "results"
-OUT = RESULTS / "recipe_variants.jsonl"
+import utility as U  # noqa: E402
+
+RESULTS = BENCHMARKS / "results"
+OUT = RESULTS / "archive" / "recipe_variants.jsonl"
 SUITE_LOG = RESULTS / "utility_runs.jsonl"
 # runs whose recipe the default rule no longer gives (kept, out of the suite's table)
 SUPERSEDED = RESULTS / "utility_runs_superseded.jsonl"

@@ -1,7 +1,7 @@
 """Frozen-feature probes (pooler / CLS / mean) on the same training and test subsets that
-benchmarks/recipe_search.py trains and scores on (seeded like LabeledTexts.subsample).
+benchmarks/archive/recipe_search.py trains and scores on (seeded like LabeledTexts.subsample).
 
-    python benchmarks/probe_subset.py rotten-tomatoes convention-party
+    python benchmarks/archive/probe_subset.py rotten-tomatoes convention-party
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sklearn.preprocessing import StandardScaler
 
 from dpfit.data.tasks import load_task
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # archived: baselines is one up
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 

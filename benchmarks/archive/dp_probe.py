@@ -9,7 +9,7 @@ head-first phase of a run can reach on its own. Features are L2-normalised per e
 statistic of the private data is used). Noise comes from a seeded torch generator: this is a
 simulation for choosing defaults, not a private release.
 
-    python benchmarks/dp_probe.py --tasks rotten-tomatoes
+    python benchmarks/archive/dp_probe.py --tasks rotten-tomatoes
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # archived: baselines is one up
 
 import baselines  # noqa: E402
 
@@ -41,7 +41,7 @@ def sigma_for(epsilon: float, n: int, q: float, steps: int) -> float:
     return noise_multiplier_for(epsilon, min(1e-5, n**-1.1), q, steps)
 
 
-OUT = Path(__file__).resolve().parent / "results" / "dp_probe.jsonl"
+OUT = Path(__file__).resolve().parents[1] / "results" / "archive" / "dp_probe.jsonl"
 
 
 def dp_probe(

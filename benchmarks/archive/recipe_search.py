@@ -7,9 +7,9 @@ in the log is skipped), so a partial search still has results. `--pooling mean` 
 model's head for mean pooling + linear (what the frozen probes suggest may matter); this is
 done by handing `train` a different model loader and is only for this search.
 
-    python benchmarks/recipe_search.py --grid np-ref            # non-private references
-    python benchmarks/recipe_search.py --grid dp-core --tasks rotten-tomatoes
-    python benchmarks/recipe_search.py --report                 # summary table to stdout
+    python benchmarks/archive/recipe_search.py --grid np-ref            # non-private references
+    python benchmarks/archive/recipe_search.py --grid dp-core --tasks rotten-tomatoes
+    python benchmarks/archive/recipe_search.py --report                 # summary table to stdout
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ import torch  # noqa: E402
 import dpfit.train as dptrain  # noqa: E402
 from dpfit.data.tasks import HELD_OUT, TASKS, load_task, write_csv  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+HERE = (
+    Path(__file__).resolve().parents[1]
+)  # benchmarks/ (this script is archived in benchmarks/archive/)
 CACHE = HERE / ".cache"
-LOG = HERE / "results" / "recipe_search.jsonl"
+LOG = HERE / "results" / "archive" / "recipe_search.jsonl"
 logger = logging.getLogger("recipe_search")
 
 

@@ -5,7 +5,7 @@ loader keeps index order inside a logical batch, so each physical batch pads onl
 length of similar examples. This counts what that saves on the bundled Rotten Tomatoes texts
 (tokenisation only, seconds).
 
-    python benchmarks/padding.py      # writes benchmarks/results/padding.json
+    python benchmarks/archive/padding.py      # writes benchmarks/results/archive/padding.json
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1000, help="examples in the logical batch")
     p.add_argument("--physical", type=int, default=56, help="the recipe's physical batch")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "padding.json"))
+    p.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parents[1] / "results" / "archive" / "padding.json"),
+    )
     args = p.parse_args()
     texts = [e.text for e in rotten_tomatoes()]
     tok = AutoTokenizer.from_pretrained(minilm_path())

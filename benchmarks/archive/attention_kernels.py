@@ -8,10 +8,10 @@ alike; 3 warm-up rounds, then medians of the timed ones. Also recorded: the larg
 between the two kernels' outputs in eval mode (float32; the same function, so rounding only).
 Budget: about 3 CPU-minutes.
 
-    PYTHONPATH=src python benchmarks/attention_kernels.py [--threads 1] [--timed 7]
-        [--lengths 28,64,128,512] [--out benchmarks/results/attention_kernels]
+    PYTHONPATH=src python benchmarks/archive/attention_kernels.py [--threads 1] [--timed 7]
+        [--lengths 28,64,128,512] [--out benchmarks/results/archive/attention_kernels]
 
-Writes benchmarks/results/attention_kernels.{json,md}.
+Writes benchmarks/results/archive/attention_kernels.{json,md}.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "archive"
 # (padded length, batch): the recipe's physical batch of 56 at its lengths, a smaller batch for
 # the window length a long-text run might use
 SHAPES = ((28, 56), (64, 56), (128, 56), (512, 8))
@@ -105,7 +105,7 @@ def run(args) -> dict:
         "load_average_at_start": os.getloadavg()[0],
         "dropout": args.dropout,
         "rows": rows,
-        "command": "python benchmarks/attention_kernels.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/archive/attention_kernels.py " + " ".join(sys.argv[1:]),
     }
 
 

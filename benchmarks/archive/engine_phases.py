@@ -1,7 +1,7 @@
 """Where DP-BiTFiT's time per step goes, against non-private bias-only training: forward,
 backward and step, as CPU (thread) time, on one fixed batch.
 
-    PYTHONPATH=src python benchmarks/engine_phases.py [--steps 300] [--model tiny|resnet-gn]
+    PYTHONPATH=src python benchmarks/archive/engine_phases.py [--steps 300] [--model tiny|resnet-gn]
 
 `--model tiny` (default): the tiny encoder of benchmarks/distributed.py, one fixed batch of 32.
 `--model resnet-gn`: the GroupNorm ResNet of dpfit.vision (biases + the linear head train), one
@@ -12,7 +12,7 @@ sampling="user-poisson" so that no loader is involved): non-private bias-only tr
 engine, and the engine without its per-step gradient check. The arms alternate step by step
 in one process; each phase is reported at the 30th percentile and the median over the steps
 (the lower quantile is less disturbed by other jobs on a shared machine).
-Writes benchmarks/results/engine_phases.{json,md} (tiny) or
+Writes benchmarks/results/archive/engine_phases.{json,md} (tiny) or
 engine_phases_resnet-gn_<size>.{json,md}.
 """
 
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parents[2]  # archived in benchmarks/archive/
+RESULTS = ROOT / "benchmarks" / "results" / "archive"
 BATCH = 32
 PHASES = ("forward", "backward", "step", "total")
 
@@ -159,7 +159,7 @@ def main() -> None:
 
     summary = {k: quantiles(v) for k, v in times.items()}
     result = {
-        "command": " ".join(["python benchmarks/engine_phases.py", *sys.argv[1:]]),
+        "command": " ".join(["python benchmarks/archive/engine_phases.py", *sys.argv[1:]]),
         "steps": args.steps,
         "model": args.model,
         "image_size": args.image_size if args.model == "resnet-gn" else None,

@@ -2,25 +2,27 @@
 samplers): torch's reduction over the trailing axes against the product with a ones vector
 that `sum_to_channel` used above 2^20 elements before.
 
-    PYTHONPATH=src python benchmarks/channel_sums.py
+    PYTHONPATH=src python benchmarks/archive/channel_sums.py
 
 resnet-gn's GroupNorm output gradients at batch 16 and 28, 56 and 112 pixels, float32, one
 thread: the best and the median of 15 repeats of the mean of 20 calls, in microseconds.
-Writes benchmarks/results/channel_sums.{json,md}.
+Writes benchmarks/results/archive/channel_sums.{json,md}.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import timeit
 from pathlib import Path
 
-import torch
+BENCHMARKS = Path(__file__).resolve().parents[1]  # archived in benchmarks/archive/
+sys.path.insert(0, str(BENCHMARKS))  # the harness and the scripts it borrows from
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import torch  # noqa: E402
+from harness.timing import best_and_median_us  # noqa: E402
+
+RESULTS = BENCHMARKS / "results" / "archive"
 # (channels, side) of resnet-gn's stages at input side S: (16, S), (32, S / 2), (64, S / 4)
 SHAPES = [(16, 16, s, s) for s in (28, 56, 112)] + [(16, 32, 56, 56), (16, 64, 28, 28)]
 
@@ -36,8 +38,8 @@ def product(g: torch.Tensor) -> torch.Tensor:
 
 
 def micros(fn, g: torch.Tensor) -> tuple[float, float]:
-    runs = sorted(timeit.repeat(lambda: fn(g), number=20, repeat=15))
-    return 1e6 * runs[0] / 20, 1e6 * statistics.median(runs) / 20
+    """Best and median microseconds of one call of `fn(g)` (20 calls, 15 repeats)."""
+    return best_and_median_us(lambda: fn(g), number=20, repeat=15)
 
 
 def main() -> None:
@@ -52,7 +54,7 @@ def main() -> None:
         rows.append({"shape": list(shape), "reduction_us": [best_r, med_r],
                      "product_us": [best_p, med_p], "reduction_max_abs_error": diff})  # fmt: skip
     load = os.getloadavg()[0]
-    cmd = " ".join(["python benchmarks/channel_sums.py", *sys.argv[1:]])
+    cmd = " ".join(["python benchmarks/archive/channel_sums.py", *sys.argv[1:]])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "channel_sums.json").write_text(
         json.dumps({"command": cmd, "load_average_1min": load, "rows": rows}, indent=2) + "\n"
