@@ -1065,6 +1065,195 @@ MUTATIONS += (
 )
 
 
+# splits of a user's file (dpfit.data.rowhash): each row's side (held out, public, trained,
+# a synthetic client) comes from its own keyed hash, so one row added or removed moves only
+# that row; a permutation of row positions moves many, and epsilon then protects a group
+_ROWHASH = "tests/data/test_rowhash.py"
+_IMAGE_SPLITS = "tests/vision/test_split_neighbours.py"
+_LM_SPLITS = "tests/test_causal_lm_splits.py"
+_FED_SPLITS = "tests/federated/test_partition_neighbours.py"
+MUTATIONS += (
+    Mutation(
+        "split-index-permutation",
+        "the hold-out of a user's file is a seeded permutation of row positions: appending one "
+        "row moves many others between training and test",
+        (
+            (
+                "dpfit/data/text.py",
+                "        held = held_out_mask(self.row_keys(seed, HELD_OUT), fraction)\n",
+                "        import random\n\n"
+                "        order = list(range(len(self)))\n"
+                "        random.Random(seed).shuffle(order)\n"
+                "        chosen = set(order[: max(1, round(fraction * len(self)))])\n"
+                "        held = [i in chosen for i in range(len(self))]\n",
+            ),
+        ),
+        (_ROWHASH, "-k", "split_adding or prepare_data"),
+    ),
+    Mutation(
+        "subsample-index-permutation",
+        "--max-train-examples samples row positions: one row added changes many training rows, "
+        "not at most one swap",
+        (
+            (
+                "dpfit/data/text.py",
+                "        idx = smallest(self.row_keys(seed, SUBSAMPLE), n).tolist()\n",
+                "        import random\n\n"
+                "        idx = sorted(random.Random(seed).sample(range(len(self)), n))\n",
+            ),
+        ),
+        (_ROWHASH, "-k", "subsample or prepare_data"),
+    ),
+    Mutation(
+        "split-hashes-label-id",
+        "a row's key hashes its label id, which a new label name in the file renumbers: every "
+        "row of a renumbered class changes side",
+        (
+            (
+                "dpfit/data/text.py",
+                "        rows = (text_row(t, names[y]) for t, y in zip(self.texts, self.labels, "
+                "strict=True))\n",
+                "        rows = (text_row(t, str(y)) for t, y in zip(self.texts, self.labels, "
+                "strict=True))\n",
+            ),
+        ),
+        (_ROWHASH, "-k", "new_label"),
+    ),
+    Mutation(
+        "image-split-index-permutation",
+        "the image hold-out / public share is a seeded permutation of positions",
+        (
+            (
+                "dpfit/vision/data.py",
+                "        held = held_out_mask(self.row_keys(seed, purpose), fraction)\n",
+                "        perm = np.random.default_rng(seed).permutation(len(self))\n"
+                "        held = np.zeros(len(self), bool)\n"
+                "        held[perm[: max(1, round(fraction * len(self)))]] = True\n",
+            ),
+        ),
+        (_IMAGE_SPLITS, "-k", "moves_only or prepare_images"),
+    ),
+    Mutation(
+        "image-subsample-index-permutation",
+        "image --max-train-examples samples positions: one image added changes many",
+        (
+            (
+                "dpfit/vision/data.py",
+                "        idx = smallest(self.row_keys(seed, purpose), n)\n",
+                "        idx = np.sort(np.random.default_rng(seed).permutation(len(self))[:n])\n",
+            ),
+        ),
+        (_IMAGE_SPLITS, "-k", "subsample"),
+    ),
+    Mutation(
+        "image-old-split-record-accepted",
+        "private fine-tuning accepts a public split recorded by the old permutation rule, whose "
+        "public images the new rule may put on the private side",
+        (
+            (
+                "dpfit/tasks/image_classification.py",
+                '        if recorded_split.get("rule") != SPLIT_RULE:\n',
+                "        if False:\n",
+            ),
+        ),
+        (_IMAGE_SPLITS, "-k", "older_split_rule"),
+    ),
+    Mutation(
+        "lm-examples-shuffled",
+        "causal-LM training examples: a seeded shuffle of positions, capped",
+        (
+            (
+                "dpfit/causal_lm.py",
+                "    return [rest[i] for i in smallest(rest_keys, n_train)], held\n",
+                "    import random\n\n"
+                "    random.Random(seed).shuffle(rest)\n"
+                "    return rest[:n_train], held\n",
+            ),
+        ),
+        (_LM_SPLITS, "-k", "line_examples"),
+    ),
+    Mutation(
+        "jsonl-documents-grouped-by-line-number",
+        "a .jsonl document's group is its line number: a line inserted at the top renames, and "
+        "so re-splits, every document below it",
+        (
+            (
+                "dpfit/tasks/causal_lm.py",
+                '    return texts, [""] * len(texts), str(path)',
+                '    return texts, [f"line {i}" for i in range(len(texts))], str(path)',
+            ),
+        ),
+        (_LM_SPLITS, "-k", "jsonl"),
+    ),
+    Mutation(
+        "document-cap-random-sample",
+        "causal-LM --max-train-examples over documents: a seeded sample of positions",
+        (
+            (
+                "dpfit/tasks/causal_lm.py",
+                "    return [docs[i] for i in smallest(keys, k)]\n",
+                "    import random\n\n    return random.Random(seed).sample(list(docs), k)\n",
+            ),
+        ),
+        (_LM_SPLITS, "-k", "document_cap"),
+    ),
+    Mutation(
+        "federated-iid-contiguous-shards",
+        "iid clients are contiguous shards of the rows: one row added shifts every later "
+        "shard boundary, so many clients change",
+        (
+            (
+                "dpfit/federated/data.py",
+                "        owner = np.minimum((keys * num_clients).astype(np.int64), "
+                "num_clients - 1)\n",
+                "        owner = (np.arange(len(keys)) * num_clients) // max(len(keys), 1)\n",
+            ),
+        ),
+        (_FED_SPLITS, "-k", "one_row"),
+    ),
+    Mutation(
+        "federated-dirichlet-by-position",
+        "a Dirichlet client is chosen by the row's position, not its own key",
+        (
+            (
+                "dpfit/federated/data.py",
+                '            [np.searchsorted(edges[y], u, side="right") for y, u in '
+                "zip(ys, keys, strict=True)],\n",
+                '            [np.searchsorted(edges[y], (j + 0.5) / len(ys), side="right") '
+                "for j, y in enumerate(ys)],\n",
+            ),
+        ),
+        (_FED_SPLITS, "-k", "one_row and dirichlet"),
+    ),
+    Mutation(
+        "federated-rows-shuffled-first",
+        "a user's rows are put in a --seed order before partitioning: one row added reorders "
+        "every client's rows, so every client's --examples-per-client cap changes",
+        (
+            (
+                "dpfit/federated/data.py",
+                "        for i in range(len(rows))\n    )\n",
+                "        for i in random.Random(seed).sample(range(len(rows)), len(rows))\n    )\n",
+            ),
+        ),
+        (_FED_SPLITS, "-k", "one_row"),
+    ),
+    Mutation(
+        "evaluate-held-out-ignores-seed",
+        "dpfit evaluate --held-out re-derives the hold-out with seed 0, not the run's: it "
+        "scores rows the model trained on",
+        (
+            (
+                "dpfit/tasks/classification.py",
+                '    return rows.split(float(fraction), seed=int(config.get("seed", 0)))[1]\n',
+                "    return rows.split(float(fraction), seed=0)[1]\n",
+            ),
+        ),
+        ("tests/test_evaluate_held_out.py", "-k", "found_again"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel
