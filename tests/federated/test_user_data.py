@@ -279,7 +279,7 @@ def test_dirichlet_partition_sizes_and_determinism(tmp_path, bert):
 def _error(argv: list[str], capsys) -> str:
     assert run(_parser().parse_args(argv)) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
+    assert err.startswith("dpfit federated: error: ") and "\n" not in err, err
     return err
 
 
