@@ -151,7 +151,60 @@ MUTANTS += [
     ),
 ]
 
+# huge and duplicate replies, forks, and the label gate's unit
+MUTANTS += [
+    (
+        "label gate counts rows, not distinct clients",
+        f"{FED}/data.py",
+        'units = LabelUnits.count(row_labels, row_clients, "clients")',
+        'units = LabelUnits.count(row_labels, range(len(row_labels)), "clients")',
+    ),
+    (
+        "update values beyond float32 range accepted",
+        f"{FED}/strategy.py",
+        "if a.size and float(np.max(np.abs(a.astype(np.float64)))) > FLOAT32_MAX:",
+        "if False:",
+    ),
+    (
+        "update norm squared without scaling (overflows to inf)",
+        f"{FED}/clipping/base.py",
+        "return big * math.sqrt(sum(float(np.sum(np.square(a / big))) for a in arrays))",
+        "return math.sqrt(sum(float(np.sum(np.square(a))) for a in arrays))",
+    ),
+    (
+        "clip casts to float32 before scaling (inf x 0 = NaN)",
+        f"{FED}/clipping/base.py",
+        "return [(np.asarray(a, dtype=np.float64) * float(factor)).astype(np.float32) for a in arrays]",
+        "return [np.asarray(a, dtype=np.float32) * np.float32(factor) for a in arrays]",
+    ),
+    (
+        "replies of one node counted as often as they arrive",
+        f"{FED}/strategy.py",
+        'for r in first_per_node(replies, lambda r: r.node_id, f"round {self.round} reply"):',
+        "for r in replies:",
+    ),
+    (
+        "votes of one node counted as often as they arrive",
+        f"{FED}/strategy.py",
+        "from_nodes = first_per_node(",
+        "from_nodes = (lambda items, node, what: list(items))(",
+    ),
+    (
+        "the Flower vote path drops the sender (no de-duplication)",
+        f"{FED}/strategy.py",
+        'votes.append(ClientVote(node, list(reply.content["vote"]["vote"])))',
+        'votes.append(list(reply.content["vote"]["vote"]))',
+    ),
+    (
+        "fork epsilon counts this continuation only",
+        f"{FED}/accounting.py",
+        "extra = max(0, continuations - 1)",
+        "extra = 0",
+    ),
+]
+
 TESTS = [
+    "tests/federated/test_label_gate.py",
     "tests/federated/test_clipping.py",
     "tests/federated/test_accounting.py",
     "tests/federated/test_strategy.py",

@@ -154,3 +154,24 @@ def test_dynamic_calibration_meets_the_target_with_the_whole_schedule():
     eps = _direct(direct, "rdp")
     assert eps <= target * (1 + 1e-6)
     assert eps == pytest.approx(target, rel=1e-2)
+
+
+@pytest.mark.parametrize("shared_one_offs,votes", [(1, 1), (0, 3)])
+def test_all_continuations_compose_shared_releases_once_and_own_ones_per_fork(
+    shared_one_offs, votes
+):
+    """Five rounds, two on the checkpoint; three continuations. A vote on the checkpoint is
+    shared (counted once); a vote the continuation made itself counts once per continuation."""
+    acct = ClientLevelAccountant(num_clients=100, expected_clients=10, delta=1e-5)
+    acct.record_one_off(4.0)
+    for _ in range(5):
+        acct.record_round((1.0,))
+    got = acct.epsilon_if_all_continuations_released(2, shared_one_offs, 3)
+    direct = dpa.ComposedDpEvent(
+        [dpa.GaussianDpEvent(4.0)] * votes
+        + [dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0)), 11)]
+    )
+    assert got == pytest.approx(_direct(direct, "rdp"), rel=1e-9)
+    assert acct.epsilon_if_all_continuations_released(5, 1, 3) == pytest.approx(acct.epsilon())
+    acct.record_round((0.0,))  # a non-private round: nothing to promise
+    assert acct.epsilon_if_all_continuations_released(2, 1, 2) == math.inf

@@ -489,3 +489,131 @@ def test_vote_noise_follows_the_budget_share_rule():
         _cfg(method="lac", noise_multiplier=1.0, vote_noise_std=3.0), _init()
     ).rule.config.vote_noise_std == pytest.approx(3.0)
     assert _cfg(method="fixed", noise_multiplier=1.0).vote_noise(1.0) == 0.0
+
+
+# ------------------------------------------------------------------ huge and duplicate replies
+
+
+def test_a_float64_update_of_1e200_is_rejected_and_the_model_stays_finite(caplog):
+    """1e200 is finite, so an isfinite check passes it; squared it overflows float64, the
+    norm is inf, the clip factor 0, and 0 x (1e200 cast to float32 = inf) is NaN."""
+    huge = [np.full(s, 1e200, dtype=np.float64) for s in SHAPES]
+    with pytest.raises(InvalidUpdate, match="float32"):
+        validate_update(huge, SHAPES)
+    validate_update([np.full(s, 3e38, dtype=np.float64) for s in SHAPES], SHAPES)  # in range
+    server = DPFedAvgServer(_cfg(initial_clip=1.0), _init())
+    server.aggregate([1, 2], [ClientReply(1, huge, {}), ClientReply(2, _update(0.1), {})])
+    assert server.last_counts.rejected == 1
+    assert "client 1 rejected" in caplog.text and "float32" in caplog.text
+    for p, u in zip(server.params, _update(0.1), strict=True):
+        assert np.all(np.isfinite(p))
+        np.testing.assert_allclose(p, u / 4, rtol=1e-6)  # client 2 alone, / m
+
+
+@pytest.mark.parametrize("value", [1e200, 1e39, -3e38, 1e-300])
+def test_the_clip_never_makes_nan_and_bounds_any_finite_update(value):
+    """The clip itself, whatever reaches it: a finite update of any size comes out finite and
+    of norm C (or less, when it is smaller); its norm is computed without overflow."""
+    from dpfit.federated.clipping import clip_update, global_norm, make_clip_rule
+    from dpfit.federated.clipping.base import ClipConfig
+
+    update = [np.full(s, value, dtype=np.float64) for s in SHAPES]
+    assert global_norm(update) == pytest.approx(abs(value) * math.sqrt(10), rel=1e-12)
+    clipped, _ = clip_update(update, 0.5)
+    auto, _ = make_clip_rule("automatic", ClipConfig(initial_clip=0.5)).clip(update)
+    for out, bound in ((clipped, 0.5), (auto, 0.5)):
+        assert all(a.dtype == np.float32 and np.all(np.isfinite(a)) for a in out)
+        norm = math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in out))
+        assert norm <= bound * (1 + 1e-6)
+        if abs(value) * math.sqrt(10) > 0.5:
+            assert norm == pytest.approx(bound, rel=1e-5 if out is clipped else 1e-2)
+
+
+def test_three_copies_of_one_reply_count_once(caplog):
+    """Each sampled client moves the sum by at most C: a second or third reply from one node
+    (copies or not) is dropped, the first counts; its loss too (DP-CLAC)."""
+    server = DPFedAvgServer(_cfg(method="clac", initial_clip=100.0), _init())
+    server.initialise([[0, 0, 1]])
+    first = ClientReply(1, _update(1.0), {"loss_before": 0.5})
+    other = ClientReply(1, _update(5.0), {"loss_before": 0.9})
+    replies = [first, first, other, ClientReply(2, _update(2.0), {"loss_before": 0.5})]
+    server.aggregate([1, 2], replies)
+    np.testing.assert_allclose(server.params[1], (1.0 + 2.0) / 4)  # not (3 x 1 + 5 + 2) / 4
+    assert server.rule.losses == [pytest.approx((0.5 + 0.5) / 4)]
+    assert server.last_counts.answered == 2
+    assert caplog.text.count("one per client counts") == 2
+
+
+def test_duplicate_votes_count_once():
+    """A node's vote counts once, the first: a client that votes three times moves the noised
+    histogram by 1, not 3 (sensitivity 1)."""
+    from dpfit.federated.strategy import ClientVote
+
+    cfg = _cfg(method="lac", num_clients=20, noise_multiplier=1.0, vote_noise_std=1e-6)
+    server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (0.7, 0.5))
+    votes = [ClientVote(1, [1, 0, 0])] * 3 + [ClientVote(1, [0, 0, 1])]
+    votes += [ClientVote(n, [0, 1, 0]) for n in (2, 3)]
+    server.initialise(votes)
+    assert server.vote_counts == pytest.approx([1, 2, 0], abs=1e-3)  # not [3, 2, 1]
+    assert server.votes_rejected == 3
+
+
+def test_duplicate_replies_through_flower_messages_count_once():
+    """The Flower adapter keeps each reply's node: a transport that delivers every reply
+    three times (votes and updates) gives the run of one delivery."""
+
+    class Tripled(LocalGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            return [r for r in super().send_and_receive(messages, timeout=timeout) for _ in "abc"]
+
+    def run(grid_cls):
+        cfg = _cfg(
+            method="lac", num_clients=4, clients_per_round=4, rounds=1, initial_clip=10.0,
+            vote_noise_std=1e-6,
+        )  # fmt: skip
+        server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (1.0, 0.5))
+        clients = {n: _fake_client(value=0.01) for n in range(4)}
+        DPFedAvg(server, {}).start(grid_cls(clients, {n: {"partition-id": n} for n in range(4)}))
+        return server
+
+    once, tripled = run(LocalGrid), run(Tripled)
+    assert tripled.vote_counts == pytest.approx(once.vote_counts, abs=1e-3)
+    assert tripled.vote_counts == pytest.approx([0, 4, 0], abs=1e-3)
+    for a, b in zip(tripled.params, once.params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ forks
+
+
+def test_a_fork_reports_the_epsilon_of_releasing_every_continuation(tmp_path):
+    """Two rounds shared, then two continuations of three rounds each: releasing both costs
+    2 + 3 + 3 sampled rounds, checked against dp-accounting directly."""
+    import dp_accounting as dpa
+
+    from dpfit.federated.cli import summary
+    from dpfit.federated.client import TaskConfig
+
+    cfg = _cfg(noise_multiplier=1.0, rounds=5, checkpoint_dir=str(tmp_path))
+    replies = [ClientReply(i, _update(0.01), {}) for i in (1, 2)]
+    first = DPFedAvgServer(cfg, _init())
+    for _ in range(2):
+        first.aggregate([1, 2], replies)
+    assert first.continuation_report() is None
+    a = DPFedAvgServer(cfg, _init())
+    assert a.load_checkpoint(tmp_path)
+    fork_cfg = _cfg(**{**cfg.__dict__, "checkpoint_dir": None, "allow_fork": True})
+    b = DPFedAvgServer(fork_cfg, _init())
+    assert b.load_checkpoint(tmp_path)
+    for server in (a, b):
+        for _ in range(3):
+            server.aggregate([1, 2], replies)
+    assert "epsilon_if_all_continuations_released" not in a.continuation_report()
+    report = b.continuation_report()
+    assert (report["continuation"], report["shared_rounds"], report["fork"]) == (2, 2, True)
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(dpa.PoissonSampledDpEvent(4 / 10, dpa.GaussianDpEvent(1.0)), 2 + 3 * 2)
+    want = acc.get_epsilon(1e-5)
+    assert report["epsilon_if_all_continuations_released"] == pytest.approx(want, rel=1e-9)
+    assert want > b.accountant.epsilon()  # this run alone: 5 rounds
+    assert summary(b, TaskConfig(), 0.5, 0.7)["continuation"] == report

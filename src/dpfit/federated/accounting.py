@@ -226,6 +226,23 @@ class ClientLevelAccountant:
             return math.inf
         return float(self._accountant().get_epsilon(self.delta))
 
+    def epsilon_if_all_continuations_released(
+        self, shared_rounds: int, shared_one_offs: int, continuations: int
+    ) -> float:
+        """Epsilon of releasing all ``continuations`` runs that continued one checkpoint.
+
+        What the checkpoint holds (the prior, its first ``shared_one_offs`` one-off releases
+        and ``shared_rounds`` rounds) happened once; every continuation draws fresh noise
+        after it, so this run's own releases count once per continuation, each assumed as
+        long as this one (``dpfit.checkpoint.fork_report`` for central runs)."""
+        extra = max(0, continuations - 1)
+        one_offs = list(self.one_offs) + list(self.one_offs[shared_one_offs:]) * extra
+        rounds = list(self.rounds) + list(self.rounds[shared_rounds:]) * extra
+        if any(s <= 0 for s in one_offs) or any(z <= 0 for r in rounds for z in r):
+            return math.inf
+        event = schedule_event(self.sample_rate, rounds, one_offs, self.kind, self.prior)
+        return float(epsilon_of(event, self.delta, self.kind))
+
     def record_one_off(self, noise_multiplier: float) -> None:
         self.one_offs.append(float(noise_multiplier))
         self._live = self._checked = None  # one-offs come first in the event; rebuilt lazily

@@ -334,16 +334,7 @@ def summary(server: Any, task: Any, test_accuracy: float, test_loss: float) -> d
         "local_mode": task.local_mode,
         "stopped": server.stop_reason,
         "insecure_seed": server.insecure,
-        "continuation": (
-            None
-            if server.continuation is None
-            else {
-                "checkpoint": server.continuation.checkpoint,
-                "continuation": server.continuation.number,
-                "shared_rounds": server.continuation.steps,
-                "fork": server.continuation.fork,
-            }
-        ),
+        "continuation": server.continuation_report(),
     }
 
 

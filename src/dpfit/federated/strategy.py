@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from flwr.serverapp.strategy import Strategy
@@ -47,6 +47,7 @@ from dpfit.federated.tuning import SelectionConfig, tuning_event
 logger = logging.getLogger(__name__)
 
 EvaluateFn = Callable[[Sequence[np.ndarray]], tuple[float, float]]
+T = TypeVar("T")
 
 
 class InvalidReply(ValueError):
@@ -172,6 +173,36 @@ class ClientReply:
 
 
 @dataclass(frozen=True)
+class ClientVote:
+    """One client's clip-candidate vote, with the node that sent it (for de-duplication)."""
+
+    node_id: int
+    vote: Any
+
+
+def first_per_node(items: Iterable[T], node: Callable[[T], int], what: str) -> list[T]:
+    """At most one item per node: the first to arrive; later ones are dropped with a warning.
+
+    Each sampled client contributes once to a release, which is what its sensitivity (C for
+    an update, 1 for a vote) assumes: three copies of one reply would move the sum by 3C.
+    The first reply counts whatever it holds (a malformed first reply is not replaced by a
+    later one): a copy of it is a retransmission and loses nothing, and a client that sends
+    different replies is faulty, so none of its later ones should count. Keeping the first is
+    deterministic given the arrival order and needs no comparison of the replies' contents.
+    """
+    seen: set[int] = set()
+    kept: list[T] = []
+    for item in items:
+        n = node(item)
+        if n in seen:
+            logger.warning("another %s from client %s dropped: one per client counts", what, n)
+            continue
+        seen.add(n)
+        kept.append(item)
+    return kept
+
+
+@dataclass(frozen=True)
 class RoundRecord:
     """What a round releases: functions of the noised model and of public settings only.
 
@@ -206,8 +237,14 @@ class RoundCounts:
     median_update_norm: float = math.nan
 
 
+# The server's model is float32: a value beyond its range cannot come from a float32 model,
+# and squared in a norm it overflows (1e200 in float64 gives an infinite norm, then inf x 0).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def validate_update(update: Sequence[np.ndarray], shapes: Sequence[tuple[int, ...]]) -> None:
-    """Raise InvalidUpdate unless the update matches the model and is finite everywhere."""
+    """Raise InvalidUpdate unless the update matches the model, is finite everywhere and
+    fits float32 (so its float64 norm is finite and clipping it cannot give NaN)."""
     if len(update) != len(shapes):
         raise InvalidUpdate(f"expected {len(shapes)} arrays, got {len(update)}")
     for i, (a, s) in enumerate(zip(update, shapes, strict=True)):
@@ -218,6 +255,12 @@ def validate_update(update: Sequence[np.ndarray], shapes: Sequence[tuple[int, ..
             raise InvalidUpdate(f"array {i} has dtype {a.dtype}, expected numbers")
         if not np.all(np.isfinite(a)):
             raise InvalidUpdate(f"array {i} has NaN or Inf values")
+        if a.size and float(np.max(np.abs(a.astype(np.float64)))) > FLOAT32_MAX:
+            raise InvalidUpdate(
+                f"array {i} has values beyond float32's range (|x| up to "
+                f"{float(np.max(np.abs(a.astype(np.float64)))):.3g} > {FLOAT32_MAX:.3g}); "
+                "the model is float32, so the update is malformed"
+            )
 
 
 def validate_loss(value: Any) -> float:
@@ -312,6 +355,7 @@ class DPFedAvgServer:
         self.sampling_rng, self.noise_rng = server_generators(config.insecure_seed)
         self.insecure = config.insecure_seed is not None
         self.continuation: ckpt.Continuation | None = None  # set by a secure resume
+        self.shared_one_offs = 0  # one-off releases on the ledger of the checkpoint continued
         self.round = 0
         self.initialised = False
         self.initial_clip = self.rule.clip_norm
@@ -356,13 +400,21 @@ class DPFedAvgServer:
             "expected_clients": float(self.config.clients_per_round),
         }
 
-    def initialise(self, votes: Sequence[Sequence[int]] | None = None) -> None:
+    def initialise(self, votes: Sequence[ClientVote | Sequence[int]] | None = None) -> None:
         """Before round 1: the private vote for C0 (DP-LAC, DP-CLAC) and, for DP-LAC, the
-        validation loss v_0. Malformed votes are dropped and counted (operator's log)."""
+        validation loss v_0. Malformed votes are dropped and counted (operator's log).
+
+        ``votes``: ClientVote (from a transport: one per node counts, the first) or bare
+        vectors (an in-process engine that makes exactly one per client)."""
         if isinstance(self.rule, VotedStart):
             good = []
-            self.votes_rejected = 0
-            for v in votes or []:
+            sent = list(votes or [])
+            from_nodes = first_per_node(
+                (v for v in sent if isinstance(v, ClientVote)), lambda v: v.node_id, "vote"
+            )
+            self.votes_rejected = sum(isinstance(v, ClientVote) for v in sent) - len(from_nodes)
+            bare = [v for v in sent if not isinstance(v, ClientVote)]
+            for v in [c.vote for c in from_nodes] + bare:
                 try:
                     good.append(validate_vote(v, len(self.rule.candidates())))
                 except InvalidVote as exc:
@@ -416,7 +468,7 @@ class DPFedAvgServer:
         losses: list[float] = []
         answered = rejected = 0
         sampled_set = set(sampled)
-        for r in replies:
+        for r in first_per_node(replies, lambda r: r.node_id, f"round {self.round} reply"):
             if r.node_id not in sampled_set:
                 logger.warning(
                     "round %d: reply from unsampled node %s ignored", self.round, r.node_id
@@ -542,6 +594,34 @@ class DPFedAvgServer:
                 for marker in ckpt.continuation_markers(old):
                     marker.unlink(missing_ok=True)
 
+    def continuation_report(self) -> dict[str, Any] | None:
+        """What this run's report says about the checkpoint it continued (None: it continued
+        none). A fork also gets the epsilon of releasing every continuation of that
+        checkpoint: the shared rounds once, each continuation's own rounds (each assumed as
+        long as this one's) once per continuation, as ``dpfit.checkpoint.fork_report``."""
+        c = self.continuation
+        if c is None:
+            return None
+        report: dict[str, Any] = {
+            "checkpoint": c.checkpoint,
+            "continuation": c.number,
+            "shared_rounds": c.steps,
+            "fork": c.fork,
+        }
+        if c.fork:
+            report["epsilon_if_all_continuations_released"] = (
+                self.accountant.epsilon_if_all_continuations_released(
+                    c.steps, self.shared_one_offs, c.number
+                )
+            )
+            report["note"] = (
+                f"continuation {c.number} of {c.checkpoint}: a fork. This run's epsilon counts "
+                "its own rounds once; releasing the outputs of several continuations costs "
+                f"the {c.steps} shared rounds composed with every continuation's own rounds "
+                "(epsilon_if_all_continuations_released assumes each as long as this one)"
+            )
+        return report
+
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> bool:
         """Resume from ``directory`` if it holds a checkpoint; returns whether it did."""
         d = Path(directory)
@@ -567,6 +647,7 @@ class DPFedAvgServer:
             self.noise_rng.bit_generator.state = state["rng"]["noise"]
         else:
             # fresh OS randomness from here on; a second continuation of this round is a fork
+            self.shared_one_offs = len(self.accountant.one_offs)
             self.continuation = ckpt.claim_continuation(
                 d / state["params_file"], self.round, self.config.allow_fork
             )
@@ -660,7 +741,7 @@ class DPFedAvg(Strategy):
         logger.warning("only %d of %d clients registered; continuing", len(nodes), want)
         return nodes
 
-    def _vote(self, grid: Any, nodes: list[int]) -> list[list[int]]:
+    def _vote(self, grid: Any, nodes: list[int]) -> list[ClientVote]:
         from flwr.app import ArrayRecord, MessageType
 
         cfg = dict(self.task_record, **self.server.vote_query_config())
@@ -671,11 +752,12 @@ class DPFedAvg(Strategy):
             if reply.has_error():
                 logger.warning("vote query failed on a client: %s", reply.error)
                 continue
+            node = int(reply.metadata.src_node_id)
             try:
-                votes.append(list(reply.content["vote"]["vote"]))
+                votes.append(ClientVote(node, list(reply.content["vote"]["vote"])))
             except Exception as exc:  # malformed content: counted as a dropped vote
                 logger.warning("vote reply malformed: %s", exc)
-                votes.append([])
+                votes.append(ClientVote(node, []))
         progress.report("clip vote", len(nodes), len(nodes))
         return votes
 

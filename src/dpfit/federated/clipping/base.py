@@ -31,12 +31,20 @@ class UnknownClipRule(KeyError):
 
 
 def global_norm(arrays: Sequence[np.ndarray]) -> float:
-    """L2 norm of a model update given as a list of arrays (one flat vector)."""
-    return float(math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays)))
+    """L2 norm of a model update given as a list of arrays (one flat vector), in float64 and
+    scaled by the largest |x|, so that squaring a large finite entry cannot overflow (1e200
+    squared is inf in float64); inf only when the norm itself passes float64's range."""
+    arrays = [np.asarray(a, dtype=np.float64) for a in arrays]
+    big = max((float(np.max(np.abs(a))) for a in arrays if a.size), default=0.0)
+    if big == 0.0 or not math.isfinite(big):
+        return big
+    return big * math.sqrt(sum(float(np.sum(np.square(a / big))) for a in arrays))
 
 
 def scale_update(arrays: Sequence[np.ndarray], factor: float) -> list[np.ndarray]:
-    return [np.asarray(a, dtype=np.float32) * np.float32(factor) for a in arrays]
+    """``factor`` times the update, as float32: multiplied in float64 first, so an entry
+    beyond float32's range is scaled before the cast (not cast to inf, then inf x 0 = NaN)."""
+    return [(np.asarray(a, dtype=np.float64) * float(factor)).astype(np.float32) for a in arrays]
 
 
 def clip_update(arrays: Sequence[np.ndarray], clip_norm: float) -> tuple[list[np.ndarray], float]:
