@@ -14,8 +14,8 @@ released model on the server's public validation split, and releases only the be
   (log(1 + 1/(lambda-1)), delta_hat)-DP of one run.
 
 dp-accounting's ``RepeatAndSelectDpEvent(event, mean, shape)`` implements both bounds (its RDP
-accountant only; PLD does not support it); this module draws K exactly as they assume and
-describes the spend as that event. Budget split (the protocol of the DP-LAC paper): the
+accountant only; PLD does not support it); the shared core :mod:`dpfit.selection` draws K
+exactly as they assume and describes the spend as that event. Budget split (the protocol of the DP-LAC paper): the
 candidates' noise is calibrated so the selection alone spends ``budget_share`` of the target;
 the final training run is then calibrated so that selection and training *composed* meet the
 whole target, and its ledger starts with the selection, so every epsilon it reports includes
@@ -30,20 +30,27 @@ insecure seed is given (benchmarks), like the server's noise.
 from __future__ import annotations
 
 import logging
-import math
-import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import dp_accounting as dpa
 import numpy as np
-from scipy import optimize, stats
 
 from dpfit.accounting import calibrate, epsilon_of
-from dpfit.errors import DPFitError, InfeasibleTargetError
+from dpfit.errors import InfeasibleTargetError
 from dpfit.federated.accounting import schedule_event
 from dpfit.federated.clipping import clip_rule_class
+from dpfit.selection import (  # noqa: F401 - the shared core; its names stay importable here
+    RunCount,
+    SelectionError,
+    draw_runs,
+    select_best,
+    selection_event,
+    selection_rng,
+    tnb_gamma,
+    tnb_mean,
+)
 
 if TYPE_CHECKING:
     from dpfit.federated.strategy import ServerConfig
@@ -51,68 +58,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TuningError(DPFitError):
-    """A private selection was asked for something its privacy bound does not cover."""
+TuningError = SelectionError  # one class: the shared core raises it for both
 
 
 @dataclass(frozen=True)
-class SelectionConfig:
-    """How many candidate runs (a distribution, never a fixed number) and the budget share.
+class SelectionConfig(RunCount):
+    """How many candidate runs (:class:`dpfit.selection.RunCount`) and the budget share the
+    selection takes of the target (the final run gets the rest, composed)."""
 
-    ``shape`` is eta of the truncated negative binomial (0: logarithmic, 1: geometric,
-    ``math.inf``: Poisson, which may run no candidate at all); ``mean_runs`` is E[K].
-    """
-
-    mean_runs: float = 3.0
-    shape: float = 1.0
     budget_share: float = 1.0 / 3.0
 
     def __post_init__(self) -> None:
-        if not (self.mean_runs >= 1 and math.isfinite(self.mean_runs)):
-            raise TuningError(f"mean_runs must be a finite number >= 1, got {self.mean_runs}")
-        if math.isnan(self.shape) or self.shape < 0:
-            raise TuningError(f"shape must be >= 0 (or inf for Poisson), got {self.shape}")
+        super().__post_init__()
         if not 0.0 < self.budget_share < 1.0:
             raise TuningError(f"budget_share must be in (0, 1), got {self.budget_share}")
-
-
-# --------------------------------------------------------------------------------------------
-# The number of runs K (Papernot & Steinke, Definition 1)
-# --------------------------------------------------------------------------------------------
-
-
-def tnb_mean(gamma: float, shape: float) -> float:
-    """E[K] of the truncated negative binomial D_{eta,gamma} (Papernot & Steinke, Sec. 2)."""
-    if shape == 0:
-        return (1.0 / gamma - 1.0) / math.log(1.0 / gamma)
-    return shape * (1.0 - gamma) / (gamma * (1.0 - gamma**shape))
-
-
-def tnb_gamma(mean: float, shape: float) -> float:
-    """gamma in (0, 1) whose D_{shape,gamma} has E[K] = ``mean`` (E[K] falls as gamma grows)."""
-    if mean == 1.0:
-        return 1.0
-    if shape == 1.0:
-        return 1.0 / mean
-    return float(
-        optimize.brentq(lambda g: tnb_mean(g, shape) - mean, 1e-12, 1.0 - 1e-12, xtol=1e-14)
-    )
-
-
-def draw_runs(selection: SelectionConfig, rng: np.random.Generator) -> int:
-    """K ~ D_{eta,gamma} with E[K] = mean_runs (or Poisson(mean_runs) for shape = inf)."""
-    mean, shape = selection.mean_runs, selection.shape
-    if math.isinf(shape):
-        return int(rng.poisson(mean))
-    gamma = tnb_gamma(mean, shape)
-    if gamma >= 1.0:
-        return 1
-    if shape == 0:  # logarithmic: P[K = k] proportional to (1 - gamma)^k / k
-        return int(stats.logser.rvs(1.0 - gamma, random_state=rng))
-    while True:  # negative binomial (failures before `shape` successes), conditioned on >= 1
-        k = int(rng.negative_binomial(shape, gamma))
-        if k >= 1:
-            return k
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,11 +90,6 @@ def run_event(config: ServerConfig, noise_multiplier: float) -> dpa.DpEvent:
         rule_cls.one_off_multipliers(clip),
         config.accountant,
     )
-
-
-def selection_event(candidate: dpa.DpEvent, mean_runs: float, shape: float) -> dpa.DpEvent:
-    """The selection over K candidate runs, each ``candidate`` (Theorems 2 and 6)."""
-    return dpa.dp_event.RepeatAndSelectDpEvent(candidate, float(mean_runs), float(shape))
 
 
 def tuning_event(config: ServerConfig) -> dpa.DpEvent | None:
@@ -238,39 +192,18 @@ class Selection:
     runs: int
 
 
-def selection_rng(insecure_seed: int | None = None) -> np.random.Generator:
-    """The generator for K and the grid draws: OS entropy unless an insecure seed is given."""
-    if insecure_seed is None:
-        return np.random.default_rng(secrets.randbits(128))
-    logger.warning(
-        "insecure_seed=%d: the number of candidate runs and their hyperparameters are "
-        "reproducible from this number; the selection's bound assumes they are secret",
-        insecure_seed,
-    )
-    return np.random.default_rng([int(insecure_seed), 0x7E5E])
-
-
 def private_selection(
     grid: Sequence[Mapping[str, Any]],
     run_candidate: Callable[[Mapping[str, Any], int], float],
     selection: SelectionConfig,
     rng: np.random.Generator,
 ) -> Selection:
-    """Draw K, run K candidates (grid point uniform at random), keep the highest score.
+    """Draw K, run K candidates (grid point uniform at random), keep the highest score
+    (:func:`dpfit.selection.select_best`).
 
     ``run_candidate(point, i)`` trains candidate i with ``point`` at the plan's candidate
     noise and returns a score computed from its released model on public data only (e.g.
     accuracy on the server's validation split). Ties keep the earlier run.
     """
-    if not grid:
-        raise TuningError("the tuning grid is empty")
-    k = draw_runs(selection, rng)
-    best: Mapping[str, Any] | None = None
-    best_score = -math.inf
-    for i in range(k):
-        point = grid[int(rng.integers(len(grid)))]
-        score = float(run_candidate(point, i))
-        score = score if math.isfinite(score) else -math.inf  # a diverged run never wins
-        if best is None or score > best_score:
-            best, best_score = point, score
-    return Selection(best, best_score, k)
+    best = select_best(grid, lambda point, i: (run_candidate(point, i), None), selection, rng)
+    return Selection(best.choice, best.score, best.runs)
