@@ -10,9 +10,8 @@ the hyperparameters, freeze all but the biases (and the new head), train under a
 
 Why each choice:
 * The hyperparameters come from `dpfit.recipe.resolve_recipe`, the function `dpfit train`
-  uses, from public quantities only (number of examples, classes, epsilon, model size). A
-  Trainer-style learning rate (5e-5) leaves a zero-initialised head and the biases almost
-  where they started: DP-BiTFiT wants about 5e-3 with automatic clipping.
+  uses, from public quantities only (number of examples, classes, epsilon, model size):
+  5e-3 for biases + head with automatic clipping, 100 times a Trainer's default 5e-5.
 * Two phases, as `dpfit train` runs them: a private linear probe of the new head on frozen
   features first (head-first), then biases + head. A zero-initialised head trained at the
   biases' rate moves too slowly. One noise multiplier and one ledger cover both phases, so

@@ -7,13 +7,13 @@ hyperparameters.
 
 Why each choice:
 * Model: `dpfit.models.load_classifier("minilm", labels)` loads the bundled
-  all-MiniLM-L6-v2 offline, read by the mean of its token states into a zero-initialised head,
-  as `dpfit train` does. (The hub id sentence-transformers/all-MiniLM-L6-v2 needs the network,
-  and transformers' default CLS pooler for it is untrained.)
+  all-MiniLM-L6-v2 offline, read by the mean of its token states (how this
+  sentence-transformers model was trained) into a zero-initialised head, as `dpfit train`
+  does. The hub id sentence-transformers/all-MiniLM-L6-v2 needs the network.
 * Hyperparameters: `dpfit.recipe.resolve_recipe`, the function `dpfit train` uses, from
   public quantities only. Its learning rate for biases + head is 5e-3 with automatic clipping,
-  at a constant rate: Trainer's default 5e-5 (decaying linearly) leaves a zero-initialised head
-  near where it started, and a run ends near the majority class.
+  at a constant rate: Trainer's default, 5e-5 decaying linearly, is a rate for fine-tuning
+  every weight without noise, 100 times smaller.
 * `dpfit train` also runs a private linear probe of the head first (head-first), which
   DPTrainer does not; `dpfit train --no-head-first` is this script's match.
 * Resuming is for a run that stopped before its end (a crash, Ctrl-C, a time limit): run the
@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.resume and not args.output_dir:
+        raise SystemExit("--resume continues a stopped run: give its --output-dir")
     tmp = tempfile.TemporaryDirectory()
     output_dir = Path(args.output_dir or tmp.name)
 
