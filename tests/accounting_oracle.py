@@ -37,3 +37,19 @@ def selected_then_trained_epsilon(
     acc.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(run(z_candidate), mean_runs, shape))
     acc.compose(run(z_final))
     return acc.get_epsilon(delta)
+
+
+def selected_epsilon(
+    q: float, steps: int, z: float, score_sigma: float, mean_runs: float, shape: float,
+    delta: float,
+) -> float:  # fmt: skip
+    """A private selection whose candidate is `steps` sampled Gaussians at z, then a Gaussian
+    score (sensitivity 1, std score_sigma), repeated and selected (Papernot & Steinke, RDP);
+    the selected candidate's output is the release, nothing composed after it."""
+    step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    candidate = dp_accounting.ComposedDpEvent(
+        [dp_accounting.SelfComposedDpEvent(step, steps), dp_accounting.GaussianDpEvent(score_sigma)]
+    )
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(candidate, mean_runs, shape))
+    return acc.get_epsilon(delta)

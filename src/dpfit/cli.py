@@ -185,6 +185,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="examples per forward/backward; bounds memory, not the result (recipe)",
     )
     g.add_argument("--lr", type=_positive_float, help="learning rate (recipe)")
+    g.add_argument(
+        "--tune",
+        action="store_true",
+        help="pick lr (x1/3, 1, 3) and epochs (x1/2, 1, 2) privately on a validation split of "
+        "the training rows (about 3 runs' compute; --epsilon covers the selection too; "
+        "docs/train.md)",
+    )
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument(
         "--seed",
@@ -524,7 +531,12 @@ def run_train(args: argparse.Namespace) -> int:
         if return_freed_memory():
             logger.info("malloc: blocks of 1 MiB or more mapped on their own (freed at once)")
     try:
-        return run_config(train_config_from_args(args), args)
+        config = train_config_from_args(args)
+        if getattr(args, "tune", False):  # private selection of lr and epochs (run.tune)
+            from dpfit.run.tune import tune
+
+            return run_config(config, args, run=tune)
+        return run_config(config, args)
     except BaseException:
         _drop_empty_default_output(args)
         raise
