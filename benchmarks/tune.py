@@ -1,0 +1,122 @@
+"""Does `dpfit train --tune` beat the untuned recipe at the same total epsilon on a held-out task?
+
+One question, for docs/train.md ("Tuning on your data without leaking the choice"): on a task
+the recipe never saw (dpfit.data.tasks.HELD_OUT), at eps 8, the test accuracy of the untuned
+recipe against `--tune` (private selection over lr x {1/3, 1, 3}, epochs x {1/2, 1, 2}; the
+whole selection meets eps 8), paired by seed (the seed sets the task's split and the head's
+initialisation; noise, sampling and K are fresh OS draws). A pilot: 2-3 seeds cannot settle a
+difference of a point or two; --tune stays off by default until a run here says otherwise.
+
+Each run is one JSON line in results/tune_runs.jsonl (runs already there are skipped, so a
+stopped run resumes); results/tune.md is rendered from it. CPU budget: an untuned run on the
+whole held-out task takes about 2-4 CPU-minutes, a tuned one about 3 times that (K is random).
+
+    nice -n 10 python benchmarks/tune.py run --task debate-role --seeds 0 1
+    python benchmarks/tune.py report
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
+
+from harness.records import append_jsonl, read_jsonl  # noqa: E402
+from harness.stats import t_interval  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+LOG = RESULTS / "tune_runs.jsonl"
+REPORT = RESULTS / "tune.md"
+EPSILON = 8.0
+ARMS = ("untuned", "tune")
+
+
+def run_one(task: str, seed: int, arm: str, threads: int) -> dict:
+    import torch
+
+    from dpfit.data.tasks import load_task, write_csv
+    from dpfit.run.config import TrainConfig
+    from dpfit.run.tune import tune
+    from dpfit.train import train
+
+    torch.set_num_threads(threads)
+    splits = load_task(task, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        train_csv = write_csv(splits.train, Path(tmp) / "train.csv")
+        test_csv = write_csv(splits.test, Path(tmp) / "test.csv")
+        config = TrainConfig(
+            data=str(train_csv), eval_data=str(test_csv), epsilon=EPSILON, seed=seed,
+            public_labels=True,
+        )  # fmt: skip
+        result = (tune if arm == "tune" else train)(config)
+    m = result.metrics
+    return {
+        "task": task, "seed": seed, "arm": arm, "epsilon": m["epsilon"],
+        "accuracy": m["accuracy"], "lr": m["lr"], "epochs": m["epochs"],
+        "train_examples": m["train_examples"], "threads": threads,
+    }  # fmt: skip
+
+
+def report(rows: list[dict]) -> str:
+    lines = [
+        "# `dpfit train --tune` against the untuned recipe (pilot)",
+        "",
+        f"Rendered by `python benchmarks/tune.py report` from `{LOG.name}`. Held-out task, "
+        f"eps {EPSILON:g} for the whole run (the selection included), paired by seed.",
+        "",
+        "| task | seed | untuned | --tune | difference |",
+        "|---|---|---|---|---|",
+    ]
+    by = {(r["task"], r["seed"], r["arm"]): r for r in rows}
+    diffs: dict[str, list[float]] = {}
+    for task, seed in sorted({(r["task"], r["seed"]) for r in rows}):
+        u, t = by.get((task, seed, "untuned")), by.get((task, seed, "tune"))
+        if u is None or t is None:
+            continue
+        d = t["accuracy"] - u["accuracy"]
+        diffs.setdefault(task, []).append(d)
+        lines.append(f"| {task} | {seed} | {u['accuracy']:.3f} | {t['accuracy']:.3f} | {d:+.3f} |")
+    lines.append("")
+    for task, ds in diffs.items():
+        ci = t_interval(ds)
+        where = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "no interval below two seeds"
+        lines.append(
+            f"- {task}: mean difference {statistics.fmean(ds):+.3f} over {len(ds)} seeds, "
+            f"95% paired t interval {where}. A pilot: too few seeds to decide the default."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--task", default="debate-role")
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    r.add_argument("--threads", type=int, default=1)
+    sub.add_parser("report")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        from dpfit.data.tasks import HELD_OUT
+
+        if args.task not in HELD_OUT:
+            p.error(f"--task must be a held-out task: {HELD_OUT}")
+        done = {(x["task"], x["seed"], x["arm"]) for x in read_jsonl(LOG)}
+        for seed in args.seeds:
+            for arm in ARMS:
+                if (args.task, seed, arm) not in done:
+                    append_jsonl(LOG, run_one(args.task, seed, arm, args.threads), durable=True)
+    rows = read_jsonl(LOG)
+    if not rows:
+        p.error(f"no runs in {LOG} yet: run `python benchmarks/tune.py run` first")
+    REPORT.write_text(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
