@@ -47,9 +47,9 @@ NEW = "lac-2s"
 CLEAR_LOSS = -0.03  # a cell whose whole interval lies below this is a clear loss
 MIN_CELLS = 10  # of 12 cells within 1 point, for the default
 WITHIN = -0.01  # "within 1 point of C*": lower end of the paired 95% interval >= this
-# CPU seconds of one run at the protocol scale (federated_lac_rerun: untuned rules, 1 thread)
-# and of one vote not read back from the memo (~7 candidates); for ``plan`` only
-RUN_CPU_S, VOTE_CPU_S = 125.0, 110.0
+# CPU seconds of one run at the protocol scale (1 thread) and of one vote not read back from
+# the memo (7 candidates; DP-LAC's 3 cost less); for ``plan`` only
+RUN_CPU_S, VOTE_CPU_S = 175.0, 130.0  # measured in the one-seed pilot (load average 4-5)
 VOTING = ("lac", "clac", "lac-2s")
 
 
@@ -319,9 +319,10 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, floor: dict | None = None) -> None:
     """One panel per (eps, partition): seed-mean test accuracy against C_init per rule (log
-    x), the fixed sweep as a grey curve and C*'s accuracy as the dashed ceiling."""
+    x), the fixed sweep as a grey curve, C*'s accuracy as the dashed ceiling and the
+    majority class (a model that learned nothing) as the floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -353,6 +354,10 @@ def plot(runs: list[dict], path: Path) -> None:
             ax.axhline(
                 statistics.fmean(star[1].values()), color="k", ls="--", label=f"C* = {star[0]:g}"
             )
+        if floor:
+            ax.axhline(
+                floor["test"]["majority_accuracy"], color="r", ls=":", label="majority class"
+            )
         ax.set_xscale("log")
         ax.set_xlabel("C_init")
         ax.set_ylabel("test accuracy (seed mean)")
@@ -365,9 +370,10 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def render_files(out: Path, name: str) -> str:
     runs = [r for r in load_runs(out / f"{name}.jsonl") if r["method"] != NON_PRIVATE]
-    text = render(runs, name, load_floor(out))
+    floor = load_floor(out)
+    text = render(runs, name, floor)
     (out / f"{name}.md").write_text(text)
-    plot(runs, out / f"{name}.png")
+    plot(runs, out / f"{name}.png", floor)
     return text
 
 
