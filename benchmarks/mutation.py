@@ -1251,6 +1251,105 @@ MUTATIONS += (
         ),
         ("tests/test_evaluate_held_out.py", "-k", "found_again"),
     ),
+    # -- dpfit train --tune (dpfit.run.tune, dpfit.selection) --------------------------------
+    Mutation(
+        "tune-selection-not-calibrated",
+        "--tune calibrates the noise for one candidate run, not for the selection over K",
+        (
+            (
+                "dpfit/run/tune.py",
+                "        return selection_event(draft.candidate_event(ref), runs.mean_runs, "
+                "runs.shape)\n",
+                "        return draft.candidate_event(ref)\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "against_dp_accounting"),
+    ),
+    Mutation(
+        "tune-selection-not-reported",
+        "--tune reports one candidate's epsilon, not the selection's",
+        (
+            (
+                "dpfit/run/tune.py",
+                "        return selection_event(self.candidate_event(), self.runs.mean_runs, "
+                "self.runs.shape)\n",
+                "        return self.candidate_event()\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "against_dp_accounting"),
+    ),
+    Mutation(
+        "tune-score-not-accounted",
+        "--tune accounts a candidate's training steps but not its validation score",
+        (
+            (
+                "dpfit/run/tune.py",
+                "        return dpa.ComposedDpEvent([train, dpa.GaussianDpEvent(self.score_noise)])\n",
+                "        return dpa.ComposedDpEvent([train])\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "against_dp_accounting"),
+    ),
+    Mutation(
+        "tune-k-fixed",
+        "the number of candidate runs K is its mean, not a draw (the bound needs the draw)",
+        (
+            (
+                "dpfit/selection.py",
+                "    mean, shape = runs.mean_runs, runs.shape\n",
+                "    mean, shape = runs.mean_runs, runs.shape\n    return int(round(mean))\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "logarithmic_distribution"),
+    ),
+    Mutation(
+        "tune-k-from-public-seed",
+        "--tune draws K and the grid points from --seed without --insecure-reproducible-noise",
+        (
+            (
+                "dpfit/run/tune.py",
+                "    rng = selection_rng(insecure_seed(config, offset=0x7E))\n",
+                "    rng = selection_rng(config.seed + 0x7E)\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "fit_part"),
+    ),
+    Mutation(
+        "tune-validation-not-disjoint",
+        "--tune candidates train on the validation rows they are scored on",
+        (
+            (
+                "dpfit/run/tune.py",
+                "        prep = _subset(full, copy.deepcopy(pristine), fit, val)\n",
+                "        prep = _subset(full, copy.deepcopy(pristine), data.train, val)\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "fit_part"),
+    ),
+    Mutation(
+        "tune-score-without-noise",
+        "--tune scores a candidate by its exact count of correct validation texts",
+        (
+            (
+                "dpfit/run/tune.py",
+                "    return float(correct) + float(rng.normal(0.0, noise))\n",
+                "    return float(correct)\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "gaussian_mechanism"),
+    ),
+    Mutation(
+        "tune-short-points-under-noised",
+        "a grid point of fewer steps gets less noise than keeps it under the accounted one",
+        (
+            (
+                "dpfit/selection.py",
+                "        lo, hi = (lo, mid) if under(mid) else (mid, hi)\n    return hi\n",
+                "        lo, hi = (lo, mid) if under(mid) else (mid, hi)\n    return 0.9 * hi\n",
+            ),
+        ),
+        ("tests/test_tune.py", "-k", "bounded_by_the_accounted"),
+    ),
 )
 
 
