@@ -501,7 +501,7 @@ MUTATIONS += (
         "reported as one run)",
         (
             (
-                "dpfit/train.py",
+                "dpfit/run/release.py",
                 "    found = ckpt.list_checkpoints(config.checkpoint_dir) if "
                 "config.checkpoint_dir else []\n    if not found:",
                 "    found = []\n    if not found:",
@@ -542,9 +542,9 @@ MUTATIONS += (
         "Ctrl-C between the head-first steps and the main phase leaves no record of the spend",
         (
             (
-                "dpfit/train.py",
-                "    except BaseException as e:\n        aborted(e, head_engine)\n",
-                "    except ImportError as e:\n        aborted(e, head_engine)\n",
+                "dpfit/run/loop.py",
+                "        except BaseException as e:\n            self.aborted(e, self.head_engine)\n",
+                "        except ImportError as e:\n            self.aborted(e, self.head_engine)\n",
             ),
         ),
         ("tests/test_run_outputs.py", "-k", "head_first_steps_and_the_main"),
@@ -608,8 +608,8 @@ MUTATIONS += (
                 'PRIVATE_STEP_FIELDS = ("step", "epoch", "epsilon", "elapsed_s")',
             ),
             (
-                "dpfit/train.py",
-                "elapsed_s=elapsed if config.non_private else None,",
+                "dpfit/run/loop.py",
+                "elapsed_s=elapsed if c.non_private else None,",
                 "elapsed_s=elapsed,",
             ),
         ),
@@ -620,8 +620,8 @@ MUTATIONS += (
         "a noise-only step's row shows the epsilon of the step it was recorded with",
         (
             (
-                "dpfit/train.py",
-                "epsilon=math.inf if engine is None else engine.epsilon(steps=done),",
+                "dpfit/run/loop.py",
+                "epsilon=math.inf if self.engine is None else self.engine.epsilon(steps=done),",
                 "epsilon=stepper.epsilon(),",
             ),
         ),

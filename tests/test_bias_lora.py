@@ -379,7 +379,9 @@ def test_resume_reinjects_the_adapters_and_ends_where_the_run_ends(tiny_run, tmp
         assert main(args) == 0, capsys.readouterr().err
 
     run(tmp_path / "a", tmp_path / "cka")
-    first, last = sorted((tmp_path / "cka").iterdir())[-2:]  # one step before the end
+    from dpfit import checkpoint as ckpt
+
+    (_, first), _ = ckpt.list_checkpoints(tmp_path / "cka")[-2:]  # one step before the end
     (tmp_path / "ckb").mkdir()
     shutil.copy(first, tmp_path / "ckb" / first.name)
     run(tmp_path / "b", tmp_path / "ckb", "--resume")

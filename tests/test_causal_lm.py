@@ -9,8 +9,8 @@ import torch
 
 from dpfit.causal_lm import TokenizedLines, causal_lm_loss, make_collate
 from dpfit.recipe import default_delta, resolve_recipe
-from dpfit.tasks.causal_lm import CausalLMTask, train_causal_lm
-from dpfit.train import TrainConfig
+from dpfit.tasks.causal_lm import CausalLMTask
+from dpfit.train import TrainConfig, train_causal_lm
 
 torch.set_num_threads(1)
 

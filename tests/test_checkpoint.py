@@ -231,3 +231,19 @@ def test_second_continuation_is_refused_the_crash_resume_chain_is_not(tiny, tmp_
     )
     assert fork["epsilon_if_all_continuations_released"] > m4["epsilon"]
     assert "costs" in fork["note"]
+
+
+def test_a_checkpoint_of_the_old_split_rule_is_not_resumed(tiny, tmp_path, capsys):
+    """Splits are drawn per row now (dpfit.data.rowhash): a checkpoint written under the old
+    permutation rule trained on rows the new rule may hold out, so it is refused."""
+    ck = tmp_path / "ck"
+    args = ("--checkpoint-dir", str(ck), "--max-steps", "2")
+    assert main(_args(tiny, tmp_path / "a", *args)) == 0
+    as_if_crashed_after(ck, 1)
+    path = ckpt.latest_checkpoint(ck)
+    state = ckpt.load_checkpoint(path)
+    del state["config"]["split_rule"]  # as the old rule's checkpoints were written
+    torch.save(state, path)
+    capsys.readouterr()
+    assert main(_args(tiny, tmp_path / "b", *args, "--resume")) == 2
+    assert "split_rule: None -> 'row-hash-v1'" in capsys.readouterr().err

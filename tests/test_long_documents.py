@@ -192,7 +192,8 @@ def test_document_flags_on_line_data_are_refused(flag):
 
 def test_rotary_models_are_limited_by_their_position_count():
     """No learned position table (LLaMA): max_position_embeddings is the limit, enforced."""
-    from dpfit.train import _fit_max_length, position_limit
+    from dpfit.models import position_limit
+    from dpfit.run.resolve import fit_max_length as _fit_max_length
 
     model = tiny_llama()  # 64 positions
     assert position_limit(model) == 64
@@ -203,7 +204,7 @@ def test_rotary_models_are_limited_by_their_position_count():
 
 def test_physical_batch_follows_the_length_unless_given():
     from dpfit.recipe import physical_batch_for, resolve_recipe
-    from dpfit.train import _fit_physical_batch
+    from dpfit.run.resolve import fit_physical_batch as _fit_physical_batch
 
     recipe = resolve_recipe(10_000, 0, 8.0, 1e-5, 135_000_000)
     cfg = TrainConfig(task="causal-lm", max_length=2048).with_recipe(recipe)

@@ -163,10 +163,10 @@ def test_a_run_stopped_mid_training_keeps_what_it_spent(tiny, tmp_path, monkeypa
 def test_a_run_stopped_in_the_head_first_phase_keeps_what_it_spent(tiny, tmp_path, monkeypatch):
     """The head-first phase spends privacy too: an error after some of its steps leaves
     metrics.json with the epsilon spent and the model as it stands."""
-    import dpfit.train as train_mod
+    import dpfit.run.head_first as head_mod
 
     calls = {"n": 0}
-    real = train_mod.F.cross_entropy
+    real = head_mod.F.cross_entropy
 
     def failing(*a, **kw):
         calls["n"] += 1
@@ -174,7 +174,7 @@ def test_a_run_stopped_in_the_head_first_phase_keeps_what_it_spent(tiny, tmp_pat
             raise RuntimeError("boom in the head phase")
         return real(*a, **kw)
 
-    monkeypatch.setattr(train_mod.F, "cross_entropy", failing)
+    monkeypatch.setattr(head_mod.F, "cross_entropy", failing)
     out = tmp_path / "run"
     config = TrainConfig(
         model=tiny[0], data=tiny[1], max_steps=3, batch_size=20, physical_batch_size=120,
@@ -426,7 +426,7 @@ def test_an_image_model_built_from_a_name_says_it_starts_untrained(tmp_path):
 
 def test_image_runs_mention_no_max_length():
     from dpfit.recipe import default_delta, resolve_recipe
-    from dpfit.train import _oom_error
+    from dpfit.run.oom import oom_error as _oom_error
 
     image = TrainConfig(task="image-classification", physical_batch_size=8, max_length=128)
     msg = str(_oom_error(image, RuntimeError("out of memory")))
@@ -522,20 +522,20 @@ def test_ctrl_c_between_the_head_first_steps_and_the_main_phase_keeps_the_run(
 ):
     """After the head-first steps and before the main phase's first step: the epsilon spent
     is on disk, and --resume continues from the head-first checkpoint when one was written."""
-    import dpfit.train as train_mod
+    import dpfit.run.loop as loop_mod
+    import dpfit.run.main_phase as main_mod
     from dpfit import checkpoint as ckpt
 
-    targets = {
-        "probe evaluation": ("_score_before", train_mod._score_before),
-        "main engine": ("_make_engine", train_mod._make_engine),
-        "first checkpoint": ("save_checkpoint", ckpt.save_checkpoint),
-    }
-    name, real = targets[where]
+    owner, name = {
+        "probe evaluation": (loop_mod, "score_before"),
+        "main engine": (main_mod, "make_engine"),
+        "first checkpoint": (ckpt, "save_checkpoint"),
+    }[where]
+    real = getattr(owner, name)
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    owner = ckpt if name == "save_checkpoint" else train_mod
     monkeypatch.setattr(owner, name, interrupted)
     config = _ck_config(tiny, tmp_path, "a", head_first=True, head_epochs=1, max_steps=2)
     with pytest.raises(KeyboardInterrupt):

@@ -378,7 +378,7 @@ def test_head_first_composes_both_phases_and_reads_the_backbone_once(tiny, monke
 
     monkeypatch.setattr(classification, "load_classifier", counting)
     res = train(cfg(tiny, head_first=True, head_epochs=2, epochs=1, epsilon=3.0), on_note=on_note)
-    n = 180
+    n = res.privacy["sample_size"]  # ~180 of 200: the hold-out is drawn per row
     steps_per_epoch = round(n / 30)
     m = res.metrics
     assert marks["head_done"] == n  # every example once, and nothing per head step
@@ -473,7 +473,7 @@ def test_a_dropout_flag_overrides_the_recipe(tiny):
 
 
 def test_dropout_cannot_be_set_for_models_it_cannot_reach():
-    from dpfit.train import _dropout_for
+    from dpfit.run.resolve import dropout_for as _dropout_for
 
     assert _dropout_for(TrainConfig(), as_given=True) == "model"
     assert _dropout_for(TrainConfig(), as_given=False) == 0.0

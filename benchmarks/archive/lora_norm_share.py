@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # archived: utilit
 import utility  # noqa: E402
 
 from dpfit.params import in_peft_head, is_bias, is_lora  # noqa: E402
+from dpfit.run.trainables import prepare_trainables as _prepare_trainables  # noqa: E402
 from dpfit.tasks import get_task  # noqa: E402
-from dpfit.train import TrainConfig, _prepare_trainables  # noqa: E402
+from dpfit.train import TrainConfig  # noqa: E402
 
 GROUPS = ("bias", "lora_A", "lora_B", "head")
 

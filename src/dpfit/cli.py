@@ -20,6 +20,7 @@ from typing import NoReturn
 from dpfit.audit import cli as audit_cli
 from dpfit.console import quiet_hub_libraries
 from dpfit.errors import DPFitError
+from dpfit.threads import set_threads as _set_threads
 
 logger = logging.getLogger("dpfit")
 
@@ -109,12 +110,24 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--privacy-unit",
-        choices=("window", "document"),
+        choices=("window", "document", "user"),
         default="window",
-        help="long texts cut into windows (causal LM on documents, classification): what "
-        "epsilon protects. window: each window is an example (epsilon protects a window, not "
+        help="what epsilon protects. Long texts cut into windows (causal LM on documents, "
+        "classification): window: each window is an example (epsilon protects a window, not "
         "a whole text); document: documents are sampled and all windows of one are clipped "
-        "as one contribution (--mode bias; docs/long_documents.md)",
+        "as one contribution (--mode bias; docs/long_documents.md). user: users are sampled "
+        "and all rows of one (--user-column) are clipped as one contribution (--mode bias; "
+        "docs/train.md)",
+    )
+    g.add_argument(
+        "--user-column",
+        help="with --privacy-unit user: your data's column that says whose each row is",
+    )
+    g.add_argument(
+        "--max-rows-per-user",
+        type=_positive_int,
+        help="with --privacy-unit user: rows of one user that train at most, chosen by a "
+        "keyed hash of each row (default: 32; epsilon does not depend on it)",
     )
     g.add_argument(
         "--full-data",
@@ -363,6 +376,8 @@ def train_config_from_args(args: argparse.Namespace):
         max_length=args.max_length,
         stride=args.stride,
         privacy_unit=args.privacy_unit,
+        user_column=args.user_column,
+        max_rows_per_user=args.max_rows_per_user,
         activation_checkpointing=args.activation_checkpointing,
         pad_to_max_length=args.pad_to_max_length,
         pooling=args.pooling,
@@ -463,7 +478,10 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
                 "start_accuracy": "starting model (accuracy)",
             },
         ),
-        ("training examples", m["train_examples"]),
+        (
+            "training users" if m.get("privacy_unit") == "user" else "training examples",
+            m["train_examples"],
+        ),  # fmt: skip
         ("trainable fraction", f"{100 * m['trainable_fraction']:.3f}% ({m['trainable_params']:,})"),
         ("train time", f"{m['train_time_s']:.1f} s"),
         ("wall time", f"{m['wall_time_s']:.1f} s"),
@@ -485,27 +503,6 @@ def _window_rows(m: dict) -> list[tuple[str, object]]:
     if "train_documents" in m:  # a training run's; dpfit evaluate counts texts in "evaluated on"
         what += f", {m['train_documents']} documents"
     return [("windows", what)]
-
-
-def _set_threads(spec: str) -> None:
-    import torch
-
-    if spec == "auto":
-        try:
-            busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
-        except OSError:  # pragma: no cover - no load average on this platform
-            busy = False
-        if busy and torch.get_num_threads() > 1 and "OMP_NUM_THREADS" not in os.environ:
-            logger.info("CPUs busy (load average >= cores): using 1 torch thread")
-            torch.set_num_threads(1)
-        return
-    try:
-        n = int(spec)
-    except ValueError:
-        raise DPFitError(f"--threads must be a number or auto, got {spec!r}") from None
-    if n < 1:
-        raise DPFitError(f"--threads must be >= 1, got {n}")
-    torch.set_num_threads(n)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -686,7 +683,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from dpfit.data.text import load_texts
     from dpfit.models import load_classifier
     from dpfit.reporting import format_table, to_json
-    from dpfit.train import _device, evaluate
+    from dpfit.run.resolve import device_for as _device
+    from dpfit.train import evaluate
     from dpfit.vision import cli as vision_cli  # vision hook
     from dpfit.vision.models import is_image_model_folder
 
@@ -893,6 +891,15 @@ COMMANDS = {
 }
 
 
+def run_pretrain(args: argparse.Namespace) -> int:
+    """``dpfit pretrain``: non-private training on a split declared public, run and reported
+    as ``dpfit train`` is."""
+    from dpfit.vision.pretrain import pretrain
+
+    _set_threads(getattr(args, "threads", "auto"))
+    return run_config(_vision_cli().pretrain_config_from_args(args), args, "pretrain", run=pretrain)
+
+
 def _vision_cli():  # vision hook: `dpfit pretrain` (non-private training on a public split)
     from dpfit.vision import cli
 
@@ -902,7 +909,7 @@ def _vision_cli():  # vision hook: `dpfit pretrain` (non-private training on a p
 COMMANDS["pretrain"] = (
     "non-private pretraining of an image model on public data",
     lambda p: _vision_cli().add_pretrain_arguments(p),
-    lambda args: _vision_cli().run_pretrain(args),
+    lambda args: run_pretrain(args),
 )
 
 

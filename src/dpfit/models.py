@@ -12,8 +12,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpfit.errors import DPFitError
+from dpfit.saving import save_plain  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -285,23 +290,6 @@ def _restore_added_biases(model, folder: str, local: bool) -> None:
         biases.restore_added_biases(model, folder)
 
 
-def save_plain(model, folder: str | os.PathLike) -> None:
-    """``save_pretrained``, or for a model loaded from GGUF (transformers refuses to save a
-    "quantised" model) the dequantised tensors and a config without the quantisation entry."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if getattr(model, "hf_quantizer", None) is None:
-        model.save_pretrained(folder)
-        return
-    from safetensors.torch import save_model
-
-    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    type(model.config).from_dict(config).save_pretrained(folder)
-    logger.info("saved a dequantised copy of the GGUF model to %s", folder)
-
-
 def count_bias_parameters(model, exclude: Sequence[str] = ()) -> int:
     """Number of bias entries outside the `exclude` top-level modules (e.g. the new head)."""
     total = 0
@@ -506,3 +494,25 @@ def write_tiny_sentiment_csv(
                 ]
             )
     return path
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """Tokens the model can read: the size of its learned position table (RoBERTa's starts
+    after its padding index); for models without one (rotary), the config's
+    max_position_embeddings (SmolLM2: 8,192); else None (relative positions)."""
+    import torch
+
+    limits = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in (
+            "position_embeddings",
+            "wpe",
+            "embed_positions",
+        ):
+            offset = module.padding_idx + 1 if module.padding_idx is not None else 0
+            limits.append(module.num_embeddings - offset)
+    if limits:
+        return min(limits)
+    config = getattr(getattr(model, "backbone", model), "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) else None

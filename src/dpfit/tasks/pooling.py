@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpfit.errors import DPFitError
-from dpfit.models import save_plain
+from dpfit.saving import save_plain
 
 log = logging.getLogger(__name__)
 

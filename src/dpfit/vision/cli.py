@@ -231,24 +231,16 @@ def summary_rows(m: dict) -> list[tuple[str, object]]:
     return rows
 
 
-def run_pretrain(args: argparse.Namespace) -> int:
-    from dpfit.cli import _set_threads, run_config
-    from dpfit.vision.pretrain import pretrain
-
-    _set_threads(getattr(args, "threads", "auto"))
-    return run_config(pretrain_config_from_args(args), args, "pretrain", run=pretrain)
-
-
 def run_evaluate(args: argparse.Namespace) -> int:
     """``dpfit evaluate --model DIR/model --data X`` for an image model folder."""
-    from dpfit.cli import _set_threads
     from dpfit.reporting import format_table, to_json
+    from dpfit.run.resolve import device_for as _device
     from dpfit.tasks.image_classification import evaluate_images
-    from dpfit.train import _device
+    from dpfit.threads import set_threads
     from dpfit.vision.data import FASHION_MNIST, load_images
     from dpfit.vision.models import load_image_model, read_record
 
-    _set_threads(getattr(args, "threads", "auto"))
+    set_threads(getattr(args, "threads", "auto"))
     model = load_image_model(args.model)
     bundled = args.data in (None, FASHION_MNIST)
     data = load_images(
