@@ -1353,6 +1353,103 @@ MUTATIONS += (
 )
 
 
+# --privacy-unit user: a user's rows are one contribution (sampled and clipped together), n and
+# q count users, each user keeps at most --max-rows-per-user rows, the hold-out and the label
+# gate go by user
+USER_TEST = "tests/test_user_unit.py"
+TRAINER_USER_TEST = "tests/integrations/test_trainer_users.py"
+MUTATIONS += (
+    Mutation(
+        "user-rows-sampled-independently",
+        "--privacy-unit user makes each row its own unit: a user's rows are sampled and "
+        "clipped one by one (a user of k rows moves the sum by up to k R) and n counts rows",
+        (
+            (
+                "dpfit/tasks/classification.py",
+                "        groups = UserTexts(rows, tuple(users)).groups()\n",
+                "        groups = [[i] for i in range(len(rows))]\n",
+            ),
+        ),
+        (USER_TEST, "-k", "clipped_as_one or unclipped"),
+    ),
+    Mutation(
+        "user-n-counted-in-rows",
+        "DPTrainer's user unit sets n (and so q and delta) from the rows, not the users: "
+        "the accountant's sampling rate is not the one the loader uses",
+        (
+            (
+                "dpfit/integrations/trainer.py",
+                "        n = len(self.train_dataset)\n",
+                "        n = len(self.train_dataset)\n"
+                '        if self.privacy.privacy_unit == "user":\n'
+                "            n = sum(len(u) for u in self.train_dataset)\n",
+            ),
+        ),
+        (TRAINER_USER_TEST, "-k", "epsilon_counts_users"),
+    ),
+    Mutation(
+        "rows-per-user-uncapped",
+        "--max-rows-per-user is ignored: a user keeps every row",
+        (("dpfit/data/text.py", "        if len(idx) <= k:\n", "        if True:\n"),),
+        (USER_TEST, "-k", "at_most_k_rows"),
+    ),
+    Mutation(
+        "user-cap-by-file-position",
+        "a user's rows under the cap are the first k in the file: which rows train depends "
+        "on the file's order, not on the user's rows alone",
+        (
+            (
+                "dpfit/data/text.py",
+                "        kept += [idx[j] for j in smallest(keys, k).tolist()]\n",
+                "        kept += idx[:k]\n",
+            ),
+        ),
+        (USER_TEST, "-k", "at_most_k_rows"),
+    ),
+    Mutation(
+        "user-hold-out-by-row",
+        "the user unit's hold-out decides each row alone: a user's rows fall on both sides, "
+        "and held-out scores include rows of users who trained",
+        (
+            (
+                "dpfit/data/text.py",
+                "        held = [keys[u] < fraction for u in self.users]\n",
+                "        held = list(held_out_mask(self.rows.row_keys(seed, HELD_OUT), fraction))\n",
+            ),
+        ),
+        (USER_TEST, "-k", "hold_out_keeps_each_user_whole"),
+    ),
+    Mutation(
+        "user-label-gate-counts-rows",
+        "the label gate counts rows under the user unit: one user's 25 rows of a name make "
+        "it 'common' and it is published",
+        (
+            (
+                "dpfit/tasks/classification.py",
+                "            LabelUnits.count((names[y] for y in data.rows.labels), data.users, "
+                '"users"),\n',
+                "            LabelUnits.count((names[y] for y in data.rows.labels), "
+                'range(len(data.users)), "users"),\n',
+            ),
+        ),
+        (USER_TEST, "-k", "label_gate_counts_users"),
+    ),
+    Mutation(
+        "user-record-says-document",
+        "a user-unit run's dpfit.json says privacy_unit 'document' (the engine's), without "
+        "the users count: the saved model misstates what epsilon protects",
+        (
+            (
+                "dpfit/run/release.py",
+                '    return {"privacy_unit": "user", "users": prep.n}\n',
+                "    return {}\n",
+            ),
+        ),
+        (USER_TEST, "-k", "cli_user_unit_end_to_end"),
+    ),
+)
+
+
 def apply(root: Path, m: Mutation) -> None:
     for rel, old, new in m.patches:
         path = root / "src" / rel

@@ -199,6 +199,7 @@ def format_table(rows: Sequence[tuple[str, object]], title: str | None = None) -
 UNIT_WORDS = {
     "window": "window (each window one example: epsilon protects a window, not a document)",
     "document": "document (all its windows sampled and clipped as one)",
+    "user": "user (all their rows sampled and clipped as one)",
 }
 
 

@@ -302,11 +302,19 @@ def load_grouped_texts(
     label_names: Sequence[str] | None = None,
     split: str | None = None,
     label_ids: bool = False,
+    *,
+    flag: str = "--client-column",
+    required: bool = False,
 ) -> tuple[LabeledTexts, tuple[str, ...]]:
     """:func:`load_texts` plus each kept row's value of `group_column` (as a string), for
-    data whose rows belong to units such as federated clients. A row with an empty group is
-    skipped like one with an empty text; a column empty in every row is a ColumnError."""
-    return _load(path, text_column, label_column, label_names, split, label_ids, group_column)
+    data whose rows belong to units such as federated clients or users. A row with an empty
+    group is skipped like one with an empty text, or with `required` (the group is the unit
+    epsilon protects: a row without one would be nobody's) refused, naming the rows; a
+    column empty in every row is a ColumnError. `flag`: the option that names the column."""
+    return _load(
+        path, text_column, label_column, label_names, split, label_ids, group_column, flag,
+        required,
+    )  # fmt: skip
 
 
 def _load(
@@ -317,6 +325,8 @@ def _load(
     split: str | None,
     label_ids: bool,
     group_column: str | None = None,
+    group_flag: str = "--client-column",
+    group_required: bool = False,
 ) -> tuple[LabeledTexts, tuple[str, ...]]:
     path = Path(path)
     if not path.exists():
@@ -326,7 +336,7 @@ def _load(
         raise EmptyDataError(f"{path} holds no rows")
     wanted = [(text_column, "--text-column"), (label_column, "--label-column")]
     if group_column is not None:
-        wanted.append((group_column, "--client-column"))
+        wanted.append((group_column, group_flag))
     for col, flag in wanted:
         if col not in columns:
             raise ColumnError(
@@ -343,8 +353,17 @@ def _load(
         raise ColumnError(
             f"{path}: column {group_column!r} is empty in every row (columns: "
             f"{', '.join(columns)}); name the column that says whose each row is with "
-            "--client-column"
+            f"{group_flag}"
         )
+    if group_column is not None and group_required:
+        blank = [at for r, at in zip(rows, where, strict=True) if _blank(r.get(group_column))]
+        if blank:
+            shown = ", ".join(blank[:SKIPPED_SHOWN]) + (", ..." if blank[SKIPPED_SHOWN:] else "")
+            raise ColumnError(
+                f"{path}: {len(blank)} row(s) have an empty {group_column!r} ({shown}); "
+                "every row must say whose it is, since all of one person's rows are "
+                "protected together: fill in their ids, or remove those rows"
+            )
     for row, at in zip(rows, where, strict=True):
         text, label = row.get(text_column), row.get(label_column)
         if group_column is not None and _blank(row.get(group_column)):
@@ -455,3 +474,100 @@ def _map_labels(
             "evaluate on data with the training labels, or retrain with these labels included"
         )
     return out
+
+
+# -- users: many rows to one person (--privacy-unit user) ----------------------------------
+
+# Rows of one user that train, at most. The guarantee does not depend on it (a user's rows are
+# summed and clipped as one contribution, however many there are); it bounds the work one
+# sampled user brings to a step (at most this many rows, so a logical batch of B users costs
+# at most 32 B rows) and how much of a user's data is kept: 32 keeps every row of most users
+# in per-user text data (reviews, messages, notes) at a step cost within 32x of one row each.
+MAX_ROWS_PER_USER = 32
+USER_ROWS = "user-rows"  # rowhash purpose: which of a user's rows train under the cap
+
+
+def user_keys(users: Iterable[str], seed: int, purpose: str) -> dict[str, float]:
+    """Each distinct user's key in [0, 1) from the user id alone (dpfit.data.rowhash): which
+    side of a split a user falls on depends on that user only, and all their rows go there."""
+    names = sorted(set(users))
+    keys = row_keys((b"user\0" + u.encode("utf-8") for u in names), seed, purpose)
+    return dict(zip(names, keys.tolist(), strict=True))
+
+
+def user_groups(users: Sequence[str]) -> list[list[int]]:
+    """Each user's row indices (ascending), users in order of their ids."""
+    by_user: dict[str, list[int]] = {}
+    for i, u in enumerate(users):
+        by_user.setdefault(u, []).append(i)
+    return [by_user[u] for u in sorted(by_user)]
+
+
+def rows_within_cap(
+    users: Sequence[str], contents: Sequence[bytes], k: int, seed: int
+) -> list[int]:
+    """Indices (ascending) of the rows kept: of each user with more than `k` rows, the `k`
+    with the smallest keyed hash of their content (copies numbered within the user). Which
+    of a user's rows train depends on that user's rows and the seed alone, never on the
+    labels, the file order or other users."""
+    kept: list[int] = []
+    for idx in user_groups(users):
+        if len(idx) <= k:
+            kept += idx
+            continue
+        keys = row_keys((contents[i] for i in idx), seed, USER_ROWS)
+        kept += [idx[j] for j in smallest(keys, k).tolist()]
+    return sorted(kept)
+
+
+@dataclass(frozen=True)
+class UserTexts:
+    """Labelled texts and each row's user (``--user-column``): the data of the user unit,
+    where epsilon protects everything one user contributed."""
+
+    rows: LabeledTexts
+    users: tuple[str, ...]  # one per row
+
+    def __post_init__(self) -> None:
+        if len(self.users) != len(self.rows):
+            raise ValueError("users and rows differ in length")
+
+    def __len__(self) -> int:
+        """The number of users (n of the user unit), not of rows."""
+        return len(set(self.users))
+
+    def split(self, fraction: float, seed: int = 0) -> tuple[UserTexts, UserTexts]:
+        """(rest, held-out) by user: a user is held out iff the keyed hash of their id is
+        below `fraction`, with all their rows; adding or removing a user changes each side
+        by that user alone."""
+        keys = user_keys(self.users, seed, HELD_OUT)
+        held = [keys[u] < fraction for u in self.users]
+        rest = [i for i, h in enumerate(held) if not h]
+        return self._pick(rest, "train users"), self._pick(
+            [i for i, h in enumerate(held) if h], "held-out users"
+        )
+
+    def subsample(self, k: int, seed: int = 0) -> UserTexts:
+        """The `k` users with the smallest keyed hash of their id, with all their rows (one
+        user added changes them by at most one user in and one out)."""
+        keys = user_keys(self.users, seed, SUBSAMPLE)
+        if k >= len(keys):
+            return self
+        chosen = set(sorted(keys, key=keys.__getitem__)[:k])
+        return self._pick([i for i, u in enumerate(self.users) if u in chosen], f"{k} users")
+
+    def capped(self, k: int, seed: int = 0) -> UserTexts:
+        """At most `k` rows of each user (rows_within_cap)."""
+        names = self.rows.label_names
+        contents = [
+            text_row(t, names[y]) for t, y in zip(self.rows.texts, self.rows.labels, strict=True)
+        ]
+        kept = rows_within_cap(self.users, contents, k, seed)
+        return self if len(kept) == len(self.users) else self._pick(kept, f"<= {k} rows a user")
+
+    def groups(self) -> list[list[int]]:
+        """Each user's row indices, users in order of their ids."""
+        return user_groups(self.users)
+
+    def _pick(self, idx: Sequence[int], tag: str) -> UserTexts:
+        return UserTexts(self.rows._pick(idx, tag), tuple(self.users[i] for i in idx))

@@ -40,6 +40,12 @@ What changes, and why (docs/trainer.md has the user's view):
   batch, so the engine sums a document's rows (across physical batches) and clips the sum
   once; n, q and the expected batch count documents, and epsilon protects a whole document.
   The number of rows (windows) follows the private texts' lengths and is never logged.
+* ``PrivacyArguments(privacy_unit="user", user_column="user_id")``: train_dataset is a dataset
+  of rows (a ``datasets.Dataset`` or a list of dicts) whose ``user_id`` says whose each row is.
+  DPTrainer groups the rows into one document per user itself (at most ``max_rows_per_user``
+  of a user's rows, chosen by a keyed hash of each row), then trains as with documents: users
+  are sampled, a user's rows summed and clipped as one; n counts users, and epsilon protects
+  everything one user contributed. dpfit.json says ``privacy_unit: "user"`` and ``users``.
 The user's model gets bias-only training (plus its new head) unless ``bias_only=False``; the
 user's ``TrainingArguments`` object is not modified.
 """
@@ -70,7 +76,8 @@ from transformers.trainer_utils import (
 from dpfit import checkpoint as ckpt
 from dpfit import distributed
 from dpfit.checkpoint import Continuation, claim_continuation, fork_report, load_checkpoint
-from dpfit.config import PRIVACY_UNITS
+from dpfit.config import PRIVACY_UNITS as ENGINE_UNITS
+from dpfit.data.text import MAX_ROWS_PER_USER, rows_within_cap, user_groups
 from dpfit.engine import PrivacyEngine
 from dpfit.errors import DPFitError, LossReductionError
 from dpfit.integrations.losses import LossInputs, per_example_loss_for
@@ -82,6 +89,10 @@ from dpfit.sampling import EmptyBatch, PhysicalBatches
 logger = logging.getLogger(__name__)
 
 ENGINE_STATE_NAME = "dpfit_engine.pt"
+
+# what epsilon protects: the engine's units, and "user" (rows grouped per user by DPTrainer,
+# then sampled and clipped as the engine's documents)
+PRIVACY_UNITS = (*ENGINE_UNITS, "user")
 
 # Log keys that are public: schedule and progress counters, the accounted epsilon, and wall
 # time (a side channel anyone watching the process has). Everything else a training step logs
@@ -144,13 +155,32 @@ class PrivacyArguments:
     # collator takes); documents are sampled, a document's rows are summed and clipped as one
     # contribution, and the batch size and n count documents (physical_batch_size: rows).
     privacy_unit: str = "example"
+    # privacy_unit="user": the train_dataset column that says whose each row is; DPTrainer
+    # groups the rows per user, keeping at most max_rows_per_user of each user's rows (None:
+    # dpfit.data.text.MAX_ROWS_PER_USER), chosen by a keyed hash of each row
+    user_column: str | None = None
+    max_rows_per_user: int | None = None
 
     def __post_init__(self) -> None:
         if self.privacy_unit not in PRIVACY_UNITS:
             raise DPFitError(
                 f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}: "
                 "'example' protects each train_dataset item, 'document' a whole document "
-                "(each train_dataset item a list of rows, e.g. the windows of one long text)"
+                "(each train_dataset item a list of rows, e.g. the windows of one long text), "
+                "'user' everything one user contributed (with user_column)"
+            )
+        if (self.privacy_unit == "user") != (self.user_column is not None):
+            raise DPFitError(
+                "privacy_unit='user' and user_column go together: user_column names the "
+                "train_dataset column that says whose each row is (e.g. "
+                "PrivacyArguments(privacy_unit='user', user_column='user_id'))"
+            )
+        if self.max_rows_per_user is not None and (
+            self.privacy_unit != "user" or self.max_rows_per_user < 1
+        ):
+            raise DPFitError(
+                "max_rows_per_user is a positive number of rows, with privacy_unit='user', "
+                f"got {self.max_rows_per_user} with privacy_unit={self.privacy_unit!r}"
             )
         if self.physical_batch_size is not None and self.physical_batch_size < 1:
             raise DPFitError(
@@ -323,6 +353,8 @@ class DPTrainer(Trainer):
         super().__init__(*args, **kwargs)  # under torchrun this joins the process group
         if self.train_dataset is None:
             raise DPFitError("DPTrainer needs a train_dataset (its size sets the sampling rate)")
+        if self.privacy.privacy_unit == "user":  # rows -> one document per user
+            self.train_dataset = self._group_users(self.train_dataset)
         ctx = distributed.resolve(None)
         if ctx is not None:  # as DDP would when it wraps the model: every rank starts equal
             distributed.broadcast_module(self.model, ctx)
@@ -358,9 +390,57 @@ class DPTrainer(Trainer):
             loss_reduction="mean",
             # "document": the engine's loader samples documents and tags each row with its
             # document, so each document is summed and clipped once (dpfit.sampling)
-            privacy_unit=p.privacy_unit,
+            privacy_unit="document" if p.privacy_unit == "user" else p.privacy_unit,
             **kwargs,
         )
+
+    def _group_users(self, dataset) -> list[list]:
+        """privacy_unit="user": the rows of `dataset` as one document per user (users in
+        order of their ids), at most max_rows_per_user rows each, chosen by a keyed hash of
+        each row (keyed by TrainingArguments.seed, public), never by position or label. The
+        user column is dropped from the rows (with the columns the model does not take, for
+        a datasets.Dataset under remove_unused_columns)."""
+        column = self.privacy.user_column
+        names = getattr(dataset, "column_names", None)
+        if names is None:
+            rows = [dataset[i] for i in range(len(dataset))]
+            if any(not isinstance(r, Mapping) for r in rows):
+                raise DPFitError(
+                    "PrivacyArguments(privacy_unit='user') needs a train_dataset of rows with "
+                    f"named fields (a datasets.Dataset or dicts) holding {column!r}"
+                )
+            missing = next((i for i, r in enumerate(rows) if column not in r), None)
+            users = [r.get(column) for r in rows]
+        else:
+            missing = None if column in names else 0
+            users = list(dataset[column]) if missing is None else []
+        if missing is not None:
+            raise DPFitError(
+                f"user_column={column!r} is not a column of train_dataset (row {missing}); "
+                "name the column that says whose each row is"
+            )
+        blank = [i for i, u in enumerate(users) if u is None or not str(u).strip()]
+        if blank:
+            raise DPFitError(
+                f"train_dataset rows {blank[:5]} have no user in {column!r}: every row must "
+                "say whose it is, since all of one user's rows are protected together; fill "
+                "in their ids, or remove those rows"
+            )
+        users = [str(u).strip() for u in users]
+        if names is not None:
+            keep = self.args.remove_unused_columns
+            dataset = (
+                self._remove_unused_columns(dataset, description="training")
+                if keep
+                else dataset.remove_columns([column])
+            )
+            rows = [dataset[i] for i in range(len(dataset))]
+        else:
+            rows = [{k: v for k, v in r.items() if k != column} for r in rows]
+        contents = [json.dumps(r, sort_keys=True, default=str).encode("utf-8") for r in rows]
+        cap = self.privacy.max_rows_per_user or MAX_ROWS_PER_USER
+        kept = set(rows_within_cap(users, contents, cap, self.args.seed))
+        return [[rows[i] for i in g if i in kept] for g in user_groups(users)]
 
     # ------------------------------------------------------------------ data and steps
     def get_train_dataloader(self):
@@ -597,6 +677,25 @@ class DPTrainer(Trainer):
                     found.append((int(tail), path))
         return sorted(found)
 
+    def _save_pooled_classifier(self, out: str) -> None:
+        """dpfit's own classifier (dpfit.models.load_classifier) is no transformers model:
+        Trainer saves its bare tensors, which nothing loads. Save it as `dpfit train` does, so
+        ``load_classifier(out)`` and ``dpfit evaluate --model out`` read it."""
+        from dpfit.tasks.pooling import PooledClassifier, save_pooled_classifier
+
+        if not isinstance(self.model, PooledClassifier) or not self.is_world_process_zero():
+            return
+        tokenizer = getattr(self, "processing_class", None)
+        if tokenizer is None:
+            logger.warning(
+                "DPTrainer.save_model: %s holds the classifier's tensors only; pass "
+                "processing_class=tokenizer to DPTrainer to save a folder that "
+                "dpfit.models.load_classifier and `dpfit evaluate` read",
+                out,
+            )
+            return
+        save_pooled_classifier(self.model, tokenizer, out)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         if self.is_world_process_zero():  # a release: claim the older checkpoints first
             run_dir = self.args.output_dir
@@ -609,6 +708,7 @@ class DPTrainer(Trainer):
         super().save_model(output_dir, _internal_call)
         out = output_dir or self.args.output_dir
         os.makedirs(out, exist_ok=True)
+        self._save_pooled_classifier(out)
         record = {
             "private": True,
             "insecure_seed": self.privacy.insecure_seed is not None,
@@ -616,6 +716,8 @@ class DPTrainer(Trainer):
             "loss": f"per-example mean ({self._task})",
             **self.privacy_engine.privacy_record(),
         }
+        if self.privacy.privacy_unit == "user":  # the engine's "document" is a user here
+            record.update(privacy_unit="user", users=len(self.train_dataset))
         if self._continuation is not None:
             engine = self.privacy_engine
             record["continuation"] = fork_report(

@@ -42,11 +42,12 @@ from dpfit.data.rowhash import (
     row_keys,
     smallest,
 )
+from dpfit.data.text import MAX_ROWS_PER_USER, rows_within_cap, user_groups, user_keys
 from dpfit.dropout import MODEL as MODEL_DROPOUT
 from dpfit.dropout import config_rates, set_config_rates
 from dpfit.dropout import note as dropout_note
 from dpfit.errors import DPFitError
-from dpfit.tasks import Prepared
+from dpfit.tasks.base import Prepared
 from dpfit.windows import (
     check_cut_length,
     describe_windows,
@@ -104,13 +105,19 @@ def read_documents(config) -> tuple[list[str], list[str], str]:
     from dpfit.data.bundled import BUNDLED_DOCUMENTS
 
     source = _document_source(config.data)
+    user = config.user_column if config.privacy_unit == "user" else None
+    if source in BUNDLED_DOCUMENTS and user is not None:
+        raise DPFitError(
+            f"--privacy-unit user reads each row's user from --user-column of your own .jsonl "
+            f"file; the bundled {source} has no user column: use --privacy-unit document"
+        )
     if source in BUNDLED_DOCUMENTS:
         docs = BUNDLED_DOCUMENTS[source]()
         return [d.text for d in docs], [d.group for d in docs], f"bundled {source}"
     path = Path(config.data)
     if not path.is_file():
         raise DPFitError(f"--data {path}: no such file (.jsonl, one document per line)")
-    texts = []
+    texts, users = [], []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         if not line.strip():
             continue
@@ -121,7 +128,30 @@ def read_documents(config) -> tuple[list[str], list[str], str]:
                 'as {"text": "..."} or name the field with --text-column'
             )
         texts.append(row[config.text_column])
+        if user is not None:
+            users.append(_user_of(row, user, path, i + 1))
+    if user is not None:  # each user a group: held out with all their rows
+        return texts, users, str(path)
     return texts, [""] * len(texts), str(path)  # each line its own group, keyed by its text
+
+
+def _user_of(row: dict, column: str, path: Path, line: int) -> str:
+    """A .jsonl row's user id (a string or a number, as text), or a DPFitError saying what
+    to fix: a row without a user would belong to nobody, and be protected as nobody's."""
+    value = row.get(column)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 7.0 and 7 are one user
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, str | int | float)
+        or not str(value).strip()
+    ):
+        raise DPFitError(
+            f"{path} line {line}: no user in {column!r} (fields: {', '.join(row)}); every "
+            "row must say whose it is (--user-column names the field): fill it in, or "
+            "remove the row"
+        )
+    return str(value).strip()
 
 
 def held_out_documents(
@@ -177,6 +207,12 @@ class CausalLMTask:
             prompts = DOCUMENT_PROMPTS.get(source)  # own documents: from the held-out ones
             prep = self.prepare_documents(model, tokenizer, texts, groups, config, what, prompts)
         else:
+            if config.privacy_unit == "user":
+                raise DPFitError(
+                    "--privacy-unit user on --task causal-lm needs rows that say whose they "
+                    "are: give --data FILE.jsonl, one text per line with a user field named "
+                    "by --user-column"
+                )
             if (
                 config.privacy_unit != "window"
                 or config.stride is not None
@@ -299,8 +335,12 @@ class CausalLMTask:
         train_docs = [e for e, h in zip(examples, held, strict=True) if not h]
         held_docs = [e for e, h in zip(examples, held, strict=True) if h]
         split = {"split_rule": SPLIT_RULE, "held_out_fraction": HELD_OUT_DOCUMENTS}
+        unit = config.privacy_unit
         capped = config.max_train_examples is not None
-        if capped and config.max_train_examples < len(train_docs):
+        user_note = ""
+        if unit == "user":  # users, each their (capped) rows: n counts users
+            train_docs, user_note = self._users(train_docs, config, split)
+        elif capped and config.max_train_examples < len(train_docs):
             train_docs = capped_documents(train_docs, config.max_train_examples, config.seed)
             split["file_neighbouring"] = FIXED_SIZE_RECORD
         held_docs = held_docs[: self.eval_examples]
@@ -316,8 +356,11 @@ class CausalLMTask:
         held = [
             w for d in held_docs for w in windows(document_ids(d.text, tokenizer), length, stride)
         ]
-        unit = config.privacy_unit
         cut = [windows(d, length, stride) for d in docs]
+        groups = None
+        if unit == "user":  # one item per user: all their rows' windows
+            groups = user_groups([d.group for d in train_docs])
+            cut = [[w for i in g for w in cut[i]] for g in groups]
         add_biases(model)  # DP-BiTFiT-Add: zero biases, the same function at step 0
         before = perplexity(model, held, make_collate(pad), self._eval_batch(length))
         shape = describe_windows(cut, length, stride, unit)
@@ -328,10 +371,11 @@ class CausalLMTask:
             num_classes=0,
             head_names=(),
             notes=[
-                f"causal LM on {what}: {len(docs)} training documents ({shape}), "
+                user_note
+                or f"causal LM on {what}: {len(docs)} training documents ({shape}), "
                 f"{len(held_docs)} held out by group (each group's side from a keyed hash of "
                 f"it and --seed); privacy unit: {unit}; biases added (DP-BiTFiT-Add)",
-                *([FIXED_SIZE_NOTE] if "file_neighbouring" in split else []),
+                *([FIXED_SIZE_NOTE] if "file_neighbouring" in split and not groups else []),
             ],
             state={
                 "docs": docs,
@@ -344,10 +388,43 @@ class CausalLMTask:
                 "prompts": self._prompts(prompts, [d.text for d in held_docs]),
                 "width": length if config.pad_to_max_length else None,
                 "split": split,
+                "groups": groups,  # privacy unit "user": each user's rows (indices of docs)
             },
             biases_added=True,
             privacy_unit=unit,
         )
+
+    @staticmethod
+    def _users(docs: list, config, split: dict) -> tuple[list, str]:
+        """--privacy-unit user: the training users (all of them, or the --max-train-examples
+        with the smallest keyed hash of their id), each with at most --max-rows-per-user rows
+        chosen by a keyed hash of each row; and the note (it counts users, never rows)."""
+        users = [d.group for d in docs]
+        names = sorted(set(users))
+        k = config.max_train_examples
+        if k is not None and k < len(names):
+            keys = user_keys(users, config.seed, SUBSAMPLE)
+            kept = set(sorted(names, key=keys.__getitem__)[:k])
+            docs = [d for d in docs if d.group in kept]
+            users = [d.group for d in docs]
+            split["file_neighbouring"] = (
+                "--max-train-examples: adding or removing one user of the file changes the "
+                "training users by at most one in and one out; the file-level guarantee is "
+                "epsilon_replace_one"
+            )
+        cap = config.max_rows_per_user or MAX_ROWS_PER_USER
+        rows = rows_within_cap(users, [d.text.encode("utf-8") for d in docs], cap, config.seed)
+        docs = [docs[i] for i in rows]
+        note = (
+            f"causal LM, privacy unit: user (field {config.user_column!r}): "
+            f"{len(set(users))} training users, each with at most {cap} of their rows "
+            "(--max-rows-per-user; which ones by a keyed hash of each row), every row cut into "
+            "windows; about a tenth of the users held out with all their rows (each user's "
+            "side from a keyed hash of the id and --seed); a sampled user's windows are summed "
+            "and clipped as one contribution; biases added (DP-BiTFiT-Add)"
+            + (f"; {split['file_neighbouring']}" if "file_neighbouring" in split else "")
+        )
+        return docs, note
 
     def _prompts(self, given: Sequence[str] | None, held: Sequence[str]) -> tuple[str, ...]:
         """The sample prompts: `given` (a bundled corpus's), the task's own, or the opening
@@ -366,6 +443,8 @@ class CausalLMTask:
         if "docs" in prep.state:  # long documents, cut into windows
             check_cut_length(prep.state["length"], max_length)
             cut = [windows(d, max_length, prep.state["stride"]) for d in prep.state["docs"]]
+            if prep.state.get("groups") is not None:  # one item per user: their rows' windows
+                cut = [[w for i in g for w in cut[i]] for g in prep.state["groups"]]
             return training_items(cut, prep.state["unit"], lambda w: len(w.ids))
         data = TokenizedLines(prep.state["train"], prep.tokenizer, max_length)
         return sorted(data.items, key=len)  # physical batches of similar length pad little
@@ -397,8 +476,15 @@ class CausalLMTask:
         after = perplexity(model, prep.state["held"], make_collate(prep.state["pad"]), batch)
         prompts = prep.state.get("prompts", self.sample_prompts or ())
         samples = sample_lines(model, prep.tokenizer, prompts, self.sample_tokens, config.seed)
-        extra = {}
-        if documents:
+        extra: dict = {}
+        if documents and prep.state.get("groups") is not None:  # users: no count of rows
+            extra = {
+                "users": prep.n,
+                "user_column": config.user_column,
+                "window_length": prep.state["length"],
+                "stride": prep.state["stride"],
+            }
+        elif documents:
             extra = window_metrics(prep.state["docs"], prep.state["length"], prep.state["stride"])
         return {
             **extra,
@@ -411,21 +497,7 @@ class CausalLMTask:
         }
 
     def save(self, prep: Prepared, model, folder: Path) -> None:
-        from dpfit.models import save_plain
+        from dpfit.saving import save_plain
 
         save_plain(model, folder)
         prep.tokenizer.save_pretrained(folder)
-
-
-def train_causal_lm(
-    model, tokenizer, lines: Sequence[str], config, task: CausalLMTask | None = None
-):
-    """DP-BiTFiT-Add on `lines` for a model object in memory, through the one training loop.
-
-    `config` is a :class:`dpfit.train.TrainConfig` (task "causal-lm"); returns its TrainResult.
-    """
-    from dpfit.train import train
-
-    task = task or CausalLMTask()
-    prep = task.prepare_from(model, tokenizer, lines, config)
-    return train(config, prepared=prep, task=task)

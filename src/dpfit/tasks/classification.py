@@ -17,12 +17,20 @@ import torch
 
 from dpfit import progress
 from dpfit.data.rowhash import FIXED_SIZE_NOTE, FIXED_SIZE_RECORD, SPLIT_RULE, small_test_note
-from dpfit.data.text import LabeledTexts, bundled_rotten_tomatoes, load_texts
+from dpfit.data.text import (
+    MAX_ROWS_PER_USER,
+    LabeledTexts,
+    UserTexts,
+    bundled_rotten_tomatoes,
+    load_grouped_texts,
+    load_texts,
+)
 from dpfit.errors import DPFitError
 from dpfit.models import load_classifier
-from dpfit.tasks import Prepared
+from dpfit.tasks.base import Prepared
 from dpfit.tasks.labels import (  # noqa: F401 - the first two re-exported
     MIN_PUBLIC_LABEL_COUNT,
+    LabelUnits,
     RareLabelError,
     check_data_label_names,
 )
@@ -38,7 +46,7 @@ from dpfit.windows import (
 )
 
 if TYPE_CHECKING:
-    from dpfit.train import TrainConfig
+    from dpfit.run.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +69,13 @@ class PreparedData:
     test: LabeledTexts
     notes: tuple[str, ...]
     split: dict = field(default_factory=dict)  # split_record(): the rule, for metrics.json
+    users: tuple[str, ...] | None = None  # privacy unit "user": each training row's user
 
 
 def prepare_data(config: TrainConfig) -> PreparedData:
     """Training and evaluation texts for `config`, with notes on any subsampling or split."""
+    if config.privacy_unit == "user":
+        return prepare_user_data(config)
     notes: list[str] = []
     if config.data is None:
         splits = bundled_rotten_tomatoes(seed=config.seed)
@@ -125,6 +136,85 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     return PreparedData(train, test, tuple(notes), split)
 
 
+def prepare_user_data(config: TrainConfig) -> PreparedData:
+    """--privacy-unit user: the file read with each row's user (--user-column); the hold-out,
+    --max-train-examples and the label gate count users, and each user keeps at most
+    --max-rows-per-user rows (dpfit.data.text.UserTexts). No count of training rows is
+    written anywhere: it follows the private users' row counts."""
+    loaded, users = load_grouped_texts(
+        config.data, config.user_column, config.text_column, config.label_column,
+        label_names=config.labels, label_ids=config.labels is not None,
+        flag="--user-column", required=True,
+    )  # fmt: skip
+    data = UserTexts(loaded, users)
+    notes: list[str] = []
+    if config.eval_data is None:
+        if len(data) < 10:
+            raise DPFitError(
+                f"{config.data} has {len(data)} users, too few to hold out a test set by "
+                "user; pass --eval-data"
+            )
+        data, held = data.split(HELD_OUT_FRACTION, seed=config.seed)
+        if not len(held) or not len(data):
+            raise DPFitError(
+                f"{config.data}: no user fell on the "
+                f"{'held-out' if not len(held) else 'training'} side of the "
+                f"{HELD_OUT_FRACTION:.0%} hold-out (each user's side comes from a hash of the "
+                "user id and --seed); pass --eval-data, or another --seed"
+            )
+        test = held.rows
+        notes.append(
+            f"no --eval-data: holding out the users of {config.data} whose keyed hash of their "
+            f"id (--seed {config.seed}) falls below {HELD_OUT_FRACTION:g}, about "
+            f"{HELD_OUT_FRACTION:.0%}, with all their rows, as the test set ({len(held)} "
+            "users); score on them again with dpfit evaluate --held-out"
+        )
+    else:
+        test = load_texts(
+            config.eval_data, config.text_column, config.label_column,
+            label_names=loaded.label_names,
+        )  # fmt: skip
+    subsampled = False
+    if config.max_train_examples is not None and config.max_train_examples < len(data):
+        notes.append(
+            f"training on the {config.max_train_examples} of {len(data)} training users with "
+            "the smallest keyed hash of their id (--max-train-examples counts users); adding "
+            "or removing one user may take one user in and one out, so for the file the "
+            "guarantee is the user-level replace-one epsilon (epsilon_replace_one)"
+        )
+        data = data.subsample(config.max_train_examples, seed=config.seed)
+        subsampled = True
+    cap = config.max_rows_per_user or MAX_ROWS_PER_USER
+    data = data.capped(cap, seed=config.seed)
+    names = data.rows.label_names
+    if config.labels is not None:
+        label_note = f"label names (public, from --labels): {', '.join(names)}"
+    else:
+        label_note = check_data_label_names(
+            names,
+            LabelUnits.count((names[y] for y in data.rows.labels), data.users, "users"),
+            str(config.data), config.public_labels, "model/config.json and metrics.json",
+        )  # fmt: skip
+    notes.insert(0, label_note)
+    notes.append(
+        f"privacy unit: user (column {config.user_column!r}): {len(data)} training users, "
+        f"each with at most {cap} of their rows (--max-rows-per-user; which ones by a keyed "
+        "hash of each row, never by label); a sampled user's rows are summed and clipped as "
+        "one contribution, so epsilon protects everything one user contributed"
+    )
+    small = small_test_note(len(test))
+    if small is not None:
+        notes.append(small)
+    split = split_record(config.eval_data is None, subsampled)
+    if subsampled:
+        split["file_neighbouring"] = (
+            "--max-train-examples: adding or removing one user of the file changes the "
+            "training users by at most one in and one out; the file-level guarantee is "
+            "epsilon_replace_one"
+        )
+    return PreparedData(data.rows, test, tuple(notes), split, data.users)
+
+
 def split_record(held_out: bool, subsampled: bool) -> dict:
     """What metrics.json says about how the user's file was split (public: the rule and the
     fraction; `dpfit evaluate --held-out` re-derives the held-out rows from it). Empty when
@@ -177,6 +267,14 @@ def recorded_held_out(model: str | Path, data: str | Path, label_names: Sequence
             f"each row, {SPLIT_RULE}); retrain with this version, or score on a separate file"
         )
     labels = config.get("labels")
+    if config.get("privacy_unit") == "user":  # held out by user: all of a user's rows
+        rows, users = load_grouped_texts(
+            data, config["user_column"], config.get("text_column", "text"),
+            config.get("label_column", "label"), label_names=label_names,
+            label_ids=labels is not None, flag="--user-column", required=True,
+        )  # fmt: skip
+        held = UserTexts(rows, users).split(float(fraction), seed=int(config.get("seed", 0)))
+        return held[1].rows
     rows = load_texts(
         data,
         config.get("text_column", "text"),
@@ -415,9 +513,35 @@ class ClassificationTask:
             state={"data": data, "pooling": loaded.pooling},
             starts_trained=loaded.head_trained,
         )
-        if windowed(config):
+        if data.users is not None:
+            self._group_users(prep, config, data.users)
+        elif windowed(config):
             self._cut_into_windows(prep, config)
         return prep
+
+    @staticmethod
+    def _group_users(prep: Prepared, config, users: Sequence[str]) -> None:
+        """--privacy-unit user: each training item is one user's rows (with --stride, all
+        their rows' windows); n is the number of users. Grouped here, before the recipe,
+        because n is its input. Rows are encoded in items(), where the max length is known,
+        unless --stride cuts them into windows now (the window length is fixed here)."""
+        rows = prep.state["data"].train
+        groups = UserTexts(rows, tuple(users)).groups()
+        prep.n = len(groups)
+        prep.privacy_unit = "user"
+        prep.state.update(unit="user", groups=groups)
+        cut = ""
+        if config.stride is not None:
+            length, stride = window_shape(prep.model, config)
+            per_row = encode_windows(rows, prep.tokenizer, length, stride)
+            user_windows = [[w for i in g for w in per_row[i]] for g in groups]
+            prep.state.update(user_windows=user_windows, length=length, stride=stride)
+            cut = (
+                f"; each row cut into windows ({describe_windows(user_windows, length, stride, 'user')}"
+                "), each with its row's label; evaluation predicts each text from the mean of "
+                "its windows' logits"
+            )
+        prep.notes.append(f"training items: {prep.n} users, each all of their rows{cut}")
 
     @staticmethod
     def _cut_into_windows(prep: Prepared, config) -> None:
@@ -438,6 +562,14 @@ class ClassificationTask:
         )
 
     def items(self, prep: Prepared, max_length: int) -> list:
+        if "groups" in prep.state:  # privacy unit "user": one item per user, their rows
+            if "user_windows" in prep.state:
+                check_cut_length(prep.state["length"], max_length)
+                users = prep.state["user_windows"]
+            else:
+                rows = encode(prep.state["data"].train, prep.tokenizer, max_length)
+                users = [[rows[i] for i in g] for g in prep.state["groups"]]
+            return training_items(users, "user", lambda w: len(w["input_ids"]))
         if "docs" in prep.state:  # long texts, cut into windows
             check_cut_length(prep.state["length"], max_length)
             return training_items(
@@ -462,8 +594,12 @@ class ClassificationTask:
             model, prep.tokenizer, data.test, config.max_length, config.eval_batch_size, device,
             stride=stride,
         )  # fmt: skip
-        extra = {}
-        if stride is not None:
+        extra: dict = {}
+        if prep.privacy_unit == "user":  # n is the users; no count of their rows is written
+            extra = {"users": prep.n, "user_column": config.user_column}
+            if stride is not None:
+                extra.update(window_length=prep.state["length"], stride=stride)
+        elif stride is not None:
             extra = window_metrics(prep.state["docs"], prep.state["length"], stride)
         return {
             "accuracy": res.accuracy,
