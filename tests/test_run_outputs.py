@@ -551,3 +551,34 @@ def test_ctrl_c_between_the_head_first_steps_and_the_main_phase_keeps_the_run(
     else:  # nothing to continue: said so, never a silent fresh start
         with pytest.raises(ckpt.CheckpointError, match="nothing to continue"):
             train(again)
+
+
+@pytest.mark.parametrize("where", ["phase switch", "final evaluation"])
+def test_ctrl_c_at_the_phase_switch_or_the_final_evaluation_keeps_the_run(
+    tiny, tmp_path, monkeypatch, where
+):
+    """Ctrl-C as X+BiTFiT switches from full to bias steps, or while the trained model is
+    scored: metrics.json says what was spent, and --resume finishes the run."""
+    import dpfit.run.loop as loop_mod
+    from dpfit.tasks.classification import ClassificationTask
+
+    if where == "phase switch":
+        owner, name = loop_mod, "enter_bias_phase"
+        extra = dict(full_epochs=1, epochs=2, max_steps=None)
+    else:
+        owner, name = ClassificationTask, "evaluate"
+        extra = dict(max_steps=3)
+    real = getattr(owner, name)
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupted)
+    config = _ck_config(tiny, tmp_path, "a", **extra)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    m = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert m["status"] == "interrupted" and m["epsilon"] > 0 and m["privacy"]["steps"] > 0
+    monkeypatch.setattr(owner, name, real)
+    resumed = train(dataclasses.replace(config, output=str(tmp_path / "b"), resume=True))
+    assert resumed.metrics["steps"] >= m["steps"] and "accuracy" in resumed.metrics

@@ -103,7 +103,11 @@ def train(
     phases = Phases(setup, note, on_step, t_start)
     phases.start(resume_path)  # head-first, the main phase's engine, or the resumed state
     phases.train()
-    return finish(setup, phases, notes, t_start)  # release
+    try:
+        return finish(setup, phases, notes, t_start)  # release
+    except KeyboardInterrupt as e:  # in the final evaluation, say: keep the record
+        phases.aborted(e, phases.engine)
+        raise
 
 
 def train_causal_lm(model, tokenizer, lines: Sequence[str], config, task=None) -> TrainResult:

@@ -376,7 +376,8 @@ def test_resuming_one_checkpoint_twice_is_a_fork_refused_unless_asked(make, tmp_
 def test_a_released_run_makes_its_older_checkpoints_forks(make, tmp_path):
     """transformers keeps every checkpoint-N: once the model of step 6 is saved, resuming
     checkpoint-2 would release a second continuation of it. It is refused unless allow_fork,
-    and then reported with both continuations' steps (2 shared + 4 + 4 = 10)."""
+    and then reported with both continuations' steps: 2 shared + this one's 1 + the earlier
+    one's 4 (as far as its release went, though this fork is shorter) = 7."""
     from accounting_oracle import ADD_REMOVE, direct_epsilon
 
     from dpfit.checkpoint import CheckpointForkError
@@ -395,7 +396,7 @@ def test_a_released_run_makes_its_older_checkpoints_forks(make, tmp_path):
     with pytest.raises(CheckpointForkError, match="already continued"):
         again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     model, ds, collator = make()
-    args = targs(tmp_path, **{**kw, "output_dir": str(tmp_path / "fork")})
+    args = targs(tmp_path, **{**kw, "output_dir": str(tmp_path / "fork"), "max_steps": 3})
     fork = DPTrainer(model=model, args=args, train_dataset=ds, data_collator=collator,
                      privacy=dataclasses.replace(privacy, allow_fork=True))  # fmt: skip
     fork.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
@@ -403,7 +404,7 @@ def test_a_released_run_makes_its_older_checkpoints_forks(make, tmp_path):
     report = json.loads((tmp_path / "fork" / "dpfit.json").read_text())["continuation"]
     assert report["fork"] and report["earlier_continuation_steps_at_most"] == 4
     assert report["epsilon_if_all_continuations_released"] == pytest.approx(
-        direct_epsilon(1.0, q, 10, 1e-4, ADD_REMOVE, kind="rdp"), rel=1e-6
+        direct_epsilon(1.0, q, 7, 1e-4, ADD_REMOVE, kind="rdp"), rel=1e-6
     )
 
 
@@ -416,3 +417,23 @@ def test_default_delta_follows_the_dataset_size(make, tmp_path):
                   data_collator=collator, privacy=PrivacyArguments(noise_multiplier=1.0))  # fmt: skip
     assert t.privacy_engine.target_delta == pytest.approx(48_000**-1.1)
     assert t.privacy_engine.target_delta < 1e-5
+
+
+def test_a_saved_dpfit_classifier_loads_again(make, tmp_path):
+    """DPTrainer on dpfit's own classifier (load_classifier) saves a folder that
+    load_classifier reads back: the same biases and head, and dpfit.json beside them."""
+    from transformers import AutoTokenizer
+
+    from dpfit.models import load_classifier
+
+    model, ds, collator = make()
+    t = DPTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=ds,
+                  data_collator=collator, processing_class=collator.tokenizer,
+                  privacy=PrivacyArguments(noise_multiplier=1.0))  # fmt: skip
+    t.train()
+    t.save_model(str(tmp_path / "saved"))
+    back = dict(load_classifier(str(tmp_path / "saved"), ["neg", "pos"]).model.named_parameters())
+    trained = trained_biases(model)
+    assert same(trained, {n: back[n].detach() for n in trained})
+    assert json.loads((tmp_path / "saved" / "dpfit.json").read_text())["private"]
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "saved")) is not None

@@ -38,7 +38,7 @@ from dpfit.data.rowhash import (
     small_test_note,
 )
 from dpfit.errors import DPFitError
-from dpfit.tasks import Prepared
+from dpfit.tasks.base import Prepared
 from dpfit.tasks.labels import check_data_label_names
 from dpfit.vision.data import (
     AUGMENTS,
