@@ -77,7 +77,7 @@ def test_jsonl_documents_are_not_grouped_by_line_number(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
     b.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["inserted", *docs]))
-    cfg = SimpleNamespace(text_column="text")
+    cfg = SimpleNamespace(text_column="text", privacy_unit="document", user_column=None)
     ta, ga, _ = read_documents(SimpleNamespace(data=str(a), **vars(cfg)))
     tb, gb, _ = read_documents(SimpleNamespace(data=str(b), **vars(cfg)))
     ha = held_out_documents(ta, ga, HELD_OUT_DOCUMENTS, seed=0)
@@ -91,3 +91,25 @@ def test_document_cap_changes_by_at_most_one_swap():
     a = [d.text for d in capped_documents(docs, 100, seed=0)]
     b = [d.text for d in capped_documents(added, 100, seed=0)]
     assert len(a) == len(b) == 100 and diff(a, b)[0] <= 1 and diff(a, b)[1] <= 1
+
+
+def test_a_line_added_mid_file_changes_the_training_examples_by_that_line(tmp_path):
+    """A text file of the user's: one line, one example, so a line inserted anywhere changes
+    the training examples by that line alone (joined pairs would shift every later pair)."""
+    from dpfit.models import save_tiny_random_model
+    from dpfit.tasks.causal_lm import CausalLMTask
+    from dpfit.train import TrainConfig
+
+    folder = save_tiny_random_model(tmp_path / "llama", arch="llama")
+    lines = [f"the good movie number {i} was great" for i in range(300)]
+
+    def train_examples(rows: list[str], name: str) -> list[str]:
+        path = tmp_path / name
+        path.write_text("\n".join(rows))
+        config = TrainConfig(task="causal-lm", model=str(folder), data=str(path))
+        return CausalLMTask().prepare(config).state["train"]
+
+    base = train_examples(lines, "a.txt")
+    added = train_examples([*lines[:150], "a line someone added", *lines[150:]], "b.txt")
+    assert all("\n" not in e for e in base)
+    assert diff(base, added) == (0, 1)

@@ -223,7 +223,12 @@ class CausalLMTask:
                     "documents cut into windows: give documents with --data "
                     "convention-speeches or --data FILE.jsonl (one document per line)"
                 )
-            prep = self.prepare_from(model, tokenizer, self._lines(config), config)
+            # a file of the user's: one line, one example (joining lines would make a line
+            # added mid-file change the examples after it); the bundled verse keeps pairs
+            per_example = 1 if config.data is not None else None
+            prep = self.prepare_from(
+                model, tokenizer, self._lines(config), config, lines_per_example=per_example
+            )
             if config.data is None and self.sample_prompts is None:  # the bundled Hamlet
                 prep.state["prompts"] = HAMLET_PROMPTS
         rate = getattr(config, "dropout", None)
@@ -271,11 +276,14 @@ class CausalLMTask:
             raise DPFitError(f"--data {path}: no such file (a text file, one line per row)")
         return [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
 
-    def prepare_from(self, model, tokenizer, lines: Sequence[str], config) -> Prepared:
+    def prepare_from(
+        self, model, tokenizer, lines: Sequence[str], config, lines_per_example: int | None = None
+    ) -> Prepared:
         """The task for a model object already in memory (Python callers, tests)."""
         from dpfit.biases import add_biases
 
-        examples = make_examples(lines, self.lines_per_example)
+        per_example = lines_per_example or self.lines_per_example
+        examples = make_examples(lines, per_example)
         n_train = config.max_train_examples or self.default_train_examples
         train_texts, eval_texts = split_examples(examples, n_train, self.eval_examples, config.seed)
         split = {"split_rule": SPLIT_RULE}
@@ -296,8 +304,8 @@ class CausalLMTask:
             num_classes=0,
             head_names=(),
             notes=[
-                f"causal LM: {len(train_texts)} training examples of {self.lines_per_example} "
-                f"lines, {len(eval_texts)} held out (those with the smallest keyed hash of "
+                f"causal LM: {len(train_texts)} training examples of {per_example} "
+                f"line{'s' if per_example > 1 else ''}, {len(eval_texts)} held out (those with the smallest keyed hash of "
                 "their text); biases added (DP-BiTFiT-Add)",
                 *([FIXED_SIZE_NOTE] if "file_neighbouring" in split else []),
             ],
