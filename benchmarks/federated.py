@@ -36,8 +36,8 @@ needs. ``--partitions`` takes several.
         --out /tmp/fed --name federated_protocol_eps2
     python benchmarks/federated.py --from-json /tmp/fed/federated_protocol_eps8.json \\
         /tmp/fed/federated_protocol_eps2.json --name federated_protocol
-    # the full protocol (two tasks x two partitions x eps 2/4/8 x 3 seeds; see docs/federated.md
-    # "Benchmark protocol" for the time it takes)
+    # the full protocol (two tasks x two partitions x eps 2/4/8 x 3 seeds; see
+    # benchmarks/results/federated_history.md, "Benchmark protocol", for the time it takes)
     python benchmarks/federated.py --local-mode bias --partitions iid dirichlet-client \\
         --seeds 0 1 2 --name federated_protocol_minilm_bias
     python benchmarks/federated.py --local-mode lora --model smollm2 \\

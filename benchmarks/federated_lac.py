@@ -18,7 +18,8 @@ benchmark's runs are paired by seed, so they are not private), the same s for ev
     # several workers can share the plan through --claims DIR), one invocation per epsilon
     python benchmarks/federated_lac.py run --epsilons 8 --seeds 0 1 2 --rounds 30 \
         --clients 1000 --clients-per-round 100 --local-optimizer sgd --lr 0.5
-    # tables and plots of every recorded protocol (RENDERED), and the docs' section
+    # tables and plots of every recorded protocol (RENDERED), and the section of
+    # benchmarks/results/federated_history.md
     python benchmarks/federated_lac.py render
 
 Writes ``<out>/<name>.{jsonl,md,png}`` and ``<name>_setup.jsonl`` (each worker's cache
@@ -1453,20 +1454,20 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-DOCS = Path(__file__).parent.parent / "docs" / "federated.md"
+# the page that quotes every protocol in words (moved out of docs/federated.md, which links it);
+# it sits beside the plots, so their paths need no rewriting
+DOCS = RESULTS / "federated_history.md"
 MARKERS = ("<!-- federated_lac:begin -->", "<!-- federated_lac:end -->")
 
 
 def docs_section(pilot_md: str, protocols: Sequence[tuple[str, str]]) -> str:
-    """The docs' section: the pilot, then each (name, rendering) of the protocol, titles one
-    level down, plot paths relative to docs/."""
+    """The history page's section: the pilot, then each (name, rendering) of the protocol,
+    titles one level down."""
     out = []
     for text in (pilot_md, *(md for _, md in protocols)):
         for line in text.splitlines():
             if line.startswith("#"):
                 line = "#" + line
-            for name, _ in protocols:
-                line = line.replace(f"]({name}.png)", f"](../benchmarks/results/{name}.png)")
             out.append(line)
         out.append("")
     return "\n".join(out).strip()
