@@ -201,7 +201,9 @@ def data_profile(flags: str, runs: list[dict]) -> dict:
     words = shlex.split(flags)
     option = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
     length = int(option["--max-length"])
-    data = argparse.Namespace(data=option["--data"], text_column="text")
+    data = argparse.Namespace(
+        data=option["--data"], text_column="text", privacy_unit="document", user_column=None
+    )
     texts, groups, _ = read_documents(data)
     examples = [TextExample(t, 0, g) for t, g in zip(texts, groups, strict=True)]
     train, held = split_by_group(examples, (1 - HELD_OUT_DOCUMENTS, HELD_OUT_DOCUMENTS), seed=0)
