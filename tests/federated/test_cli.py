@@ -282,3 +282,20 @@ def test_batched_vote_and_frozen_features_report_progress_as_they_go():
     features = [(done, total) for stage, done, total in reports if stage == FEATURES_STAGE]
     assert any(done < total for done, total in features)  # reported from its start, not only
     assert features[-1][0] == features[-1][1]  # at its end
+
+
+def test_local_vote_reports_progress_per_client():
+    """The local engine's vote moves on with each client's vote, as the batched engine's does
+    (it used to report only its start and end: a long silent stretch with many clients)."""
+    from dpfit import progress
+    from dpfit.federated.app import run_local
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = [*TINY, "--engine", "local", "--method", "lac", "--rounds", "1"]
+    server_cfg, task = configs(parser.parse_args(argv))
+    reports: list[tuple[str, int, int]] = []
+    with progress.listening(lambda *r: reports.append(r)):
+        run_local(server_cfg, task)
+    vote = [(done, total) for stage, done, total in reports if stage == "clip vote"]
+    assert vote == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)], vote

@@ -22,24 +22,41 @@ def _benchmark():
     return load_benchmark("federated_lac")
 
 
+# Training rows kept: the IID partition places each row by its own keyed hash, so client
+# sizes vary (binomially); 40 rows left a client of 20 empty, 100 give each at least 2.
+TRAIN_ROWS = 100
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """20 clients, 5 a round, 2 rounds; validation and test cut to 40 examples each."""
+    """20 clients, 5 a round, 2 rounds; the training split cut to TRAIN_ROWS examples (no
+    client empty: asserted), validation and test to 40 each, for the whole module."""
     import dpfit.federated.app as app
+    import dpfit.federated.bundled as bundled
+    from dpfit.federated.examples import client_examples
 
     bench = _benchmark()
-    splits = app.splits
-    mp = pytest.MonkeyPatch()
-    mp.setattr(app, "splits", lambda seed: tuple(s[:40] for s in splits(seed)))
+    splits = bundled.splits
+
+    def cut(seed: int):
+        return tuple(s[:n] for s, n in zip(splits(seed), (TRAIN_ROWS, 40, 40), strict=True))
+
     args = argparse.Namespace(
         clients=20, clients_per_round=5.0, rounds=2, max_length=32, val_examples=0,
         local_optimizer="sgd", lr=0.5, cache_file=None, vote_memo=None,
     )  # fmt: skip
+    mp = pytest.MonkeyPatch()
+    mp.setattr(bundled, "splits", cut)  # what the clients' examples are read from
+    mp.setattr(app, "splits", cut)  # the name the benchmark reads validation and test by
+    bundled.partitions.cache_clear()  # partitions of the full split must not be reused
     try:
         task, engine, val, test, _ = bench.setup(args)
+        sizes = [len(client_examples(task, p)) for p in range(task.num_clients)]
+        assert min(sizes) >= 1, f"a client holds no example: {sizes}"
+        yield bench, args, task, engine, val, test, tmp_path_factory.mktemp("memo")
     finally:
         mp.undo()
-    return bench, args, task, engine, val, test, tmp_path_factory.mktemp("memo")
+        bundled.partitions.cache_clear()
 
 
 def _strip(row: dict) -> dict:

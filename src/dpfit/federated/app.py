@@ -1,4 +1,4 @@
-"""The Flower app: data partitions, the ServerApp, and the ways to run it.
+"""The Flower app: the ServerApp, and the ways to run it.
 
 - ``run_simulation``: Flower's simulation engine (Ray), N virtual SuperNodes.
 - ``run_local``: the same ClientApp and Strategy over ``LocalGrid``, an in-process Grid that
@@ -8,129 +8,33 @@
   carries the settings.
 
 Clients' data: the bundled Rotten Tomatoes data (IID, Dirichlet label skew, or natural
-clients by movie) or a user's own file (``TaskConfig.data``; ``dpfit.federated.data``), cut
-into clients by the same flwr-datasets partitioners (``data.partition_rows``).
+clients by movie; ``bundled``) or a user's own file (``TaskConfig.data``; ``data``), cut into
+clients by the same partitioners (``data.partition_rows``); one client's examples and the
+server's scoring split are read in ``examples``. Their names stay importable from here.
 """
 
 from __future__ import annotations
 
 import contextvars
-import functools
-import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 from typing import Any
 from uuid import uuid4
 
-import numpy as np
-
-from dpfit.data.bundled import TextExample, rotten_tomatoes, split_by_group
-from dpfit.federated.client import TaskConfig, build_client_app, evaluate, task_model
-from dpfit.federated.data import (  # noqa: F401 - PartitionError re-exported
-    BUNDLED_LABELS,
-    PartitionError,
-    client_cap_seed,
-    client_keys,
-    client_partition,
-    federation,
-    partition_rows,
-    server_splits,
-    subsample,
-)
+from dpfit.federated.bundled import PARTITIONS, partitions, splits  # noqa: F401 - re-exported
+from dpfit.federated.client import build_client_app, initial_arrays
+from dpfit.federated.data import PartitionError, federation, subsample  # noqa: F401 - re-exported
+from dpfit.federated.examples import client_examples, eval_split  # noqa: F401 - re-exported
+from dpfit.federated.outputs import write_outputs
+from dpfit.federated.scoring import make_evaluate_fn
 from dpfit.federated.strategy import DPFedAvg, DPFedAvgServer, RoundRecord, ServerConfig
+from dpfit.federated.task_config import TaskConfig
 
 logger = logging.getLogger(__name__)
 
-PARTITIONS = ("iid", "dirichlet", "movie")  # of the bundled data
-
-
-# --------------------------------------------------------------------------------------------
-# Data
-# --------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4)
-def splits(seed: int) -> tuple[list[TextExample], list[TextExample], list[TextExample]]:
-    """(train, validation, test) split by movie; the server holds validation as public data."""
-    train, val, test = split_by_group(rotten_tomatoes(), (0.8, 0.1, 0.1), seed)
-    return train, val, test
-
-
 _subsample = subsample  # the name the benchmarks use
-
-
-@functools.lru_cache(maxsize=4)
-def partitions(
-    num_clients: int, partition: str, alpha: float, seed: int
-) -> tuple[tuple[int, ...], ...]:
-    """Indices into the bundled training split for each client (``data.partition_rows``)."""
-    if partition not in PARTITIONS:
-        raise PartitionError(f"partition must be one of {PARTITIONS}, got {partition!r}")
-    train = splits(seed)[0]
-    # natural clients: each movie belongs to one client (movies hashed onto N clients)
-    movie_client = [
-        int(hashlib.sha256(f"{seed}:{e.group}".encode()).hexdigest(), 16) % num_clients
-        for e in train
-    ]
-    try:
-        return partition_rows(
-            [e.label for e in train],
-            num_clients,
-            "natural" if partition == "movie" else partition,
-            alpha,
-            seed,
-            natural_ids=movie_client if partition == "movie" else None,
-            keys=client_keys(train, BUNDLED_LABELS, seed) if partition != "movie" else None,
-            num_labels=len(BUNDLED_LABELS),
-        )
-    except PartitionError as exc:
-        raise PartitionError(str(exc).replace("natural clients", "movie clients")) from None
-
-
-def client_examples(task: TaskConfig, partition_id: int) -> list[TextExample]:
-    """The (capped) local data of one client, from the bundled data or the user's file."""
-    if not 0 <= partition_id < task.num_clients:
-        raise PartitionError(f"partition id {partition_id} outside [0, {task.num_clients})")
-    if task.data:
-        part = client_partition(task)
-        train, idx = part.train, part.clients[partition_id]
-    else:
-        train = splits(task.seed)[0]
-        idx = partitions(task.num_clients, task.partition, task.alpha, task.seed)[partition_id]
-    examples = [train[i] for i in idx]
-    return _subsample(examples, task.examples_per_client, client_cap_seed(task.seed, partition_id))
-
-
-def eval_split(task: TaskConfig, which: str = "validation") -> tuple[list[str], list[int]]:
-    """(texts, labels) the server scores on: its public validation or test split, capped."""
-    if task.data:
-        val, test = (list(x) for x in server_splits(task))
-    else:
-        _, val, test = splits(task.seed)
-    data = _subsample(val if which == "validation" else test, task.eval_examples, task.seed + 1)
-    return [e.text for e in data], [e.label for e in data]
-
-
-def make_evaluate_fn(
-    task: TaskConfig, which: str = "validation"
-) -> Callable[..., tuple[float, float]]:
-    """Server-side (loss, accuracy) of a parameter list on the validation or test split."""
-    texts, labels = eval_split(task, which)
-
-    def fn(params: Sequence[np.ndarray]) -> tuple[float, float]:
-        lm = task_model(task)
-        lm.set_arrays(params)
-        return evaluate(lm, texts, labels, task.max_length)
-
-    return fn
-
-
-def initial_arrays(task: TaskConfig) -> list[np.ndarray]:
-    """The trainables as loaded (the cached model's live values change during a run)."""
-    lm = task_model(task)
-    return [a.copy() for a in lm.initial]
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,9 +75,13 @@ class LocalGrid:
         return list(self.clients)
 
     def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None):
+        return [reply for reply in self.deliver(messages) if reply is not None]
+
+    def deliver(self, messages: Iterable[Any]) -> Iterator[Any]:
+        """Each message's reply (None: no answer) as its client finishes, in order: what lets
+        the server move a long stage's progress on per client (``strategy.gather_replies``)."""
         from flwr.app import Context, Error, Message, RecordDict
 
-        replies = []
         for msg in messages:
             node = int(msg.metadata.dst_node_id)
             msg.metadata.__dict__["_message_id"] = str(uuid4())
@@ -190,9 +98,7 @@ class LocalGrid:
             except Exception as exc:  # a crashing client must not stall the round
                 logger.info("client %s raised %s", node, exc)
                 reply = Message(Error(code=0, reason=repr(exc)), reply_to=msg)
-            if reply is not None:
-                replies.append(reply)
-        return replies
+            yield reply
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,8 +211,6 @@ def build_server_app():
         logger.info("finished: %s", [r.epsilon for r in server.history])
         out = rc.get("output", "")
         if out:
-            from dpfit.federated.cli import write_outputs
-
             write_outputs(server, task, out, plots=False)
 
     return app

@@ -39,14 +39,17 @@ from dpfit.data.bundled import TextExample
 from dpfit.federated.client import (
     ClientTaskError,
     LocalModel,
-    TaskConfig,
     _batches,
     clamp_loss,
+    initial_arrays,
     task_model,
     top_layer_prefix,
 )
 from dpfit.federated.clipping import clip_update
-from dpfit.federated.strategy import ClientReply, DPFedAvgServer, RoundRecord, ServerConfig
+from dpfit.federated.examples import client_examples, eval_split
+from dpfit.federated.server_config import ServerConfig
+from dpfit.federated.strategy import ClientReply, DPFedAvgServer, RoundRecord
+from dpfit.federated.task_config import TaskConfig
 
 logger = logging.getLogger(__name__)
 
@@ -594,7 +597,6 @@ def run_batched(
     ``prefill``: cache every client's examples before the first round (the simulation holds
     all clients' data anyway); otherwise a client's are cached when it is first sampled.
     """
-    from dpfit.federated.app import client_examples, eval_split, initial_arrays
     from dpfit.federated.data import federation
 
     if task.data and client_data is None:

@@ -30,89 +30,23 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from dpfit.federated.clipping import clip_update, one_hot_vote
+from dpfit.federated.data import PartitionError
+from dpfit.federated.examples import client_examples
+from dpfit.federated.task_config import (  # noqa: F401 - their old home re-exports them
+    LOCAL_MODES,
+    LOCAL_OPTIMIZERS,
+    ClientTaskError,
+    TaskConfig,
+)
 
 logger = logging.getLogger(__name__)
-
-LOCAL_MODES = ("bias", "lora", "head", "lora-top")
-# local optimizers by name (weight decay 0: an update is the data's, not a pull to zero)
-LOCAL_OPTIMIZERS = ("adamw", "sgd")
-
-
-class ClientTaskError(ValueError):
-    """The task configuration sent to a client is invalid."""
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """What every client and the server agree on; flat scalars so it fits a ConfigRecord."""
-
-    model: str = ""  # folder, hub id, or bundled name (minilm, smollm2); empty: minilm
-    local_mode: str = "bias"
-    lora_r: int = 4
-    max_length: int = 48
-    local_epochs: int = 1
-    local_batch_size: int = 16
-    lr: float = 1e-3
-    num_clients: int = 20
-    partition: str = "iid"
-    alpha: float = 0.5
-    examples_per_client: int = 32
-    eval_examples: int = 200
-    seed: int = 0
-    threads: int = 1
-    local_optimizer: str = "adamw"
-    # A user's own data (dpfit.federated.data); "" = the bundled Rotten Tomatoes. Every
-    # SuperNode reads `data` at this path and keeps its own partition's rows.
-    data: str = ""
-    eval_data: str = ""  # the server's public validation / test set (needed with `data`)
-    client_column: str = ""  # each distinct value one client (partition "column")
-    text_column: str = "text"
-    label_column: str = "label"
-    labels: str = ""  # public label names, comma-separated, in id order ("" = from the data)
-    public_labels: bool = False  # names read from the data are public even if rare
-
-    def __post_init__(self) -> None:
-        if self.local_mode not in LOCAL_MODES:
-            raise ClientTaskError(
-                f"local_mode must be one of {LOCAL_MODES}, got {self.local_mode!r}"
-            )
-        if self.local_optimizer not in LOCAL_OPTIMIZERS:
-            raise ClientTaskError(
-                f"local_optimizer must be one of {LOCAL_OPTIMIZERS}, got {self.local_optimizer!r}"
-            )
-        if bool(self.client_column) != (self.partition == "column"):
-            raise ClientTaskError(
-                "a client column goes with partition 'column' (natural clients), and only "
-                f"with it; got client_column={self.client_column!r}, "
-                f"partition={self.partition!r}"
-            )
-        if not self.data and (self.client_column or self.eval_data):
-            raise ClientTaskError("--client-column and --eval-data need --data FILE")
-        if self.data and self.partition == "movie":
-            raise ClientTaskError(
-                "--partition movie is the bundled data's natural clients; for your file "
-                "name its client column with --client-column, or use --partition iid|dirichlet"
-            )
-
-    def to_record(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_record(cls, record: Any) -> TaskConfig:
-        names = {f.name: f.type for f in fields(cls)}
-        kwargs = {}
-        for name in names:
-            if name in record:
-                default = getattr(cls, name)
-                kwargs[name] = type(default)(record[name])
-        return cls(**kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,6 +179,12 @@ def task_model(task: TaskConfig, dtype: str = "float32") -> LocalModel:
     return load_local_model(
         task.model, task.local_mode, task.lora_r, task.seed, dtype, label_names(task)
     )
+
+
+def initial_arrays(task: TaskConfig) -> list[np.ndarray]:
+    """The trainables as loaded (the cached model's live values change during a run)."""
+    lm = task_model(task)
+    return [a.copy() for a in lm.initial]
 
 
 def load_local_model(
@@ -502,8 +442,6 @@ def _partition_id(context: Any, task: TaskConfig) -> int:
     one partition could contribute k*C in a round and be sampled more often than q
     Flower's simulation engine sets ``partition-id`` on every node.
     """
-    from dpfit.federated.app import PartitionError
-
     cfg = context.node_config
     if "partition-id" not in cfg:
         raise PartitionError(
@@ -521,8 +459,6 @@ def _partition_id(context: Any, task: TaskConfig) -> int:
 
 
 def _client_setup(message: Any, context: Any):
-    from dpfit.federated.app import client_examples
-
     cfg = message.content["config"]
     task = TaskConfig.from_record(cfg)
     torch.set_num_threads(max(1, task.threads))

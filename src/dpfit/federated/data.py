@@ -1,7 +1,7 @@
 """Which examples each client holds, and what the server scores on: one path for any data.
 
 A federation is the pooled training rows, each client's row indices, and the server's public
-validation and test sets. The bundled Rotten Tomatoes data (``app.splits``) and a user's
+validation and test sets. The bundled Rotten Tomatoes data (``bundled.splits``) and a user's
 CSV / JSONL / saved ``datasets`` folder, read by ``dpfit train``'s loader
 (``dpfit.data.text``), are two sources of it; both are cut into clients by
 ``partition_rows`` (flwr-datasets partitioners):
@@ -43,7 +43,7 @@ from dpfit.data.text import DataError, LabeledTexts, load_grouped_texts, load_te
 from dpfit.tasks.labels import parse_labels
 
 if TYPE_CHECKING:
-    from dpfit.federated.client import TaskConfig
+    from dpfit.federated.task_config import TaskConfig
 
 BUNDLED_LABELS = ROTTEN_TOMATOES_LABELS  # the bundled task's classes, label 0 / 1
 # user data: natural clients from a column, or a synthetic partition of the rows

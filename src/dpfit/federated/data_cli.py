@@ -69,7 +69,7 @@ def data_options(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str
             ),
         }
     from dpfit.federated import data as fed_data
-    from dpfit.federated.client import TaskConfig
+    from dpfit.federated.task_config import TaskConfig
     from dpfit.tasks.labels import parse_labels
 
     common = {

@@ -74,7 +74,7 @@ def write_app(directory: str | Path, server: Any, task: Any, output: str = "") -
 def write_template() -> Path:
     """Rewrite the shipped template's run config from the library defaults; run it after a
     setting is added to ``TaskConfig`` or ``ServerConfig`` (a test checks they agree)."""
-    from dpfit.federated.client import TaskConfig
-    from dpfit.federated.strategy import ServerConfig
+    from dpfit.federated.server_config import ServerConfig
+    from dpfit.federated.task_config import TaskConfig
 
     return write_app(APP_DIR, ServerConfig(), TaskConfig())

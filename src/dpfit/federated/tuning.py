@@ -53,7 +53,7 @@ from dpfit.selection import (  # noqa: F401 - the shared core; its names stay im
 )
 
 if TYPE_CHECKING:
-    from dpfit.federated.strategy import ServerConfig
+    from dpfit.federated.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
