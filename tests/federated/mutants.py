@@ -91,7 +91,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "exact client count released in metrics.json",
-        f"{FED}/cli.py",
+        f"{FED}/outputs.py",
         '        "insecure_seed": server.insecure,\n',
         '        "insecure_seed": server.insecure,\n'
         '        "clients": server.last_counts.sampled if server.last_counts else 0,\n',
@@ -203,12 +203,71 @@ MUTANTS += [
     ),
 ]
 
+# two-sided DP-LAC (lac-2s): its noise where drawn and where accounted, and its moves
+L2S = f"{FED}/clipping/lac_two_sided.py"
+MUTANTS += [
+    (
+        "lac-2s: vote noise halved when drawn",
+        L2S,
+        "        return [f * self.config.initial_clip for f in FACTORS]\n",
+        "        return [f * self.config.initial_clip for f in FACTORS]\n\n"
+        "    def initialise_from_votes(self, votes, rng):\n"
+        "        from dataclasses import replace\n\n"
+        "        full = self.config\n"
+        "        self.config = replace(full, vote_noise_std=full.vote_noise_std / 2)\n"
+        "        try:\n"
+        "            return super().initialise_from_votes(votes, rng)\n"
+        "        finally:\n"
+        "            self.config = full\n",
+    ),
+    (
+        "lac-2s: vote noise halved in the accountant only (one_off_multipliers)",
+        L2S,
+        "        return QuantileClip.round_multipliers(config)\n",
+        "        return QuantileClip.round_multipliers(config)\n\n"
+        "    @classmethod\n"
+        "    def one_off_multipliers(cls, config):\n"
+        "        return (config.vote_noise_std / 2,)\n",
+    ),
+    (
+        "lac-2s: count noise halved when drawn",
+        L2S,
+        "self.count_noise_std(self.config),\n            rng,",
+        "self.count_noise_std(self.config) / 2,\n            rng,",
+    ),
+    (
+        "lac-2s: vote trial noise back to one round's",
+        L2S,
+        "return self.update_multiplier * math.sqrt(self.config.total_rounds)",
+        "return self.update_multiplier",
+    ),
+    (
+        "lac-2s: brake on any rise of the smoothed loss",
+        L2S,
+        "if level > self.best * (1 + RISE) and self.cooldown == 0",
+        "if level > self.best and self.cooldown == 0",
+    ),
+    (
+        "lac-2s: one-sided vote grid (C_init and below)",
+        L2S,
+        "return [f * self.config.initial_clip for f in FACTORS]",
+        "return [f * self.config.initial_clip for f in FACTORS if f <= 1.0]",
+    ),
+    (
+        "lac-2s: C grows while the validation loss rises",
+        L2S,
+        "allow_growth=self._healthy()",
+        "allow_growth=True",
+    ),
+]
+
 TESTS = [
     "tests/federated/test_label_gate.py",
     "tests/federated/test_clipping.py",
     "tests/federated/test_accounting.py",
     "tests/federated/test_strategy.py",
     "tests/federated/test_client.py::test_client_replies_carry_only_what_the_private_releases_use",
+    "tests/federated/test_lac_two_sided.py",
 ]
 
 
@@ -227,8 +286,11 @@ def run_mutant(index: int, desc: str, rel: str, old: str, new: str) -> bool:
         cmd += ["-m", "not slow", "-k", "not dirichlet", *TESTS]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     killed = proc.returncode != 0
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    print(f"[{index:2d}] {'killed ' if killed else 'SURVIVED'} {desc}  ({tail})", flush=True)
+    lines = proc.stdout.strip().splitlines()
+    tail = lines[-1] if lines else ""
+    # which test killed it (pytest's short summary names the first failure under -x)
+    by = next((ln.split(" - ")[0] for ln in lines if ln.startswith(("FAILED ", "ERROR "))), "")
+    print(f"[{index:2d}] {'killed ' if killed else 'SURVIVED'} {desc}  ({tail}) {by}", flush=True)
     return killed
 
 
