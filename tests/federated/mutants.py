@@ -259,6 +259,12 @@ MUTANTS += [
         "allow_growth=self._healthy()",
         "allow_growth=True",
     ),
+    (
+        "a client's capped rows seeded by its position (a new client shifts every later one)",
+        f"{FED}/examples.py",
+        "    return client_cap(examples, task.examples_per_client, task.seed)",
+        "    return subsample(examples, task.examples_per_client, task.seed * 7919 + partition_id)",
+    ),
 ]
 
 TESTS = [
@@ -268,6 +274,7 @@ TESTS = [
     "tests/federated/test_strategy.py",
     "tests/federated/test_client.py::test_client_replies_carry_only_what_the_private_releases_use",
     "tests/federated/test_lac_two_sided.py",
+    "tests/federated/test_partition_neighbours.py",
 ]
 
 

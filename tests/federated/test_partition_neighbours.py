@@ -84,3 +84,40 @@ def test_dirichlet_skews_labels_and_empty_clients_are_refused():
     assert max(abs(m - 0.5) for m in mix) > 0.3  # far from the pooled 50/50
     with pytest.raises(PartitionError, match="fewer than 1"):
         hashed_clients(labels[:5], keys[:5], 50, "iid", 0.1, seed=0)
+
+
+def test_a_new_client_column_value_leaves_every_other_clients_capped_rows(tmp_path):
+    """--client-column: a new client whose id sorts first shifts every other client's position;
+    their capped rows (--examples-per-client) must not move with it (the cap is chosen by each
+    row's own keyed hash, not by a seed per position)."""
+
+    def write(path, rows):
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(("text", "label", "who"))
+            w.writerows(rows)
+        return str(path)
+
+    base = [
+        (f"text {c}-{i}", ("neg", "pos")[i % 2], f"client-{c}") for c in range(6) for i in range(9)
+    ]
+    added = [*base, *((f"new {i}", "pos", "aaa-first") for i in range(9))]
+
+    def capped(path: str) -> dict[str, Counter]:
+        task = TaskConfig(data=path, eval_data=path, partition="column", client_column="who",
+                          num_clients=len({r[2] for r in (added if "b." in path else base)}),
+                          examples_per_client=4, labels="neg,pos")  # fmt: skip
+        fed_data.user_rows.cache_clear()
+        fed_data._client_partition.cache_clear()
+        out = {}
+        for pid in range(task.num_clients):
+            ex = client_examples(task, pid)
+            who = {
+                e.text.split()[1].split("-")[0] if e.text.startswith("text") else "new" for e in ex
+            }
+            out[who.pop()] = Counter((e.text, e.label) for e in ex)
+        return out
+
+    a, b = capped(write(tmp_path / "a.csv", base)), capped(write(tmp_path / "b.csv", added))
+    assert set(b) == set(a) | {"new"}
+    assert all(b[c] == a[c] and sum(a[c].values()) == 4 for c in a)

@@ -29,6 +29,7 @@ SUBSAMPLE = "subsample"
 PUBLIC = "public"
 CLIENT = "client"
 EVAL_SUBSAMPLE = "eval-subsample"
+CLIENT_CAP = "client-cap"  # which of a client's rows train under --examples-per-client
 
 # --max-train-examples is a fixed-size subsample: a row added to the file changes it by at
 # most one row in and one row out, a replace-one neighbour of what trains

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from dpfit.data.bundled import ROTTEN_TOMATOES_LABELS, TextExample
-from dpfit.data.rowhash import CLIENT, row_keys, text_row
+from dpfit.data.rowhash import CLIENT, CLIENT_CAP, row_keys, smallest, text_row
 from dpfit.data.text import DataError, LabeledTexts, load_grouped_texts, load_texts
 from dpfit.tasks.labels import parse_labels
 
@@ -65,9 +65,15 @@ def subsample(items: list[T], k: int, seed: int) -> list[T]:
     return [items[i] for i in sorted(idx)]
 
 
-def client_cap_seed(seed: int, partition_id: int) -> int:
-    """The seed of client ``partition_id``'s cap (``--examples-per-client``)."""
-    return seed * 7919 + partition_id
+def client_cap(examples: Sequence[TextExample], k: int, seed: int) -> list[TextExample]:
+    """At most ``k`` of one client's examples (all when k <= 0; ``--examples-per-client``),
+    those with the smallest keyed hash of their own content, kept in order. A client's capped
+    rows then depend on its rows alone: a seed per client position would change every later
+    client's rows when a new client (a new --client-column value) sorts before them."""
+    if k <= 0 or len(examples) <= k:
+        return list(examples)
+    keys = row_keys((text_row(e.text, str(e.label)) for e in examples), seed, CLIENT_CAP)
+    return [examples[i] for i in sorted(smallest(keys, k).tolist())]
 
 
 def partition_rows(
@@ -337,8 +343,8 @@ def _label_note(
     row_labels: list[str] = []
     row_clients: list[int] = []
     for pid, idx in enumerate(clients):
-        for i in subsample(list(idx), examples_per_client, client_cap_seed(seed, pid)):
-            row_labels.append(names[train[i].label])
+        for e in client_cap([train[i] for i in idx], examples_per_client, seed):
+            row_labels.append(names[e.label])
             row_clients.append(pid)
     units = LabelUnits.count(row_labels, row_clients, "clients")
     return check_data_label_names(names, units, data, public_labels, "metrics.json (label_names)")

@@ -156,7 +156,7 @@ def clients_source(task: Any) -> str:
 def data_notes(task: Any, quiet: bool) -> None:
     """The user's data: what is public on stdout; client sizes, read from the private rows,
     on stderr for the operator only (docs/federated.md, "What each output is")."""
-    from dpfit.federated.data import client_cap_seed, federation, subsample
+    from dpfit.federated.data import federation
 
     fed = federation(task)
     part = fed.clients
@@ -168,10 +168,8 @@ def data_notes(task: Any, quiet: bool) -> None:
         )
         print(part.label_note, flush=True)
     k = task.local_batch_size
-    sizes = [
-        len(subsample(list(idx), task.examples_per_client, client_cap_seed(task.seed, i)))
-        for i, idx in enumerate(part.clients)
-    ]
+    cap = task.examples_per_client
+    sizes = [min(len(idx), cap) if cap > 0 else len(idx) for idx in part.clients]
     small = sum(n < k for n in sizes)
     if small:
         print(

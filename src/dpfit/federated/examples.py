@@ -13,7 +13,7 @@ from dpfit.data.bundled import TextExample
 from dpfit.federated import bundled
 from dpfit.federated.data import (
     PartitionError,
-    client_cap_seed,
+    client_cap,
     client_partition,
     server_splits,
     subsample,
@@ -36,7 +36,7 @@ def client_examples(task: TaskConfig, partition_id: int) -> list[TextExample]:
             partition_id
         ]
     examples = [train[i] for i in idx]
-    return subsample(examples, task.examples_per_client, client_cap_seed(task.seed, partition_id))
+    return client_cap(examples, task.examples_per_client, task.seed)
 
 
 def eval_split(task: TaskConfig, which: str = "validation") -> tuple[list[str], list[int]]:
