@@ -154,5 +154,5 @@ def test_folder_without_a_model(tmp_path):
 
 def test_hub_id_offline_says_what_to_do(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelLoadError, match="pass a local folder"):
+    with pytest.raises(ModelLoadError, match="hub is off.*pass --model minilm.*or a folder"):
         load_classifier("dpfit-test-org/no-such-model", ["a", "b"])

@@ -37,10 +37,10 @@ def test_dpfit_pretrain_uses_the_rule_cosine_and_shift_by_default(tiny_npz, tmp_
                  "--json"]) == 0  # fmt: skip
     captured = capsys.readouterr()
     m = json.loads(captured.out.strip().splitlines()[-1])
-    n = round(0.3 * 432)
-    assert m["train_examples"] == n and m["epochs"] == pt.pretrain_epochs(n, 64) == 4
+    n = m["train_examples"]  # about 0.3 x 432: the public share is drawn per image
+    assert abs(n - 0.3 * 432) <= 15 and m["epochs"] == pt.pretrain_epochs(n, 64) == 4
     assert m["steps"] == 4 * -(-n // 64) and m["lr_schedule"] == "cosine"
-    assert "pretraining length from the public n=130" in captured.err
+    assert f"pretraining length from the public n={n}" in captured.err
     # the note gives the steps that run, and no flag is said to override anything
     assert f"4 epochs, {m['steps']} steps of 64" in captured.err
     assert "overridden by flags" not in captured.err
