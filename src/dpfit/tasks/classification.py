@@ -95,19 +95,7 @@ def prepare_data(config: TrainConfig) -> PreparedData:
         )
         label_note_at = len(notes)  # the gate counts the rows that train: after split/subset
         if config.eval_data is None:
-            if len(train) < 10:
-                raise DPFitError(
-                    f"{config.data} has {len(train)} examples, too few to hold out a test "
-                    "set; pass --eval-data"
-                )
-            train, test = train.split(HELD_OUT_FRACTION, seed=config.seed)
-            if not len(test) or not len(train):
-                raise DPFitError(
-                    f"{config.data}: no row fell on the "
-                    f"{'held-out' if not len(test) else 'training'} side of the "
-                    f"{HELD_OUT_FRACTION:.0%} hold-out (each row's side comes from a hash of "
-                    "the row and --seed); pass --eval-data, or another --seed"
-                )
+            train, test = _hold_out(train, config, "examples", "row", "the row")
             notes.append(
                 f"no --eval-data: holding out the rows of {config.data} whose keyed hash "
                 f"(--seed {config.seed}) falls below {HELD_OUT_FRACTION:g}, about "
@@ -136,6 +124,26 @@ def prepare_data(config: TrainConfig) -> PreparedData:
     return PreparedData(train, test, tuple(notes), split)
 
 
+def _hold_out(data, config: TrainConfig, units: str, unit: str, hashed: str):
+    """(training, held-out) of `data` (rows or users), each unit's side from a keyed hash of
+    `hashed` and --seed; a clear error where too few units or an empty side leave no test set."""
+    if len(data) < 10:
+        raise DPFitError(
+            f"{config.data} has {len(data)} {units}, too few to hold out a test set"
+            + (f" by {unit}" if unit != "row" else "")
+            + "; pass --eval-data"
+        )
+    train, held = data.split(HELD_OUT_FRACTION, seed=config.seed)
+    if not len(held) or not len(train):
+        raise DPFitError(
+            f"{config.data}: no {unit} fell on the "
+            f"{'held-out' if not len(held) else 'training'} side of the "
+            f"{HELD_OUT_FRACTION:.0%} hold-out (each {unit}'s side comes from a hash of "
+            f"{hashed} and --seed); pass --eval-data, or another --seed"
+        )
+    return train, held
+
+
 def prepare_user_data(config: TrainConfig) -> PreparedData:
     """--privacy-unit user: the file read with each row's user (--user-column); the hold-out,
     --max-train-examples and the label gate count users, and each user keeps at most
@@ -149,19 +157,7 @@ def prepare_user_data(config: TrainConfig) -> PreparedData:
     data = UserTexts(loaded, users)
     notes: list[str] = []
     if config.eval_data is None:
-        if len(data) < 10:
-            raise DPFitError(
-                f"{config.data} has {len(data)} users, too few to hold out a test set by "
-                "user; pass --eval-data"
-            )
-        data, held = data.split(HELD_OUT_FRACTION, seed=config.seed)
-        if not len(held) or not len(data):
-            raise DPFitError(
-                f"{config.data}: no user fell on the "
-                f"{'held-out' if not len(held) else 'training'} side of the "
-                f"{HELD_OUT_FRACTION:.0%} hold-out (each user's side comes from a hash of the "
-                "user id and --seed); pass --eval-data, or another --seed"
-            )
+        data, held = _hold_out(data, config, "users", "user", "the user id")
         test = held.rows
         notes.append(
             f"no --eval-data: holding out the users of {config.data} whose keyed hash of their "
