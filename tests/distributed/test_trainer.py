@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 def job(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("trainer")
     codes = launch(out, 2, model_dir, "update", "update_physical", "resume", "update_documents",
-                   script="trainer_worker.py", timeout=400)  # fmt: skip
+                   "update_users", script="trainer_worker.py", timeout=400)  # fmt: skip
     assert codes == [0, 0], launch.logs
     return results(out, 2)
 
@@ -76,6 +76,31 @@ def test_two_ranks_with_documents_give_the_one_process_update(job, model_dir, tm
         assert got["sample_rate"] == 1.0
         err = (got["delta"] - ref["delta"]).norm()
         assert err <= 1e-6 * ref["delta"].norm(), (rank, err)
+
+
+def test_two_ranks_with_users_give_the_one_process_update(job, model_dir, tmp_path):
+    """privacy_unit="user" from a row dataset with a user column, sigma=0, q=1, a clip norm
+    that clips: DPTrainer groups the rows per user, each rank holds whole users (a user's rows
+    never split between ranks), each user summed and clipped once; 3 steps match one process
+    to 1e-6, and match the documents scenario (the same rows grouped by hand)."""
+    ref = trainer_worker.run(1, tmp_path, model_dir, "update_users")
+    unclipped = trainer_worker.run(1, tmp_path / "u", model_dir, "update_users:1e6")
+    assert ref["delta"].norm() > 1e-2
+    assert (unclipped["delta"] - ref["delta"]).norm() > 1e-2 * ref["delta"].norm()  # it clips
+    rows = trainer_worker.DOC_ROWS
+    shares = []
+    for rank in (0, 1):
+        got = job[rank]["update_users"]
+        assert got["steps"] == got["global_step"] == 3 and got["ddp_reduces"] == 0
+        assert got["sample_rate"] == 1.0
+        shares.append({sum(s) for s in got["physical_sizes"]})
+        err = (got["delta"] - ref["delta"]).norm()
+        assert err <= 1e-6 * ref["delta"].norm(), (rank, err)
+    # each rank's rows every step are whole users' rows, together all of them
+    assert len(shares[0]) == len(shares[1]) == 1
+    assert shares[0].pop() + shares[1].pop() == sum(rows)
+    docs = job[0]["update_documents"]
+    assert (docs["delta"] - ref["delta"]).norm() <= 1e-6 * ref["delta"].norm()
 
 
 def test_ddp_never_reduces_unclipped_gradients(job):

@@ -79,6 +79,16 @@ def settings(name: str, world: int):
         return PrivacyArguments(
             noise_multiplier=0.0, physical_batch_size=3, privacy_unit="document", max_grad_norm=r
         ), dict(per_device_train_batch_size=len(DOC_ROWS) // world, max_steps=3, save_strategy="no")
+    if name.startswith("update_users"):  # as update_documents, from a row dataset with a user
+        # column that DPTrainer groups itself (privacy_unit="user"): users = the documents
+        r = float(name.split(":")[1]) if ":" in name else R_DOCUMENTS
+        return PrivacyArguments(
+            noise_multiplier=0.0,
+            physical_batch_size=3,
+            privacy_unit="user",
+            user_column="user",
+            max_grad_norm=r,
+        ), dict(per_device_train_batch_size=len(DOC_ROWS) // world, max_steps=3, save_strategy="no")
     # sigma=1, q=2/24: each rank expects 2/world examples, so many of its batches are empty;
     # insecure_seed makes which ones fixed (the test asserts there were some)
     return PrivacyArguments(noise_multiplier=1.0, target_delta=1e-4, insecure_seed=11), dict(
@@ -128,6 +138,9 @@ def train(world: int, out: Path, model_dir: str, name: str, stop_at=None, resume
     model, ds, collator = data(model_dir)
     if privacy.privacy_unit == "document":
         ds = documents(ds)
+    if privacy.privacy_unit == "user":  # the rows of document d belong to user d
+        users = [f"user-{d}" for d, n in enumerate(DOC_ROWS) for _ in range(n)]
+        ds = ds.remove_columns("text").add_column("user", users)
     targs = TrainingArguments(
         output_dir=str(out / f"rank{rank}"), learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", report_to=[], use_cpu=True, logging_steps=1, seed=0,
