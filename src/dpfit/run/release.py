@@ -60,7 +60,7 @@ def claim_release(directory: str | Path, step: int, what: str) -> None:
     ckpt.record_release(directory, step, what)
 
 
-def released_state(config: TrainConfig, model, engine, first_step: int) -> int:
+def released_state(config: TrainConfig, model, engine) -> int:
     """Put the state to release into `model` and `engine`; return how many of the steps
     taken it leaves out.
 
@@ -96,7 +96,7 @@ def save_partial(
     releasable = True
     discarded = 0
     try:
-        discarded = released_state(config, model, engine, first_step)
+        discarded = released_state(config, model, engine)
         if config.checkpoint_dir:
             what = f"the {status} run's model so far"
             claim_release(config.checkpoint_dir, engine.steps_taken - first_step, what)
