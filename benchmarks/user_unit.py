@@ -29,11 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
 from harness.records import append_jsonl, read_jsonl  # noqa: E402
+from harness.render import write_between_markers  # noqa: E402
 from harness.stats import t_interval  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 LOG = RESULTS / "user_unit_runs.jsonl"
 REPORT = RESULTS / "user_unit.md"
+DOCS = ROOT / "docs" / "train.md"
+MARKERS = ("<!-- user_unit:begin -->", "<!-- user_unit:end -->")
 EPSILON = 8.0
 TRAIN_MOVIES, EVAL_MOVIES = 120, 40
 ARMS = ("row", "user")
@@ -115,6 +118,24 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def docs_block(rows: list[dict]) -> str:
+    """docs/train.md's bullet on what the user unit costs, from the runs (None-safe)."""
+    by = {(r["seed"], r["arm"]): r for r in rows}
+    seeds = sorted(s for s in {s for s, _ in by} if (s, "row") in by and (s, "user") in by)
+    if not seeds:
+        return "* What it costs: not measured yet (`benchmarks/user_unit.py`)."
+    user = " and ".join(f"{by[(s, 'user')]['accuracy']:.3f}" for s in seeds)
+    row = " and ".join(f"{by[(s, 'row')]['accuracy']:.3f}" for s in seeds)
+    n_users, n_rows = by[(seeds[0], "user")]["n"], by[(seeds[0], "row")]["n"]
+    return (
+        f"* What it costs: on {TRAIN_MOVIES} movies of Rotten Tomatoes snippets (a movie as the\n"
+        f"  user), eps {EPSILON:g}, the user-level run scored {user} where the row-level run on\n"
+        f"  the same rows scored {row} ({len(seeds)} seed(s), `benchmarks/results/user_unit.md`;\n"
+        f"  n is {n_users} users instead of {n_rows:,} rows). It buys a guarantee for each person\n"
+        "  rather than for each row. A pilot on one dataset, not a rule."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -131,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     append_jsonl(LOG, run_one(seed, arm, args.threads))
     rows = read_jsonl(LOG) if LOG.exists() else []
     REPORT.write_text(report(rows))
+    write_between_markers(DOCS, MARKERS, docs_block(rows))
     print(REPORT.read_text())
     return 0
 
