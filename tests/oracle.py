@@ -52,6 +52,11 @@ def assert_matches_oracle(
         assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
 
 
+def assert_close_to_oracle(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
+    """One flat gradient against the oracle's, to `rtol` of its largest entry."""
+    assert_matches_oracle({"gradient": got}, {"gradient": want}, rtol)
+
+
 def make_engine(model: nn.Module, **kw) -> dpfit.PrivacyEngine:
     args = dict(
         expected_batch_size=1,

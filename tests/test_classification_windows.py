@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from oracle import Capture
+from oracle import Capture, assert_close_to_oracle
 
 import dpfit
 from dpfit.cli import main, summary_rows
@@ -208,11 +208,6 @@ def _released(folder, data: LabeledTexts, max_grad_norm: float) -> torch.Tensor:
     return torch.cat([opt.grads[p].flatten() for p in engine.parameters()])
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    err = (got.to(want.dtype) - want).abs().max() / want.abs().max()
-    assert err <= 1e-5, f"relative error {err:.2e}"
-
-
 @pytest.fixture(scope="module")
 def oracle(folder):
     data = _texts(DOC_WORDS, labels=[1, 0, 1])
@@ -223,7 +218,7 @@ def oracle(folder):
 def test_document_unit_unclipped_is_the_sum_of_window_gradients(folder, oracle):
     data, grads = oracle
     got = _released(folder, data, max_grad_norm=1e6)
-    _assert_close(got, grads.sum(0) / len(data))
+    assert_close_to_oracle(got, grads.sum(0) / len(data))
 
 
 def test_document_unit_clipped_as_one_contribution(folder, oracle):
@@ -233,7 +228,7 @@ def test_document_unit_clipped_as_one_contribution(folder, oracle):
     r = 0.25 * float(grads.norm(dim=1).min())
     got = _released(folder, data, max_grad_norm=r)
     factors = (r / grads.norm(dim=1)).clamp(max=1.0)
-    _assert_close(got, (factors[:, None] * grads).sum(0) / len(data))
+    assert_close_to_oracle(got, (factors[:, None] * grads).sum(0) / len(data))
 
 
 # -- the run end to end ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from long_llama import T, tiny_long_llama, token_ids
-from oracle import Capture, oracle_per_example
+from oracle import Capture, assert_close_to_oracle, oracle_per_example
 
 import dpfit
 from dpfit.causal_lm import causal_lm_loss, make_collate, windows
@@ -61,11 +61,6 @@ def _clipped_mean(grads: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     return (factors[:, None] * grads).sum(0) / grads.shape[0]
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    err = (got.to(want.dtype) - want).abs().max() / want.abs().max()
-    assert err <= 1e-5, f"relative error {err:.2e}"
-
-
 @pytest.fixture(scope="module")
 def oracle():
     docs = _documents()
@@ -77,7 +72,7 @@ def oracle():
 def test_unclipped_step_is_the_sum_of_document_gradients(oracle):
     docs, grads = oracle
     got = _released(tiny_long_llama().train(), docs, max_grad_norm=1e6)
-    _assert_close(got, grads.sum(0) / len(docs))
+    assert_close_to_oracle(got, grads.sum(0) / len(docs))
 
 
 def test_each_document_is_clipped_as_one_contribution(oracle):
@@ -87,7 +82,7 @@ def test_each_document_is_clipped_as_one_contribution(oracle):
     norms = grads.norm(dim=1)
     r = 0.25 * float(norms.min())
     got = _released(tiny_long_llama().train(), docs, max_grad_norm=r)
-    _assert_close(got, _clipped_mean(grads, r))
+    assert_close_to_oracle(got, _clipped_mean(grads, r))
     # clipping each window alone would release something else (a window-level bound)
     windows_alone = _clipped_mean(_window_rows(docs), r) * len(_window_rows(docs)) / len(docs)
     assert (windows_alone - got.double()).abs().max() > 1e-3 * got.abs().max()

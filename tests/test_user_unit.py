@@ -18,7 +18,7 @@ import pytest
 import torch
 from accounting_oracle import ADD_REMOVE, direct_epsilon
 from noise_check import assert_std
-from oracle import Capture
+from oracle import Capture, assert_close_to_oracle
 
 import dpfit
 from dpfit.cli import main
@@ -227,18 +227,13 @@ def _released(folder, max_grad_norm: float, physical: int = 2) -> torch.Tensor:
     return torch.cat([opt.grads[p].flatten() for p in engine.parameters()])
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    err = (got.to(want.dtype) - want).abs().max() / want.abs().max()
-    assert err <= 1e-5, f"relative error {err:.2e}"
-
-
 @pytest.fixture(scope="module")
 def oracle(folder):
     return _oracle_users(folder)
 
 
 def test_unclipped_user_gradient_is_the_sum_of_their_rows(folder, oracle):
-    _assert_close(_released(folder, max_grad_norm=1e6), oracle.sum(0) / len(ROWS))
+    assert_close_to_oracle(_released(folder, max_grad_norm=1e6), oracle.sum(0) / len(ROWS))
 
 
 def test_each_user_is_clipped_as_one_contribution(folder, oracle):
@@ -248,9 +243,9 @@ def test_each_user_is_clipped_as_one_contribution(folder, oracle):
     r = 0.25 * float(oracle.norm(dim=1).min())
     got = _released(folder, max_grad_norm=r)
     factors = (r / oracle.norm(dim=1)).clamp(max=1.0)
-    _assert_close(got, (factors[:, None] * oracle).sum(0) / len(ROWS))
+    assert_close_to_oracle(got, (factors[:, None] * oracle).sum(0) / len(ROWS))
     rows_alone = _released(folder, max_grad_norm=r, physical=1)  # same, one row a batch
-    _assert_close(rows_alone, (factors[:, None] * oracle).sum(0) / len(ROWS))
+    assert_close_to_oracle(rows_alone, (factors[:, None] * oracle).sum(0) / len(ROWS))
 
 
 # -- noise: one draw per logical step, whatever the physical batches -------------------------
