@@ -102,21 +102,21 @@ class Phases:
             self.resume(resume_path)
             if s.head_steps and not self.rows and not self.head_scores:
                 # stopped before the probe was scored: the model is still the probe
-                self.head_scores = score_before(
-                    s.task, s.prep, s.model, c, s.device, self.note,
-                    "head-first: the linear probe alone",
-                )  # fmt: skip
+                self.head_scores = self._score_probe()
         if s.head_steps and resume_path is None:
             try:  # the head-first phase's ledger and head: a kill from here on can --resume
                 self.save(0)
-                self.head_scores = score_before(
-                    s.task, s.prep, s.model, c, s.device, self.note,
-                    "head-first: the linear probe alone",
-                )  # fmt: skip
+                self.head_scores = self._score_probe()
                 self.save(0)  # with the probe's score, which a resumed run reports
             except BaseException as e:
                 self.aborted(e, self.engine or self.head_engine)
                 raise
+
+    def _score_probe(self) -> dict:
+        """The linear probe alone, before biases train: what the main phase adds over it."""
+        s = self.s
+        what = "head-first: the linear probe alone"
+        return score_before(s.task, s.prep, s.model, s.config, s.device, self.note, what)
 
     def resume(self, path: Path) -> None:
         s, c = self.s, self.s.config
