@@ -4,8 +4,12 @@ One question, for docs/train.md ("Tuning on your data without leaking the choice
 the recipe never saw (dpfit.data.tasks.HELD_OUT), at eps 8, the test accuracy of the untuned
 recipe against `--tune` (private selection over lr x {1/3, 1, 3}, epochs x {1/2, 1, 2}; the
 whole selection meets eps 8), paired by seed (the seed sets the task's split and the head's
-initialisation; noise, sampling and K are fresh OS draws). A pilot: 2-3 seeds cannot settle a
-difference of a point or two; --tune stays off by default until a run here says otherwise.
+initialisation; noise, sampling and K are fresh OS draws).
+
+Decision rule for the default, fixed before the runs it judges (committed before seeds 1-2 of
+debate-role and any headline-month run): `--tune` becomes the default only if, pooled over the
+held-out tasks with at least 3 paired seeds each, the 95% paired t interval of (tuned -
+untuned) has its lower end above 0. Otherwise it stays off, and docs/train.md says so.
 
 Each run is one JSON line in results/tune_runs.jsonl (runs already there are skipped, so a
 stopped run resumes); results/tune.md is rendered from it. CPU budget: an untuned run on the
@@ -21,6 +25,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +39,7 @@ LOG = RESULTS / "tune_runs.jsonl"
 REPORT = RESULTS / "tune.md"
 EPSILON = 8.0
 ARMS = ("untuned", "tune")
+MIN_SEEDS = 3  # paired seeds a task needs to enter the verdict
 
 
 def run_one(task: str, seed: int, arm: str, threads: int) -> dict:
@@ -45,6 +51,7 @@ def run_one(task: str, seed: int, arm: str, threads: int) -> dict:
     from dpfit.train import train
 
     torch.set_num_threads(threads)
+    start = time.process_time()
     splits = load_task(task, seed)
     with tempfile.TemporaryDirectory() as tmp:
         train_csv = write_csv(splits.train, Path(tmp) / "train.csv")
@@ -59,6 +66,7 @@ def run_one(task: str, seed: int, arm: str, threads: int) -> dict:
         "task": task, "seed": seed, "arm": arm, "epsilon": m["epsilon"],
         "accuracy": m["accuracy"], "lr": m["lr"], "epochs": m["epochs"],
         "train_examples": m["train_examples"], "threads": threads,
+        "cpu_seconds": time.process_time() - start,
     }  # fmt: skip
 
 
@@ -83,13 +91,29 @@ def report(rows: list[dict]) -> str:
         lines.append(f"| {task} | {seed} | {u['accuracy']:.3f} | {t['accuracy']:.3f} | {d:+.3f} |")
     lines.append("")
     for task, ds in diffs.items():
-        ci = t_interval(ds)
-        where = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "no interval below two seeds"
-        lines.append(
-            f"- {task}: mean difference {statistics.fmean(ds):+.3f} over {len(ds)} seeds, "
-            f"95% paired t interval {where}. A pilot: too few seeds to decide the default."
-        )
+        lines.append(f"- {task}: mean difference {_interval(ds)}.")
+    lines += ["", verdict(diffs)]
     return "\n".join(lines) + "\n"
+
+
+def _interval(ds: list[float]) -> str:
+    ci = t_interval(ds)
+    where = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "no interval below two seeds"
+    return f"{statistics.fmean(ds):+.3f} over {len(ds)} pairs, 95% paired t interval {where}"
+
+
+def verdict(diffs: dict[str, list[float]]) -> str:
+    """The rule in the module docstring: pooled over the tasks with >= MIN_SEEDS pairs."""
+    pooled = [d for ds in diffs.values() if len(ds) >= MIN_SEEDS for d in ds]
+    if not pooled:
+        return f"No task has {MIN_SEEDS} paired seeds yet: no verdict; `--tune` stays off."
+    ci = t_interval(pooled)
+    on = ci is not None and ci[0] > 0
+    return (
+        f"Pooled over the tasks with at least {MIN_SEEDS} seeds: {_interval(pooled)}. "
+        + ("Lower end above 0: `--tune` pays; it becomes the default." if on else
+           "Lower end not above 0: `--tune` stays off by default.")
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
