@@ -10,7 +10,8 @@ import torch
 
 from dpfit.data.bundled import TextExample
 from dpfit.federated.app import initial_arrays, run_local
-from dpfit.federated.batched import BatchedClients, BatchedEngineError, run_batched
+from dpfit.federated.batched import BatchedClients, run_batched
+from dpfit.federated.batched_layers import BatchedEngineError
 from dpfit.federated.client import (
     TaskConfig,
     candidate_losses,

@@ -349,7 +349,7 @@ def _error(msg: object) -> int:
 
 def check_engine(engine: str, local_mode: str) -> None:
     """Refuse, before any model loads, a local mode the batched engine cannot run."""
-    from dpfit.federated.batched import LOCAL_MODES
+    from dpfit.federated.batched_layers import LOCAL_MODES
 
     if engine == "batched" and local_mode not in LOCAL_MODES:
         others = ", ".join(m for m in ("head", "bias", "lora") if m not in LOCAL_MODES)
@@ -482,7 +482,7 @@ def _run(args: argparse.Namespace, server_cfg: Any, task: Any, out: Path | None)
     except CalibrationError as exc:
         return _error(exc)
     except ValueError as exc:  # e.g. a model the batched engine cannot run
-        from dpfit.federated.batched import BatchedEngineError
+        from dpfit.federated.batched_layers import BatchedEngineError
 
         if not isinstance(exc, BatchedEngineError):
             raise

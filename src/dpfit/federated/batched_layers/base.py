@@ -1,0 +1,59 @@
+"""What a layer family gives the batched engine: the frozen part's output, and the trained
+part as a function of parameters stacked on a leading client axis.
+
+One module per model family (``bert``, ...), registered in ``batched_layers/__init__.py``;
+the engine (``federated/batched.py``) runs any of them and none imports it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from dpfit.federated.client import ClientTaskError, LocalModel
+
+
+class BatchedEngineError(ClientTaskError):
+    """The model or local mode cannot be simulated by the batched engine."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """Names of one linear layer's parameters (and its LoRA factors, if any)."""
+
+    weight: str
+    bias: str | None
+    lora_a: str | None = None
+    lora_b: str | None = None
+    scaling: float = 0.0
+
+
+class TrainedTop(ABC):
+    """The layers that train (and the head), for one local mode of one model family.
+
+    ``trainable``: the names of the stacked client tensors, in ``LocalModel.trainable`` order.
+    ``qkv_weight``: the first trained layer's frozen query/key/value weights stacked (its
+    input's products with them are cached per text), or None.
+    """
+
+    trainable: list[str]
+    qkv_weight: torch.Tensor | None
+
+    def __init__(self, lm: LocalModel) -> None:
+        self.lm = lm
+
+    @abstractmethod
+    def frozen_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, L, H): the input of the first trained layer, from the frozen layers below it."""
+
+    @abstractmethod
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        projected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden (K, B, L, H), mask (K, B, L) or None -> logits (K, B, classes)."""

@@ -1,0 +1,163 @@
+"""BERT-style encoders (``backbone.encoder.layer``), local mode ``lora-top``: LoRA on the top
+layer's query/value, that layer's biases and the head train; the layers below are frozen."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dpfit.federated.batched_layers.base import BatchedEngineError, Linear, TrainedTop
+from dpfit.federated.client import LocalModel, top_layer_prefix
+
+
+class BertTop(TrainedTop):
+    """The top BERT layer, pooling and head as a function of stacked client parameters."""
+
+    def __init__(self, lm: LocalModel) -> None:
+        super().__init__(lm)
+        net = lm.model
+        self.prefix = top_layer_prefix(net)
+        if net.pooling not in ("mean", "cls", "pooler"):
+            raise BatchedEngineError(
+                f"the batched engine supports mean, cls or pooler pooling, not {net.pooling!r}"
+            )
+        self.pooling = net.pooling
+        self.pooler = getattr(net.backbone, "pooler", None)
+        cfg = net.config
+        if cfg.hidden_act != "gelu":
+            raise BatchedEngineError(f"hidden_act {cfg.hidden_act!r}: the engine implements gelu")
+        self.heads = cfg.num_attention_heads
+        self.eps = cfg.layer_norm_eps
+        self.named = dict(net.named_parameters())
+        self.trainable = list(lm.trainable)
+        outside = [n for n in self.trainable if not n.startswith((self.prefix, "head."))]
+        if outside:
+            raise BatchedEngineError(f"parameters below the top layer train: {outside}")
+        layer = net.backbone.encoder.layer[-1]
+        self.q = self._linear("attention.self.query", layer.attention.self.query)
+        self.k = self._linear("attention.self.key", layer.attention.self.key)
+        self.v = self._linear("attention.self.value", layer.attention.self.value)
+        self.o = self._linear("attention.output.dense", layer.attention.output.dense)
+        self.ln1 = (
+            self._name("attention.output.LayerNorm.weight"),
+            self._name("attention.output.LayerNorm.bias"),
+        )
+        self.i = self._linear("intermediate.dense", layer.intermediate.dense)
+        self.o2 = self._linear("output.dense", layer.output.dense)
+        self.ln2 = (self._name("output.LayerNorm.weight"), self._name("output.LayerNorm.bias"))
+        self.head = Linear("head.weight", "head.bias")
+        qkv = (self.q.weight, self.k.weight, self.v.weight)
+        # the frozen q, k, v weights stacked (FrozenCache.project); None if any of them trains
+        self.qkv_weight = (
+            None
+            if any(n in self.trainable for n in qkv)
+            else torch.cat([self.named[n].detach() for n in qkv])
+        )
+
+    def frozen_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        backbone = self.lm.model.backbone
+        layers = backbone.encoder.layer
+        backbone.encoder.layer = layers[:-1]  # the frozen part only; restored below
+        try:
+            return backbone(**batch).last_hidden_state
+        finally:
+            backbone.encoder.layer = layers
+
+    def _name(self, suffix: str) -> str:
+        name = self.prefix + suffix
+        if name not in self.named:
+            raise BatchedEngineError(f"expected parameter {name} in the model")
+        return name
+
+    def _linear(self, path: str, module: torch.nn.Module) -> Linear:
+        if hasattr(module, "base_layer"):  # peft LoRA wrapper
+            scaling = float(module.scaling["default"])
+            return Linear(
+                self._name(f"{path}.base_layer.weight"),
+                self._name(f"{path}.base_layer.bias"),
+                self._name(f"{path}.lora_A.default.weight"),
+                self._name(f"{path}.lora_B.default.weight"),
+                scaling,
+            )
+        return Linear(self._name(f"{path}.weight"), self._name(f"{path}.bias"))
+
+    def _get(self, name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return params[name] if name in params else self.named[name].detach()
+
+    def _apply(
+        self,
+        lin: Linear,
+        x: torch.Tensor,
+        params: dict[str, torch.Tensor],
+        base: torch.Tensor | None = None,
+    ):
+        """x (K, N, in) -> (K, N, out); stacked (K, ...) tensors are per client. ``base``: the
+        cached x W^T of a frozen W (then only the bias and LoRA terms are computed)."""
+        w, b = self._get(lin.weight, params), self._get(lin.bias, params)
+        if base is not None:
+            y = base
+        else:
+            y = x @ w.transpose(-1, -2) if w.dim() == 2 else torch.bmm(x, w.transpose(1, 2))
+        y = y + (b if b.dim() == 1 else b[:, None, :])
+        if lin.lora_a is not None:
+            a, bb = self._get(lin.lora_a, params), self._get(lin.lora_b, params)
+            at = a.transpose(-1, -2)
+            xa = x @ at if a.dim() == 2 else torch.bmm(x, at)
+            bt = bb.transpose(-1, -2)
+            y = y + lin.scaling * (xa @ bt if bb.dim() == 2 else torch.bmm(xa, bt))
+        return y
+
+    def _norm(self, x: torch.Tensor, names: tuple[str, str], params) -> torch.Tensor:
+        w, b = self._get(names[0], params), self._get(names[1], params)
+        y = F.layer_norm(x, x.shape[-1:], eps=self.eps) * w
+        return y + (b if b.dim() == 1 else b[:, None, :])
+
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        params: dict[str, torch.Tensor],
+        projected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden (K, B, L, H), mask (K, B, L) or None (no padding) -> logits (K, B, classes).
+
+        ``projected`` (K, B, L, 3H): the cached frozen q, k, v products of ``hidden``.
+        """
+        k, b, length, width = hidden.shape
+        x = hidden.reshape(k, b * length, width)
+        nh, dh = self.heads, width // self.heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(k * b, length, nh, dh).transpose(1, 2)
+
+        bases = (
+            projected.reshape(k, b * length, 3 * width).split(width, dim=-1)
+            if projected is not None
+            else (None, None, None)
+        )
+        q, kk, v = (
+            split(self._apply(lin, x, params, base))
+            for lin, base in zip((self.q, self.k, self.v), bases, strict=True)
+        )
+        scores = q @ kk.transpose(-1, -2) / math.sqrt(dh)
+        if mask is not None:
+            key_mask = mask.reshape(k * b, 1, 1, length)
+            scores = scores + (1.0 - key_mask) * torch.finfo(scores.dtype).min
+        ctx = torch.softmax(scores, dim=-1) @ v
+        ctx = ctx.transpose(1, 2).reshape(k, b * length, width)
+        a = self._norm(self._apply(self.o, ctx, params) + x, self.ln1, params)
+        inter = F.gelu(self._apply(self.i, a, params))
+        out = self._norm(self._apply(self.o2, inter, params) + a, self.ln2, params)
+        out = out.reshape(k, b, length, width)
+        if self.pooling == "mean" and mask is None:
+            pooled = out.mean(2)
+        elif self.pooling == "mean":
+            m = mask.unsqueeze(-1)
+            pooled = (out * m).sum(2) / m.sum(2).clamp(min=1.0)
+        elif self.pooling == "cls":
+            pooled = out[:, :, 0]
+        else:  # frozen BERT pooler on the first token
+            pooled = self.pooler(out.reshape(k * b, length, width)).reshape(k, b, width)
+        return self._apply(self.head, pooled, params)
