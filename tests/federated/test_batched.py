@@ -106,9 +106,9 @@ def test_losses_votes_and_evaluation_equal_the_per_client_path(bert):
 
 
 def test_batched_engine_refuses_a_mode_with_trainables_below_the_top(bert):
-    lm = load_local_model(bert, "bias", 4, 0)
-    with pytest.raises(BatchedEngineError, match="lora-top"):
-        BatchedClients(lm, TaskConfig(model=bert, local_mode="bias"), lambda p: [])
+    lm = load_local_model(bert, "lora", 4, 0)
+    with pytest.raises(BatchedEngineError, match="lora-top or bias"):
+        BatchedClients(lm, TaskConfig(model=bert, local_mode="lora"), lambda p: [])
 
 
 @pytest.mark.parametrize("method", ["clac", "lac"])

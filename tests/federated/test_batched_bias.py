@@ -1,0 +1,167 @@
+"""The batched engine in local mode ``bias`` (DP-BiTFiT clients: every bias and the head)
+equals the per-client path: every client's update, loss and vote losses to 1e-6 in float64
+(tiny random BERT with its trained pooler, uneven client sizes so some clients sit out a
+step), and a whole run equals the in-process Flower run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpfit.data.bundled import TextExample
+from dpfit.federated.app import initial_arrays, run_local
+from dpfit.federated.batched import BatchedClients, run_batched
+from dpfit.federated.batched_layers import BatchedEngineError, trained_top
+from dpfit.federated.batched_layers.bert_bias import BertBias
+from dpfit.federated.client import (
+    TaskConfig,
+    candidate_losses,
+    evaluate,
+    load_local_model,
+    local_train,
+)
+from dpfit.federated.strategy import ServerConfig
+from dpfit.models import TINY_WORDS, save_tiny_random_model
+
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return str(save_tiny_random_model(tmp_path_factory.mktemp("bert"), arch="bert"))
+
+
+@pytest.fixture(scope="module")
+def bert_mean(tmp_path_factory):
+    """Mean pooling (a sentence-transformers folder, as the bundled MiniLM): no pooler."""
+    folder = tmp_path_factory.mktemp("bert_mean")
+    return str(save_tiny_random_model(folder, arch="bert", sentence_pooling="mean"))
+
+
+def _clients(sizes: list[int], seed: int = 0) -> list[list[TextExample]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for c, n in enumerate(sizes):
+        rows = []
+        for i in range(n):
+            words = rng.choice(TINY_WORDS, size=int(rng.integers(1, 10)))
+            rows.append(TextExample(f"{c} {i} " + " ".join(words), int(rng.random() < 0.5)))
+        out.append(rows)
+    return out
+
+
+def _start(lm, seed: int = 1) -> list[np.ndarray]:
+    """A start point with a non-zero head, so every trainable gets a gradient at step 1."""
+    rng = np.random.default_rng(seed)
+    return [a + 0.3 * rng.standard_normal(a.shape) for a in lm.initial]
+
+
+def _task(bert: str, optimizer: str) -> TaskConfig:
+    return TaskConfig(
+        model=bert, local_mode="bias", max_length=16, local_epochs=2, local_batch_size=3,
+        lr=0.05, local_optimizer=optimizer,
+    )  # fmt: skip
+
+
+def test_bias_mode_trains_every_bias_of_every_layer(bert):
+    """The check below covers the embedding LayerNorm, every encoder layer and the pooler."""
+    lm = load_local_model(bert, "bias", 4, 0, "float64")
+    top = trained_top(lm)
+    assert isinstance(top, BertBias) and top.qkv_weight is None
+    assert "backbone.embeddings.LayerNorm.bias" in lm.trainable
+    assert "backbone.pooler.dense.bias" in lm.trainable
+    layers = len(lm.model.backbone.encoder.layer)
+    assert layers >= 2 and len(top.layers) == layers
+    for i in range(layers):
+        assert sum(n.startswith(f"backbone.encoder.layer.{i}.") for n in lm.trainable) == 8
+
+
+@pytest.mark.parametrize(
+    "optimizer, pooling", [("adamw", "pooler"), ("sgd", "pooler"), ("adamw", "mean")]
+)
+def test_each_client_update_equals_the_per_client_path(bert, bert_mean, optimizer, pooling):
+    model = bert if pooling == "pooler" else bert_mean
+    lm = load_local_model(model, "bias", 4, 0, "float64")
+    assert lm.model.pooling == pooling
+    task = _task(model, optimizer)
+    data = _clients([4, 3, 5, 1])  # 2, 1, 2, 1 batches an epoch: clients sit steps out
+    start = _start(lm)
+    engine = BatchedClients(lm, task, lambda p: data[p])
+    engine.cache.fill([e.text for d in data for e in d])
+    rngs = [np.random.default_rng([7, p]) for p in range(len(data))]
+    got = engine.train(start, data, rngs)
+    for p, d in enumerate(data):
+        ref, _ = local_train(
+            lm, start, [e.text for e in d], [e.label for e in d], task,
+            np.random.default_rng([7, p]),
+        )  # fmt: skip
+        assert len(got[p]) == len(ref) == len(lm.trainable)
+        for name, g, r in zip(lm.trainable, got[p], ref, strict=True):
+            # the key bias adds q.b_k to every score of a query: softmax ignores it, no gradient
+            if not name.endswith("key.bias"):
+                assert np.abs(r).max() > 0, f"{name} did not train: the check would be empty"
+            np.testing.assert_allclose(g, r, rtol=0, atol=TOL, err_msg=f"client {p} {name}")
+
+
+def test_losses_votes_and_evaluation_equal_the_per_client_path(bert):
+    lm = load_local_model(bert, "bias", 4, 0, "float64")
+    task = _task(bert, "adamw")
+    data = _clients([4, 6, 2], seed=3)
+    start = _start(lm, seed=2)
+    engine = BatchedClients(lm, task, lambda p: data[p])
+    engine.cache.fill([e.text for d in data for e in d])
+    # each client at its own point: every bias differs between clients
+    clients = [_start(lm, seed=10 + p) for p in range(len(data))]
+    stacked = [torch.as_tensor(np.stack(arrs)) for arrs in zip(*clients, strict=True)]
+    mine = engine.mean_losses(stacked, data)
+    cands = [0.05, 0.2, 1.0]
+    votes = engine.candidate_losses(start, [0, 1, 2], cands, 1.5, 3.0)
+    for p, d in enumerate(data):
+        texts, labels = [e.text for e in d], [e.label for e in d]
+        lm.set_arrays(clients[p])
+        assert mine[p] == pytest.approx(evaluate(lm, texts, labels, 16)[0], abs=TOL)
+        rng = np.random.default_rng([task.seed, p, 0])
+        update, _ = local_train(lm, start, texts, labels, task, rng)
+        ref = candidate_losses(lm, start, update, texts, labels, cands, 1.5, 3.0, 16, rng)
+        np.testing.assert_allclose(votes[p], ref, rtol=0, atol=TOL)
+    texts = [e.text for d in data for e in d]
+    labels = [e.label for d in data for e in d]
+    loss, acc = engine.evaluate_fn(texts, labels)(start)
+    lm.set_arrays(start)
+    ref_loss, ref_acc = evaluate(lm, texts, labels, 16)
+    assert loss == pytest.approx(ref_loss, abs=TOL) and acc == ref_acc
+
+
+def test_bias_mode_refuses_cached_qkv_products(bert):
+    lm = load_local_model(bert, "bias", 4, 0, "float64")
+    top = trained_top(lm)
+    hidden = torch.zeros(1, 1, 3, lm.model.config.hidden_size, dtype=torch.float64)
+    params = {n: torch.as_tensor(a)[None] for n, a in zip(lm.trainable, lm.initial, strict=True)}
+    with pytest.raises(BatchedEngineError, match="q/k/v"):
+        top.logits(hidden, None, params, torch.zeros(1, 1, 3, 3 * hidden.shape[-1]))
+
+
+@pytest.mark.parametrize("method", ["clac", "lac"])
+def test_a_whole_run_equals_the_in_process_flower_run(bert, method):
+    """Same sampling, votes, client losses, clipping and noise: the same model (float32)."""
+    task = TaskConfig(
+        model=bert, local_mode="bias", max_length=16, local_epochs=1, local_batch_size=4,
+        lr=0.05, num_clients=8, examples_per_client=5, eval_examples=8,
+    )  # fmt: skip
+    cfg = ServerConfig(
+        method=method, num_clients=8, clients_per_round=4, rounds=3, target_epsilon=None,
+        noise_multiplier=0.5, initial_clip=0.5, insecure_seed=3,
+    )  # fmt: skip
+    flower = run_local(cfg, task)
+    batched = run_batched(cfg, task)
+    assert [r.clip_norm for r in batched.history] == pytest.approx(
+        [r.clip_norm for r in flower.history], rel=1e-5
+    )
+    assert batched.vote_counts == pytest.approx(flower.vote_counts, abs=1e-9)
+    start = initial_arrays(task)
+    for a, b in zip(batched.params, flower.params, strict=True):
+        # float32 here (the exact check is float64 above): AdamW's normalisation amplifies
+        # rounding where a gradient is near zero
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=3e-4)
+    assert any(not np.allclose(a, s) for a, s in zip(batched.params, start, strict=True))
