@@ -8,9 +8,10 @@ each update and noising the sum. What trains is chosen by ``local_mode``:
   (e.g. the bundled SmolLM2-135M, which has no biases);
 - ``head``: the classifier head on frozen backbone features, which are computed once per
   client and cached (a linear probe; cheap enough for benchmarks with many clients);
-- ``lora-top``: LoRA adapters on the TOP encoder layer's query/value projections, that
-  layer's biases, and the head. Everything below the top layer is frozen, so the batched
-  engine (``dpfit.federated.batched``) computes it once per example and caches it.
+- ``lora-top``: LoRA adapters on the TOP layer's query/value projections (a BERT-style
+  encoder's or a LLaMA-style decoder's such as SmolLM2), that layer's biases if it has any,
+  and the head. Everything below the top layer is frozen, so the batched engine
+  (``dpfit.federated.batched``) computes it once per example and caches it.
 
 Only the trainable tensors travel: the server's arrays, each update and each vote's trial
 parameters are the adapters / biases and the head, in a fixed order.
@@ -120,15 +121,31 @@ class LocalModel:
         return out
 
 
+# where a backbone keeps its stack of layers -> peft's ``layers_pattern`` for it
+LAYER_STACKS = (("encoder.layer", "layer"), ("layers", "layers"))  # BERT-style, LLaMA-style
+
+
+def _layer_stack(net: torch.nn.Module) -> tuple[str, str, int]:
+    """(path under ``backbone``, peft layers_pattern, number of layers) of the model's layer
+    stack: ``encoder.layer`` of a BERT-style encoder, ``layers`` of a LLaMA-style decoder."""
+    backbone = getattr(net, "backbone", None)
+    for path, pattern in LAYER_STACKS:
+        stack = backbone
+        for part in path.split("."):
+            stack = getattr(stack, part, None)
+        if isinstance(stack, torch.nn.ModuleList) and len(stack) > 0:
+            return path, pattern, len(stack)
+    raise ClientTaskError(
+        "local mode 'lora-top' needs a BERT-style encoder (backbone.encoder.layer) or a "
+        "LLaMA-style decoder (backbone.layers); use --local-mode lora or bias for this model"
+    )
+
+
 def top_layer_prefix(net: torch.nn.Module) -> str:
-    """Name prefix of the top encoder layer (BERT-style ``backbone.encoder.layer.<L-1>.``)."""
-    encoder = getattr(getattr(net, "backbone", None), "encoder", None)
-    if encoder is None or not hasattr(encoder, "layer"):
-        raise ClientTaskError(
-            "local mode 'lora-top' needs a BERT-style encoder (backbone.encoder.layer); "
-            "use --local-mode lora or bias for this model"
-        )
-    return f"backbone.encoder.layer.{len(encoder.layer) - 1}."
+    """Name prefix of the top layer: ``backbone.encoder.layer.<L-1>.`` (BERT-style) or
+    ``backbone.layers.<L-1>.`` (LLaMA-style decoder)."""
+    path, _, count = _layer_stack(net)
+    return f"backbone.{path}.{count - 1}."
 
 
 def _trainable(name: str, local_mode: str, top: str = "") -> bool:
@@ -146,7 +163,8 @@ def _trainable(name: str, local_mode: str, top: str = "") -> bool:
 def _add_lora(net: torch.nn.Module, rank: int, top_only: bool = False) -> torch.nn.Module:
     """LoRA adapters (peft) on the attention projections peft uses for this model type
     (BERT: query/value; LLaMA: q_proj/v_proj), injected in place: the head stays ours.
-    ``top_only``: on the top encoder layer only (local mode ``lora-top``)."""
+    ``top_only``: on the top layer only (local mode ``lora-top``), of a BERT-style encoder
+    or a LLaMA-style decoder."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
 
@@ -158,10 +176,8 @@ def _add_lora(net: torch.nn.Module, rank: int, top_only: bool = False) -> torch.
         )
     extra: dict[str, Any] = {}
     if top_only:
-        extra = {
-            "layers_to_transform": [net.config.num_hidden_layers - 1],
-            "layers_pattern": "layer",
-        }
+        _, pattern, count = _layer_stack(net)
+        extra = {"layers_to_transform": [count - 1], "layers_pattern": pattern}
     cfg = LoraConfig(
         r=rank,
         lora_alpha=2 * rank,

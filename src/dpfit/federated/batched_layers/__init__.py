@@ -6,11 +6,12 @@ from __future__ import annotations
 from dpfit.federated.batched_layers.base import BatchedEngineError, Linear, TrainedTop
 from dpfit.federated.batched_layers.bert import BertTop
 from dpfit.federated.batched_layers.bert_bias import BertBias
+from dpfit.federated.batched_layers.llama import LlamaTop
 from dpfit.federated.client import LocalModel
 
 # local mode -> the families that run it, tried in order (the first that accepts the model)
 FAMILIES: dict[str, tuple[type[TrainedTop], ...]] = {
-    "lora-top": (BertTop,),
+    "lora-top": (BertTop, LlamaTop),
     "bias": (BertBias,),
 }
 LOCAL_MODES = tuple(FAMILIES)

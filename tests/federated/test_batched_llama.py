@@ -1,0 +1,193 @@
+"""The batched engine on a LLaMA-style decoder (local mode lora-top) equals the per-client
+path: every client's update, loss and vote losses, and the server's evaluation, to 1e-6 in
+float64 (tiny random LLaMA, uneven client sizes so some clients sit out a step), and a whole
+run equals the in-process Flower run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpfit.data.bundled import TextExample
+from dpfit.federated.app import initial_arrays, run_local
+from dpfit.federated.batched import BatchedClients, run_batched
+from dpfit.federated.batched_layers import trained_top
+from dpfit.federated.batched_layers.llama import LlamaTop
+from dpfit.federated.client import (
+    ClientTaskError,
+    TaskConfig,
+    candidate_losses,
+    evaluate,
+    load_local_model,
+    local_train,
+    top_layer_prefix,
+)
+from dpfit.federated.strategy import ServerConfig
+from dpfit.models import TINY_WORDS, save_tiny_random_model
+
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """The tiny random LLaMA, rebuilt with grouped-query attention (4 query heads share 2
+    key/value heads, as SmolLM2's 9 share 3) and 3 layers."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    folder = save_tiny_random_model(tmp_path_factory.mktemp("llama"), arch="llama")
+    cfg = LlamaConfig.from_pretrained(folder)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers = 4, 2, 3
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(cfg).save_pretrained(folder)
+    return str(folder)
+
+
+def _clients(sizes: list[int], seed: int = 0) -> list[list[TextExample]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for c, n in enumerate(sizes):
+        rows = []
+        for i in range(n):
+            words = rng.choice(TINY_WORDS, size=int(rng.integers(1, 10)))
+            rows.append(TextExample(f"{c} {i} " + " ".join(words), int(rng.random() < 0.5)))
+        out.append(rows)
+    return out
+
+
+def _start(lm, seed: int = 1) -> list[np.ndarray]:
+    """A start point with a non-zero head and LoRA B, so every trainable gets a gradient."""
+    rng = np.random.default_rng(seed)
+    return [a + 0.3 * rng.standard_normal(a.shape) for a in lm.initial]
+
+
+def _task(model: str, optimizer: str) -> TaskConfig:
+    return TaskConfig(
+        model=model, local_mode="lora-top", lora_r=4, max_length=16, local_epochs=2,
+        local_batch_size=3, lr=0.05, local_optimizer=optimizer,
+    )  # fmt: skip
+
+
+def test_lora_top_trains_the_top_decoder_layers_lora_and_the_head_only(llama):
+    """Per-client path: LoRA on q_proj/v_proj of the top layer (index 2 of 3) + the head;
+    LLaMA has no biases, so nothing else trains."""
+    lm = load_local_model(llama, "lora-top", 4, 0)
+    top = "backbone.layers.2.self_attn."
+    assert lm.trainable == [
+        f"{top}{proj}.lora_{ab}.default.weight" for proj in ("q_proj", "v_proj") for ab in "AB"
+    ] + ["head.weight", "head.bias"]
+    assert top_layer_prefix(lm.model) == "backbone.layers.2."
+    lower = [n for n, _ in lm.model.named_parameters() if "lora_" in n and top not in n]
+    assert lower == []
+
+
+def test_lora_top_refuses_a_model_without_a_known_layer_stack(tmp_path):
+    gpt2 = str(save_tiny_random_model(tmp_path / "gpt2", arch="gpt2"))
+    with pytest.raises(ClientTaskError, match="LLaMA-style decoder"):
+        load_local_model(gpt2, "lora-top", 4, 0)
+
+
+def test_the_family_table_runs_a_llama_in_lora_top_mode(llama):
+    lm = load_local_model(llama, "lora-top", 4, 0, "float64")
+    assert isinstance(trained_top(lm), LlamaTop)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_each_client_update_equals_the_per_client_path(llama, optimizer):
+    lm = load_local_model(llama, "lora-top", 4, 0, "float64")
+    task = _task(llama, optimizer)
+    data = _clients([4, 3, 5, 1])  # 2, 1, 2, 1 batches an epoch: clients sit steps out
+    start = _start(lm)
+    engine = BatchedClients(lm, task, lambda p: data[p])
+    engine.cache.fill([e.text for d in data for e in d])
+    rngs = [np.random.default_rng([7, p]) for p in range(len(data))]
+    got = engine.train(start, data, rngs)
+    for p, d in enumerate(data):
+        ref, _ = local_train(
+            lm, start, [e.text for e in d], [e.label for e in d], task,
+            np.random.default_rng([7, p]),
+        )  # fmt: skip
+        assert len(got[p]) == len(ref) == len(lm.trainable)
+        for name, g, r in zip(lm.trainable, got[p], ref, strict=True):
+            assert np.abs(r).max() > 0, f"{name} did not train: the check would be empty"
+            np.testing.assert_allclose(g, r, rtol=0, atol=TOL, err_msg=f"client {p} {name}")
+
+
+def test_losses_votes_and_evaluation_equal_the_per_client_path(llama):
+    lm = load_local_model(llama, "lora-top", 4, 0, "float64")
+    task = _task(llama, "adamw")
+    data = _clients([4, 6, 2], seed=3)
+    start = _start(lm, seed=2)
+    engine = BatchedClients(lm, task, lambda p: data[p])
+    stacked = engine._stack(start, len(data))
+    engine.cache.fill([e.text for d in data for e in d])
+    mine = engine.mean_losses(stacked, data)
+    cands = [0.05, 0.2, 1.0]
+    votes = engine.candidate_losses(start, [0, 1, 2], cands, 1.5, 3.0)
+    for p, d in enumerate(data):
+        texts, labels = [e.text for e in d], [e.label for e in d]
+        lm.set_arrays(start)
+        assert mine[p] == pytest.approx(evaluate(lm, texts, labels, 16)[0], abs=TOL)
+        rng = np.random.default_rng([task.seed, p, 0])
+        update, _ = local_train(lm, start, texts, labels, task, rng)
+        ref = candidate_losses(lm, start, update, texts, labels, cands, 1.5, 3.0, 16, rng)
+        np.testing.assert_allclose(votes[p], ref, rtol=0, atol=TOL)
+    texts = [e.text for d in data for e in d]
+    labels = [e.label for d in data for e in d]
+    loss, acc = engine.evaluate_fn(texts, labels)(start)
+    lm.set_arrays(start)
+    ref_loss, ref_acc = evaluate(lm, texts, labels, 16)
+    assert loss == pytest.approx(ref_loss, abs=TOL) and acc == ref_acc
+
+
+def test_each_client_reads_its_own_lora(llama):
+    """Clients with different LoRA factors get their own models' losses in one call."""
+    lm = load_local_model(llama, "lora-top", 4, 0, "float64")
+    data = _clients([5, 4, 6], seed=5)
+    engine = BatchedClients(lm, _task(llama, "sgd"), lambda p: data[p])
+    engine.cache.fill([e.text for d in data for e in d])
+    clients = [_start(lm, seed=10 + p) for p in range(len(data))]
+    stacked = [torch.as_tensor(np.stack(arrs)) for arrs in zip(*clients, strict=True)]
+    mine = engine.mean_losses(stacked, data)
+    for p, d in enumerate(data):
+        lm.set_arrays(clients[p])
+        ref = evaluate(lm, [e.text for e in d], [e.label for e in d], 16)[0]
+        assert mine[p] == pytest.approx(ref, abs=TOL)
+
+
+def test_padded_batches_give_the_unpadded_logits(llama):
+    """``logits`` with a right-padding mask equals it on each text alone (the engine passes
+    no mask today; the family's contract allows one)."""
+    lm = load_local_model(llama, "lora-top", 4, 0, "float64")
+    top = trained_top(lm)
+    texts = [e.text for e in _clients([4], seed=8)[0]]
+    ids = lm.encode(texts, 16)
+    batch = lm.batch(ids)
+    hidden = top.frozen_hidden(batch)
+    named = dict(zip(lm.trainable, (torch.as_tensor(a) for a in _start(lm)), strict=True))
+    padded = top.logits(hidden[None], batch["attention_mask"][None], named)[0]
+    for row, x in enumerate(ids):
+        alone = top.logits(hidden[None, row : row + 1, : len(x)], None, named)[0, 0]
+        torch.testing.assert_close(padded[row], alone, rtol=0, atol=1e-10)
+
+
+def test_a_whole_run_equals_the_in_process_flower_run(llama):
+    """Same sampling, votes, clipping and noise: the same model (float32)."""
+    task = TaskConfig(
+        model=llama, local_mode="lora-top", lora_r=4, max_length=16, local_epochs=1,
+        local_batch_size=4, lr=0.05, num_clients=6, examples_per_client=4, eval_examples=8,
+    )  # fmt: skip
+    cfg = ServerConfig(
+        method="lac", num_clients=6, clients_per_round=3, rounds=2, target_epsilon=None,
+        noise_multiplier=0.5, initial_clip=0.5, insecure_seed=3,
+    )  # fmt: skip
+    flower = run_local(cfg, task)
+    batched = run_batched(cfg, task)
+    assert [r.clip_norm for r in batched.history] == pytest.approx(
+        [r.clip_norm for r in flower.history], rel=1e-5
+    )
+    assert batched.vote_counts == pytest.approx(flower.vote_counts, abs=1e-9)
+    start = initial_arrays(task)
+    for a, b in zip(batched.params, flower.params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=3e-4)
+    assert any(not np.allclose(a, s) for a, s in zip(batched.params, start, strict=True))
