@@ -191,9 +191,12 @@ def test_batched_engine_runs_from_the_cli(capsys):
 
 
 def test_batched_engine_refuses_a_mode_it_cannot_batch(capsys):
-    rc = _run([*TINY, "--engine", "batched", "--local-mode", "bias"])
+    rc = _run([*TINY, "--engine", "batched", "--local-mode", "lora"])
     assert rc == 2
-    assert "lora-top" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the modes it runs, each with what it trains, and where the others run
+    assert "lora-top (LoRA on the top layer's" in err and "bias (BiTFiT: every bias" in err
+    assert "use --engine local for lora or head" in err
 
 
 def test_vote_factors_set_the_lac_candidates():

@@ -50,6 +50,13 @@ logger = logging.getLogger(__name__)
 # about a point of central training (benchmarks/results/federated_central_bias*.md); LoRA
 # keeps the usual adapter rate.
 LOCAL_LR = {"head": 1e-2, "bias": 3e-3, "lora": 1e-3, "lora-top": 1e-3}
+# what each local mode trains, in one phrase (the batched engine's refusal lists them)
+LOCAL_MODE_SUMMARY = {
+    "bias": "BiTFiT: every bias + head",
+    "lora": "peft LoRA adapters + head",
+    "head": "linear probe on frozen features",
+    "lora-top": "LoRA on the top layer's query/value + its biases + head",
+}
 
 STAGE_DELAY_S = 2.0  # a stage that ends sooner shows no progress (tiny runs stay terse)
 
@@ -110,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="bias",
         help="what clients train: bias = BiTFiT (biases + head), lora = peft LoRA adapters + "
         "head (for models without biases, e.g. smollm2), head = linear probe on frozen "
-        "features, lora-top = LoRA on the top layer's q/v + its biases + head (batched engine)",
+        "features, lora-top = LoRA on the top layer's q/v + its biases + head; --engine "
+        "batched runs lora-top and bias",
     )
     p.add_argument(
         "--local-optimizer",
@@ -199,7 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("simulation", "local", "batched"),
         default="simulation",
         help="Flower simulation engine (Ray), in-process (no Ray), or batched: all of a "
-        "round's clients as one computation (needs --local-mode lora-top; same server core)",
+        "round's clients as one computation (needs --local-mode lora-top or bias; same server "
+        "core)",
     )
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs for the simulation engine")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint each round; resume")
@@ -352,10 +361,10 @@ def check_engine(engine: str, local_mode: str) -> None:
     from dpfit.federated.batched_layers import LOCAL_MODES
 
     if engine == "batched" and local_mode not in LOCAL_MODES:
-        others = ", ".join(m for m in ("head", "bias", "lora") if m not in LOCAL_MODES)
+        runs = " or ".join(f"{m} ({LOCAL_MODE_SUMMARY.get(m, m)})" for m in LOCAL_MODES)
+        others = " or ".join(m for m in LOCAL_MODE_SUMMARY if m not in LOCAL_MODES)
         raise ValueError(
-            f"--engine batched runs local mode {' or '.join(LOCAL_MODES)} only (LoRA on the "
-            f"top layer's query/value + its biases + head), got --local-mode {local_mode}; "
+            f"--engine batched runs local mode {runs}, got --local-mode {local_mode}; "
             f"add --local-mode {LOCAL_MODES[0]}, or use --engine local for {others}"
         )
 
