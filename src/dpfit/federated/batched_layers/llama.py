@@ -139,15 +139,17 @@ class LlamaTop(TrainedTop):
         rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
         return t * cos + rotated * sin
 
-    def _query_positions(self, kb: int, length: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def _query_positions(
+        self, kb: int, length: int, mask: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
         """(K*B, Lq): the positions whose outputs the pooling reads."""
         if self.pooling == "mean":
-            return torch.arange(length).expand(kb, length)
+            return torch.arange(length, device=device).expand(kb, length)
         if self.pooling == "cls":
-            return torch.zeros(kb, 1, dtype=torch.long)
+            return torch.zeros(kb, 1, dtype=torch.long, device=device)
         if mask is None:
-            return torch.full((kb, 1), length - 1, dtype=torch.long)
-        positions = torch.arange(length)
+            return torch.full((kb, 1), length - 1, dtype=torch.long, device=device)
+        positions = torch.arange(length, device=device)
         return (mask.reshape(kb, length).long() * positions).argmax(1, keepdim=True)
 
     def logits(
@@ -163,13 +165,14 @@ class LlamaTop(TrainedTop):
         kb, nh, nkv, dh = k * b, self.heads, self.kv_heads, self.head_dim
         x = hidden.reshape(k, b * length, width)
         normed = self._rms(x, self.ln1, params)
-        qpos = self._query_positions(kb, length, mask)  # (kb, Lq)
+        positions = torch.arange(length, device=hidden.device)
+        qpos = self._query_positions(kb, length, mask, hidden.device)  # (kb, Lq)
         lq = qpos.shape[1]
         x_q = x.reshape(kb, length, width).gather(1, qpos[..., None].expand(-1, -1, width))
         n_q = normed.reshape(kb, length, width).gather(1, qpos[..., None].expand(-1, -1, width))
         x_q, n_q = x_q.reshape(k, b * lq, width), n_q.reshape(k, b * lq, width)
         with torch.no_grad():  # right padding: real tokens sit at positions 0..n-1
-            cos, sin = self.rotary(hidden, torch.arange(length)[None])  # (1, L, dh)
+            cos, sin = self.rotary(hidden, positions[None])  # (1, L, dh)
         q = self._apply(self.q, n_q, params).reshape(kb, lq, nh, dh).transpose(1, 2)
         kk = self._apply(self.k, normed, params).reshape(kb, length, nkv, dh).transpose(1, 2)
         v = self._apply(self.v, normed, params).reshape(kb, length, nkv, dh).transpose(1, 2)
@@ -179,7 +182,7 @@ class LlamaTop(TrainedTop):
         groups = nh // nkv
         q = q.reshape(kb, nkv, groups, lq, dh)
         scores = q @ kk[:, :, None].transpose(-1, -2) * self.scale  # (kb, nkv, g, Lq, L)
-        future = torch.arange(length)[None, None, :] > qpos[:, :, None]  # (kb, Lq, L)
+        future = positions[None, None, :] > qpos[:, :, None]  # (kb, Lq, L)
         scores = scores.masked_fill(future[:, None, None], float("-inf"))
         ctx = torch.softmax(scores, dim=-1) @ v[:, :, None]  # (kb, nkv, g, Lq, dh)
         ctx = ctx.reshape(kb, nh, lq, dh).transpose(1, 2).reshape(k, b * lq, nh * dh)
