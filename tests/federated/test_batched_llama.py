@@ -155,6 +155,25 @@ def test_each_client_reads_its_own_lora(llama):
         assert mine[p] == pytest.approx(ref, abs=TOL)
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_other_poolings_equal_the_per_client_path(llama, pooling):
+    """Mean pooling reads every position (so the causal mask matters), cls the first."""
+    lm = load_local_model(llama, "lora-top", 4, 0, "float64")
+    data = _clients([5, 4], seed=6)
+    start = _start(lm, seed=4)
+    lm.model.pooling = pooling  # the cached model: restored below
+    try:
+        engine = BatchedClients(lm, _task(llama, "sgd"), lambda p: data[p])
+        engine.cache.fill([e.text for d in data for e in d])
+        mine = engine.mean_losses(engine._stack(start, len(data)), data)
+        lm.set_arrays(start)
+        for p, d in enumerate(data):
+            ref = evaluate(lm, [e.text for e in d], [e.label for e in d], 16)[0]
+            assert mine[p] == pytest.approx(ref, abs=TOL)
+    finally:
+        lm.model.pooling = "last"
+
+
 def test_padded_batches_give_the_unpadded_logits(llama):
     """``logits`` with a right-padding mask equals it on each text alone (the engine passes
     no mask today; the family's contract allows one)."""
