@@ -5,6 +5,8 @@ step), and a whole run equals the in-process Flower run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -131,6 +133,26 @@ def test_losses_votes_and_evaluation_equal_the_per_client_path(bert):
     lm.set_arrays(start)
     ref_loss, ref_acc = evaluate(lm, texts, labels, 16)
     assert loss == pytest.approx(ref_loss, abs=TOL) and acc == ref_acc
+
+
+def test_bias_mode_refuses_embeddings_bert_does_not_add(bert, tmp_path):
+    """RoBERTa counts positions from its padding index: the embedding sum the engine caches
+    would be wrong, so the model is refused (a BERT checkpoint passes the same check)."""
+    import shutil
+
+    from transformers import AutoConfig, RobertaConfig, RobertaModel
+
+    bert_config = AutoConfig.from_pretrained(bert)
+    config = RobertaConfig(
+        vocab_size=bert_config.vocab_size, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=66, pad_token_id=0,
+    )  # fmt: skip
+    RobertaModel(config).save_pretrained(tmp_path)
+    for f in Path(bert).glob("*token*"):
+        shutil.copy(f, tmp_path)
+    lm = load_local_model(str(tmp_path), "bias", 4, 0, "float64")
+    with pytest.raises(BatchedEngineError, match="RobertaEmbeddings"):
+        trained_top(lm)
 
 
 def test_bias_mode_refuses_cached_qkv_products(bert):

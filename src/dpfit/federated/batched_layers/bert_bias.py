@@ -59,6 +59,23 @@ class BertBias(BertFamily):
                 f"the batched engine does not know where these trainables act: {unknown}; "
                 "use --engine local"
             )
+        self._check_embeddings()
+
+    @torch.no_grad()
+    def _check_embeddings(self) -> None:
+        """Refuse a model whose embeddings are not LayerNorm(word + token type + position) as
+        ``frozen_hidden`` adds them (RoBERTa counts positions from its padding index, ...):
+        its clients would train on wrong inputs. Checked on one tokenized text."""
+        emb = self.lm.model.backbone.embeddings
+        batch = self.lm.batch(self.lm.encode(["the batched engine checks its inputs"], 16))
+        mine = emb.LayerNorm(self.frozen_hidden(batch))
+        theirs = emb(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
+        if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=0, atol=1e-5):
+            raise BatchedEngineError(
+                f"{type(emb).__name__} does not add word, token-type and position embeddings "
+                "as BERT does; local mode bias in the batched engine needs a BERT model, use "
+                "--engine local"
+            )
 
     def frozen_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The word + token-type + position embeddings, before the embedding LayerNorm (as
