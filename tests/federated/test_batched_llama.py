@@ -12,7 +12,8 @@ import torch
 from dpfit.data.bundled import TextExample
 from dpfit.federated.app import initial_arrays, run_local
 from dpfit.federated.batched import BatchedClients, run_batched
-from dpfit.federated.batched_layers import trained_top
+from dpfit.federated.batched_layers import BatchedEngineError, trained_top
+from dpfit.federated.batched_layers.bert import BertTop
 from dpfit.federated.batched_layers.llama import LlamaTop
 from dpfit.federated.client import (
     ClientTaskError,
@@ -90,6 +91,19 @@ def test_lora_top_refuses_a_model_without_a_known_layer_stack(tmp_path):
 def test_the_family_table_runs_a_llama_in_lora_top_mode(llama):
     lm = load_local_model(llama, "lora-top", 4, 0, "float64")
     assert isinstance(trained_top(lm), LlamaTop)
+
+
+def test_the_bert_families_refuse_a_decoder_with_mean_pooling(llama):
+    """Mean pooling passes BertTop's pooling check: the encoder check must refuse it (an
+    AttributeError before), so the table falls through to LlamaTop."""
+    lm = load_local_model(llama, "lora-top", 4, 0, "float64")
+    lm.model.pooling = "mean"  # the cached model: restored below
+    try:
+        with pytest.raises(BatchedEngineError, match="BERT-style encoder"):
+            BertTop(lm)
+        assert isinstance(trained_top(lm), LlamaTop)
+    finally:
+        lm.model.pooling = "last"
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

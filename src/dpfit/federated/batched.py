@@ -1,22 +1,24 @@
 """Batched client simulation: a round's sampled clients trained as one computation.
 
 The per-client path (``client.local_train`` behind Flower) runs the whole model once per
-client and step. With local mode ``lora-top`` everything that trains (LoRA on the top
-encoder layer's query/value, that layer's biases, the head) sits in the top layer or above,
-so the lower layers see only frozen weights: their output for an example never changes. This
-engine computes it once per example (``FrozenCache``) and then runs only the top layer and
-the head, for all of a round's clients at once: each client's trainables are stacked on a
-leading client axis, the frozen weights are shared, and the per-client parts are batched
-matrix products. The loss is the sum over clients of each client's batch-mean loss, so one
-backward gives every client its own gradient, and the optimizer (AdamW or SGD written as
-element-wise updates with a per-client step count) steps each client as its own optimizer
-would. Each client's data order comes from the same generator as on the per-client path, so
-the updates are the per-client path's (checked to 1e-6 in float64 by the tests).
+client and step. Here the part of the model that no client trains runs once per example and
+is cached (``FrozenCache``); the part that trains runs for all of a round's clients at once,
+each client's trainables stacked on a leading client axis and the frozen weights shared. What
+is frozen and what trains depends on the model and local mode; each combination is a layer
+family in ``batched_layers`` (``lora-top`` on a BERT encoder or a LLaMA-style decoder: the
+layers below the top one are frozen; ``bias`` on a BERT encoder: only the embeddings' sum is
+frozen, every layer runs per client). The loss is the sum over clients of each client's
+batch-mean loss, so one backward gives every client its own gradient, and the optimizer
+(AdamW or SGD written as element-wise updates with a per-client step count) steps each client
+as its own optimizer would. Each client's data order comes from the same generator as on the
+per-client path, so the updates are the per-client path's (checked to 1e-6 in float64 by the
+tests of each family).
 
-Within the top layer, the frozen query, key and value products x W^T of each text are cached
-too (``FrozenCache.project``): only their biases and LoRA terms depend on the client. Examples
-are grouped by exact length (``length_buckets``), so nothing is padded, and a training step's
-backward runs chunk by chunk (the gradients add up) so only one chunk's graph is held.
+Where the first trained layer's query/key/value weights are frozen and read the cached input
+(BERT ``lora-top``), their products with each text are cached too (``FrozenCache.project``).
+Examples are grouped by exact length (``length_buckets``), so nothing is padded, and a
+training step's backward runs chunk by chunk (the gradients add up) so only one chunk's graph
+is held.
 
 ``run_batched`` drives the SAME server core as Flower (``DPFedAvgServer``: Poisson sampling,
 reply validation, clip rules, one noise draw, accountant, checkpoints), so only the transport
@@ -65,14 +67,15 @@ FEATURES_STAGE = "frozen features"  # progress stage of FrozenCache.fill
 
 
 class FrozenCache:
-    """Input of the top encoder layer for each text: the frozen lower layers, run once.
+    """Input of the first trained layer for each text (the family's ``frozen_hidden``): the
+    frozen part of the model, run once.
 
     Keyed by text; each entry is the unpadded (length, width) hidden states. Computed in
     length-sorted chunks with the attention mask, so padding does not change a real token's
-    states. ``projected`` keeps, per text, the top layer's frozen query, key and value
-    products (x Wq^T, x Wk^T, x Wv^T, no bias): every client and every evaluation shares them,
-    only the biases and LoRA terms differ by client (they take three times the memory of the
-    hidden states).
+    states. ``projected`` keeps, per text, the first trained layer's frozen query, key and
+    value products (x Wq^T, x Wk^T, x Wv^T, no bias) where the family has them (BERT
+    ``lora-top``): every client and every evaluation shares them, only the biases and LoRA
+    terms differ by client (they take three times the memory of the hidden states).
     """
 
     def __init__(self, lm: LocalModel, top: TrainedTop, max_length: int) -> None:
@@ -170,7 +173,8 @@ ClientData = Callable[[int], Sequence[TextExample]]
 
 
 class BatchedClients:
-    """Local training, client losses and votes for many clients at once (``lora-top``)."""
+    """Local training, client losses and votes for many clients at once (any local mode
+    with a layer family in ``batched_layers``)."""
 
     def __init__(self, lm: LocalModel, task: TaskConfig, client_data: ClientData) -> None:
         self.lm, self.task, self.client_data = lm, task, client_data

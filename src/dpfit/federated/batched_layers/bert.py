@@ -38,6 +38,8 @@ class BertFamily(TrainedTop):
     def __init__(self, lm: LocalModel) -> None:
         super().__init__(lm)
         net = lm.model
+        if not hasattr(getattr(net.backbone, "encoder", None), "layer"):
+            raise BatchedEngineError("not a BERT-style encoder (backbone.encoder.layer)")
         if net.pooling not in ("mean", "cls", "pooler"):
             raise BatchedEngineError(
                 f"the batched engine supports mean, cls or pooler pooling, not {net.pooling!r}"
