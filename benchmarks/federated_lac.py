@@ -125,7 +125,7 @@ def setup(args: argparse.Namespace, client_data=None):
 
     torch.set_num_threads(1)
     task = TaskConfig(
-        local_mode="lora-top", lora_r=4, max_length=args.max_length, local_epochs=2,
+        model=getattr(args, "model", ""), local_mode="lora-top", lora_r=4, max_length=args.max_length, local_epochs=2,
         local_batch_size=16, lr=args.lr or LOCAL_LR[args.local_optimizer],
         num_clients=args.clients, partition="iid", examples_per_client=10, eval_examples=0,
         seed=0, local_optimizer=args.local_optimizer,

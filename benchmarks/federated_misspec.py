@@ -167,6 +167,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         hits = engine.memo_hits
         row = one_run(method, eps, seed, args, task, engine, val, test, clip=clip)
         row.update(partition=part, alpha=ALPHA if part == "dirichlet" else None, c_init=clip)
+        row["model"] = args.model or "minilm"
         row["vote_from_memo"] = engine.memo_hits > hits
         row["load_avg"] = os.getloadavg()[0]
         with open(path, "a") as f:
@@ -234,13 +235,18 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     where the protocol is complete."""
     seeds = sorted({r["seed"] for r in runs})
     methods = [m for m in METHODS if any(r["method"] == m for r in runs)]
-    pilot = "pilot" in name
     r0 = runs[0]
+    if "pilot" in name:
+        kind = f"PILOT, {len(seeds)} seed(s), not the protocol"
+    else:
+        kind = "protocol" if name == "federated_misspec" else f"{name}: not the protocol"
+    model = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M"}.get(r0.get("model", "minilm"))
     lines = [
-        f"# Clip rules under a misspecified C_init ({f'PILOT, {len(seeds)} seed(s), not the protocol' if pilot else 'protocol'})",
+        f"# Clip rules under a misspecified C_init ({kind})",
         "",
-        f"Batched lora-top MiniLM clients, N = {r0['clients']}, m = {r0['clients_per_round']:g}, "
-        f"{r0['rounds_requested']} rounds, local SGD lr {r0['lr']:g} fixed for every C_init; "
+        f"Batched lora-top {model} clients, N = {r0['clients']}, "
+        f"m = {r0['clients_per_round']:g}, {r0['rounds_requested']} rounds, local "
+        f"{r0.get('local_optimizer', 'sgd')} lr {r0['lr']:g} fixed for every C_init; "
         f"seeds {', '.join(map(str, seeds))}; {len(runs)} runs, "
         f"{sum(r['cpu_seconds'] for r in runs) / 3600:.2f} CPU-hours in the runs. Test accuracy "
         "on the full test split. Decision rule: benchmarks/results/federated_misspec_protocol.md.",
@@ -416,8 +422,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients-per-round", type=float, default=100.0)
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--val-examples", type=int, default=600)
+    # outside the protocol: clients of another model (the decoder-LM check), as a user runs
+    # them (the CLI's local optimizer and lr for lora-top)
+    p.add_argument("--model", default="", choices=("", "smollm2"), help="'' = MiniLM")
+    p.add_argument("--local-optimizer", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--lr", type=float, default=LR)
     args = p.parse_args(argv)
-    args.lr, args.local_optimizer = LR, "sgd"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("transformers", "httpx", "dpfit.federated.strategy"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
