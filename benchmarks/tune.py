@@ -77,8 +77,8 @@ def report(rows: list[dict]) -> str:
         f"Rendered by `python benchmarks/tune.py report` from `{LOG.name}`. Held-out task, "
         f"eps {EPSILON:g} for the whole run (the selection included), paired by seed.",
         "",
-        "| task | seed | untuned | --tune | difference |",
-        "|---|---|---|---|---|",
+        "| task | seed | untuned | --tune | difference | CPU s untuned / --tune |",
+        "|---|---|---|---|---|---|",
     ]
     by = {(r["task"], r["seed"], r["arm"]): r for r in rows}
     diffs: dict[str, list[float]] = {}
@@ -88,7 +88,10 @@ def report(rows: list[dict]) -> str:
             continue
         d = t["accuracy"] - u["accuracy"]
         diffs.setdefault(task, []).append(d)
-        lines.append(f"| {task} | {seed} | {u['accuracy']:.3f} | {t['accuracy']:.3f} | {d:+.3f} |")
+        cpu = " / ".join(f"{r['cpu_seconds']:.0f}" if "cpu_seconds" in r else "-" for r in (u, t))
+        lines.append(
+            f"| {task} | {seed} | {u['accuracy']:.3f} | {t['accuracy']:.3f} | {d:+.3f} | {cpu} |"
+        )
     lines.append("")
     for task, ds in diffs.items():
         lines.append(f"- {task}: mean difference {_interval(ds)}.")
