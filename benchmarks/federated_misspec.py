@@ -33,9 +33,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from federated_lac import NON_PRIVATE, load_floor, load_runs, one_run, setup
+from harness.render import write_between_markers
 from paired_t import t_interval
 
 RESULTS = Path(__file__).parent / "results"
+DOCS = Path(__file__).parents[1] / "docs" / "federated.md"
+DOCS_MARKERS = ("<!-- misspec:begin -->", "<!-- misspec:end -->")
 LR = 0.5  # SGD, the protocol's value at C_init = 1 (federated_lac_rerun), kept for every C_init
 C_INITS = (0.1, 1.0, 10.0)
 EPSILONS = (2.0, 8.0)
@@ -320,6 +323,14 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     elif not complete:
         lines += ["", "Not the complete protocol: no verdict is drawn from these runs."]
     lines += ["", f"![accuracy against C_init per rule, C* as the ceiling]({name}.png)", ""]
+    lines += [
+        "",
+        "## Each rule against the baselines, per cell (reported beside the verdict)",
+        "",
+        "Paired by seed: mean difference of test accuracy [95% t interval] (n pairs).",
+        "",
+        *baseline_table(runs),
+    ]
     lines += ["", "## Clip norm per run: C_0 (after a vote) -> the last round's C", ""]
     lines += ["| rule | eps | partition | seed | C_init | C_0 | C last round | test acc |"]
     lines += ["|---|---|---|---|---|---|---|---|"]
@@ -331,6 +342,55 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
             f"{r['test_accuracy']:.4f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _paired(a: dict[int, float], b: dict[int, float]) -> str:
+    pairs = sorted(set(a) & set(b))
+    return interval_text([a[s] - b[s] for s in pairs]) if pairs else "not measured"
+
+
+def baseline_table(runs: list[dict]) -> list[str]:
+    """Per cell: lac-2s and lac against C* and against the fixed rule at the same C_init,
+    and lac-2s against lac, whatever the sign."""
+    out = [
+        "| eps | partition | C_init | C* | lac-2s - C* | lac - C* | lac - fixed at C_init | "
+        "lac-2s - lac |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for eps, part, c in cells(runs):
+        star = c_star(runs, eps, part)
+        new, lac = accuracy(runs, NEW, eps, part, c), accuracy(runs, "lac", eps, part, c)
+        fixed = accuracy(runs, "fixed", eps, part, c)
+        star_txt = (
+            ("not measured",) * 2
+            if star is None
+            else (_paired(new, star[1]), _paired(lac, star[1]))
+        )
+        out.append(
+            f"| {eps:g} | {part} | {c:g} | {'-' if star is None else f'{star[0]:g}'} | "
+            f"{star_txt[0]} | {star_txt[1]} | {_paired(lac, fixed)} | {_paired(new, lac)} |"
+        )
+    return out
+
+
+def docs_block(runs: list[dict], text: str, name: str) -> str:
+    """What docs/federated.md shows: the per-cell table and the verdict line, as rendered."""
+    verdict = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("Pre-registered verdict", "Not the complete protocol"))
+    ]
+    return "\n".join(
+        [
+            f"Measured (`benchmarks/results/{name}.md`, rendered by `benchmarks/"
+            "federated_misspec.py`): test accuracy differences, paired by seed, mean [95% "
+            "interval] (n pairs).",
+            "",
+            *baseline_table(runs),
+            "",
+            *verdict,
+        ]
+    )
 
 
 def plot(runs: list[dict], path: Path, floor: dict | None = None) -> None:
@@ -390,6 +450,8 @@ def render_files(out: Path, name: str) -> str:
     text = render(runs, name, floor)
     (out / f"{name}.md").write_text(text)
     plot(runs, out / f"{name}.png", floor)
+    if name == "federated_misspec" and out == RESULTS:  # the protocol's figures in the docs
+        write_between_markers(DOCS, DOCS_MARKERS, docs_block(runs, text, name))
     return text
 
 

@@ -145,3 +145,24 @@ def test_a_partial_protocol_draws_no_verdict(bench):
     text = bench.render(rows, "federated_misspec_pilot")
     assert "no verdict" in text and "PILOT, 2 seed(s), not the protocol" in text
     assert "no verdict" in bench.render(rows, "federated_misspec")
+
+
+def test_dp_lac_is_reported_against_each_baseline_per_cell_whatever_its_sign(bench):
+    rows = _rows(bench, 0.0)
+    lac = [
+        dict(r, method="lac", test_accuracy=r["test_accuracy"] - 0.05)
+        for r in rows
+        if r["method"] == "lac-2s"
+    ]
+    table = bench.baseline_table(rows + lac)
+    assert len(table) == 2 + len(bench.C_INITS) * len(bench.EPSILONS)
+    # lac is 0.05 below lac-2s (which sits at C*) and fixed at C_init 0.1 / 10 scores 0.60
+    row = next(r for r in table if r.startswith("| 8 | iid | 0.1 |"))
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    means = [float(c.split()[0]) for c in cols[4:]]
+    assert cols[3] == "1"
+    # lac-2s - C*, lac - C*, lac - fixed at 0.1 (0.65 - 0.60), lac-2s - lac
+    assert means == pytest.approx([0.0, -0.05, 0.05, 0.05], abs=0.002)
+    text = bench.render(rows + lac, "federated_misspec")
+    block = bench.docs_block(rows + lac, text, "federated_misspec")
+    assert "lac-2s becomes the --method default." in block and table[2] in block
