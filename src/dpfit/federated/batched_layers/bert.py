@@ -63,11 +63,6 @@ class BertFamily(TrainedTop):
         if self.pooler_linear is not None and not isinstance(self.pooler.activation, torch.nn.Tanh):
             raise BatchedEngineError("the engine implements a BERT pooler with tanh only")
 
-    def _name(self, name: str) -> str:
-        if name not in self.named:
-            raise BatchedEngineError(f"expected parameter {name} in the model")
-        return name
-
     def _linear(self, path: str, module: torch.nn.Module) -> Linear:
         if hasattr(module, "base_layer"):  # peft LoRA wrapper
             scaling = float(module.scaling["default"])
@@ -101,32 +96,6 @@ class BertFamily(TrainedTop):
                 self._name(prefix + "output.LayerNorm.bias"),
             ),
         )
-
-    def _get(self, name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        return params[name] if name in params else self.named[name].detach()
-
-    def _apply(
-        self,
-        lin: Linear,
-        x: torch.Tensor,
-        params: dict[str, torch.Tensor],
-        base: torch.Tensor | None = None,
-    ):
-        """x (K, N, in) -> (K, N, out); stacked (K, ...) tensors are per client. ``base``: the
-        cached x W^T of a frozen W (then only the bias and LoRA terms are computed)."""
-        w, b = self._get(lin.weight, params), self._get(lin.bias, params)
-        if base is not None:
-            y = base
-        else:
-            y = x @ w.transpose(-1, -2) if w.dim() == 2 else torch.bmm(x, w.transpose(1, 2))
-        y = y + (b if b.dim() == 1 else b[:, None, :])
-        if lin.lora_a is not None:
-            a, bb = self._get(lin.lora_a, params), self._get(lin.lora_b, params)
-            at = a.transpose(-1, -2)
-            xa = x @ at if a.dim() == 2 else torch.bmm(x, at)
-            bt = bb.transpose(-1, -2)
-            y = y + lin.scaling * (xa @ bt if bb.dim() == 2 else torch.bmm(xa, bt))
-        return y
 
     def _norm(self, x: torch.Tensor, names: tuple[str, str], params) -> torch.Tensor:
         w, b = self._get(names[0], params), self._get(names[1], params)

@@ -88,11 +88,6 @@ class LlamaTop(TrainedTop):
         finally:
             backbone.layers, backbone.norm = layers, norm
 
-    def _name(self, name: str) -> str:
-        if name not in self.named:
-            raise BatchedEngineError(f"expected parameter {name} in the model")
-        return name
-
     def _linear(self, path: str, module: torch.nn.Module) -> Linear:
         """Names of one projection (bias None where it has none, as in LLaMA)."""
         base = f"{self.prefix}{path}.base_layer." if hasattr(module, "base_layer") else None
@@ -107,24 +102,6 @@ class LlamaTop(TrainedTop):
             self._name(f"{self.prefix}{path}.lora_B.default.weight"),
             float(module.scaling["default"]),
         )
-
-    def _get(self, name: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        return params[name] if name in params else self.named[name].detach()
-
-    def _apply(self, lin: Linear, x: torch.Tensor, params: dict[str, torch.Tensor]):
-        """x (K, N, in) -> (K, N, out); stacked (K, ...) tensors are per client."""
-        w = self._get(lin.weight, params)
-        y = x @ w.transpose(-1, -2) if w.dim() == 2 else torch.bmm(x, w.transpose(1, 2))
-        if lin.bias is not None:
-            b = self._get(lin.bias, params)
-            y = y + (b if b.dim() == 1 else b[:, None, :])
-        if lin.lora_a is not None:
-            a, bb = self._get(lin.lora_a, params), self._get(lin.lora_b, params)
-            at = a.transpose(-1, -2)
-            xa = x @ at if a.dim() == 2 else torch.bmm(x, at)
-            bt = bb.transpose(-1, -2)
-            y = y + lin.scaling * (xa @ bt if bb.dim() == 2 else torch.bmm(xa, bt))
-        return y
 
     def _rms(self, x: torch.Tensor, name: str, params) -> torch.Tensor:
         """LlamaRMSNorm, with its float32 statistics (so a float64 model matches it)."""
