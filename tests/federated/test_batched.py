@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batched_clients import perturbed_start, random_clients
 
-from dpfit.data.bundled import TextExample
 from dpfit.federated.app import initial_arrays, run_local
 from dpfit.federated.batched import BatchedClients, run_batched
 from dpfit.federated.batched_layers import BatchedEngineError
@@ -20,7 +20,7 @@ from dpfit.federated.client import (
     local_train,
 )
 from dpfit.federated.strategy import ServerConfig
-from dpfit.models import TINY_WORDS, save_tiny_random_model
+from dpfit.models import save_tiny_random_model
 
 TOL = 1e-6
 
@@ -28,24 +28,6 @@ TOL = 1e-6
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
     return str(save_tiny_random_model(tmp_path_factory.mktemp("bert"), arch="bert"))
-
-
-def _clients(sizes: list[int], seed: int = 0) -> list[list[TextExample]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for c, n in enumerate(sizes):
-        rows = []
-        for i in range(n):
-            words = rng.choice(TINY_WORDS, size=int(rng.integers(1, 10)))
-            rows.append(TextExample(f"{c} {i} " + " ".join(words), int(rng.random() < 0.5)))
-        out.append(rows)
-    return out
-
-
-def _start(lm, seed: int = 1) -> list[np.ndarray]:
-    """A start point with a non-zero head, so every trainable gets a gradient at step 1."""
-    rng = np.random.default_rng(seed)
-    return [a + 0.3 * rng.standard_normal(a.shape) for a in lm.initial]
 
 
 def _task(bert: str, optimizer: str) -> TaskConfig:
@@ -59,8 +41,8 @@ def _task(bert: str, optimizer: str) -> TaskConfig:
 def test_each_client_update_equals_the_per_client_path(bert, optimizer):
     lm = load_local_model(bert, "lora-top", 4, 0, "float64")
     task = _task(bert, optimizer)
-    data = _clients([4, 3, 5, 1])  # 2, 1, 2, 1 batches an epoch: clients sit steps out
-    start = _start(lm)
+    data = random_clients([4, 3, 5, 1])  # 2, 1, 2, 1 batches an epoch: clients sit steps out
+    start = perturbed_start(lm)
     engine = BatchedClients(lm, task, lambda p: data[p])
     engine.cache.fill([e.text for d in data for e in d])
     rngs = [np.random.default_rng([7, p]) for p in range(len(data))]
@@ -81,8 +63,8 @@ def test_each_client_update_equals_the_per_client_path(bert, optimizer):
 def test_losses_votes_and_evaluation_equal_the_per_client_path(bert):
     lm = load_local_model(bert, "lora-top", 4, 0, "float64")
     task = _task(bert, "adamw")
-    data = _clients([4, 6, 2], seed=3)
-    start = _start(lm, seed=2)
+    data = random_clients([4, 6, 2], seed=3)
+    start = perturbed_start(lm, seed=2)
     engine = BatchedClients(lm, task, lambda p: data[p])
     stacked = engine._stack(start, len(data))
     engine.cache.fill([e.text for d in data for e in d])
@@ -142,10 +124,10 @@ def test_cached_qkv_products_give_each_clients_own_model(bert):
     on top: its losses equal its own full model's, and the logits equal the uncached ones."""
     lm = load_local_model(bert, "lora-top", 4, 0, "float64")
     task = _task(bert, "sgd")
-    data = _clients([5, 4, 6], seed=5)
+    data = random_clients([5, 4, 6], seed=5)
     engine = BatchedClients(lm, task, lambda p: data[p])
     engine.cache.fill([e.text for d in data for e in d])
-    clients = [_start(lm, seed=10 + p) for p in range(len(data))]
+    clients = [perturbed_start(lm, seed=10 + p) for p in range(len(data))]
     stacked = [torch.as_tensor(np.stack(arrs)) for arrs in zip(*clients, strict=True)]
     named = dict(zip(lm.trainable, stacked, strict=True))
     for part in ("query", "key", "value"):

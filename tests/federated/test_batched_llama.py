@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batched_clients import perturbed_start, random_clients
 
-from dpfit.data.bundled import TextExample
 from dpfit.federated.app import initial_arrays, run_local
 from dpfit.federated.batched import BatchedClients, run_batched
 from dpfit.federated.batched_layers import BatchedEngineError, trained_top
@@ -25,7 +25,7 @@ from dpfit.federated.client import (
     top_layer_prefix,
 )
 from dpfit.federated.strategy import ServerConfig
-from dpfit.models import TINY_WORDS, save_tiny_random_model
+from dpfit.models import save_tiny_random_model
 
 TOL = 1e-6
 
@@ -42,24 +42,6 @@ def llama(tmp_path_factory):
     torch.manual_seed(0)
     LlamaForSequenceClassification(cfg).save_pretrained(folder)
     return str(folder)
-
-
-def _clients(sizes: list[int], seed: int = 0) -> list[list[TextExample]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for c, n in enumerate(sizes):
-        rows = []
-        for i in range(n):
-            words = rng.choice(TINY_WORDS, size=int(rng.integers(1, 10)))
-            rows.append(TextExample(f"{c} {i} " + " ".join(words), int(rng.random() < 0.5)))
-        out.append(rows)
-    return out
-
-
-def _start(lm, seed: int = 1) -> list[np.ndarray]:
-    """A start point with a non-zero head and LoRA B, so every trainable gets a gradient."""
-    rng = np.random.default_rng(seed)
-    return [a + 0.3 * rng.standard_normal(a.shape) for a in lm.initial]
 
 
 def _task(model: str, optimizer: str) -> TaskConfig:
@@ -110,8 +92,8 @@ def test_the_bert_families_refuse_a_decoder_with_mean_pooling(llama):
 def test_each_client_update_equals_the_per_client_path(llama, optimizer):
     lm = load_local_model(llama, "lora-top", 4, 0, "float64")
     task = _task(llama, optimizer)
-    data = _clients([4, 3, 5, 1])  # 2, 1, 2, 1 batches an epoch: clients sit steps out
-    start = _start(lm)
+    data = random_clients([4, 3, 5, 1])  # 2, 1, 2, 1 batches an epoch: clients sit steps out
+    start = perturbed_start(lm)
     engine = BatchedClients(lm, task, lambda p: data[p])
     engine.cache.fill([e.text for d in data for e in d])
     rngs = [np.random.default_rng([7, p]) for p in range(len(data))]
@@ -130,8 +112,8 @@ def test_each_client_update_equals_the_per_client_path(llama, optimizer):
 def test_losses_votes_and_evaluation_equal_the_per_client_path(llama):
     lm = load_local_model(llama, "lora-top", 4, 0, "float64")
     task = _task(llama, "adamw")
-    data = _clients([4, 6, 2], seed=3)
-    start = _start(lm, seed=2)
+    data = random_clients([4, 6, 2], seed=3)
+    start = perturbed_start(lm, seed=2)
     engine = BatchedClients(lm, task, lambda p: data[p])
     stacked = engine._stack(start, len(data))
     engine.cache.fill([e.text for d in data for e in d])
@@ -157,10 +139,10 @@ def test_losses_votes_and_evaluation_equal_the_per_client_path(llama):
 def test_each_client_reads_its_own_lora(llama):
     """Clients with different LoRA factors get their own models' losses in one call."""
     lm = load_local_model(llama, "lora-top", 4, 0, "float64")
-    data = _clients([5, 4, 6], seed=5)
+    data = random_clients([5, 4, 6], seed=5)
     engine = BatchedClients(lm, _task(llama, "sgd"), lambda p: data[p])
     engine.cache.fill([e.text for d in data for e in d])
-    clients = [_start(lm, seed=10 + p) for p in range(len(data))]
+    clients = [perturbed_start(lm, seed=10 + p) for p in range(len(data))]
     stacked = [torch.as_tensor(np.stack(arrs)) for arrs in zip(*clients, strict=True)]
     mine = engine.mean_losses(stacked, data)
     for p, d in enumerate(data):
@@ -173,8 +155,8 @@ def test_each_client_reads_its_own_lora(llama):
 def test_other_poolings_equal_the_per_client_path(llama, pooling):
     """Mean pooling reads every position (so the causal mask matters), cls the first."""
     lm = load_local_model(llama, "lora-top", 4, 0, "float64")
-    data = _clients([5, 4], seed=6)
-    start = _start(lm, seed=4)
+    data = random_clients([5, 4], seed=6)
+    start = perturbed_start(lm, seed=4)
     lm.model.pooling = pooling  # the cached model: restored below
     try:
         engine = BatchedClients(lm, _task(llama, "sgd"), lambda p: data[p])
@@ -193,11 +175,11 @@ def test_padded_batches_give_the_unpadded_logits(llama):
     no mask today; the family's contract allows one)."""
     lm = load_local_model(llama, "lora-top", 4, 0, "float64")
     top = trained_top(lm)
-    texts = [e.text for e in _clients([4], seed=8)[0]]
+    texts = [e.text for e in random_clients([4], seed=8)[0]]
     ids = lm.encode(texts, 16)
     batch = lm.batch(ids)
     hidden = top.frozen_hidden(batch)
-    named = dict(zip(lm.trainable, (torch.as_tensor(a) for a in _start(lm)), strict=True))
+    named = dict(zip(lm.trainable, (torch.as_tensor(a) for a in perturbed_start(lm)), strict=True))
     padded = top.logits(hidden[None], batch["attention_mask"][None], named)[0]
     for row, x in enumerate(ids):
         alone = top.logits(hidden[None, row : row + 1, : len(x)], None, named)[0, 0]
