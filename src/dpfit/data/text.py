@@ -536,11 +536,13 @@ class UserTexts:
         """The number of users (n of the user unit), not of rows."""
         return len(set(self.users))
 
-    def split(self, fraction: float, seed: int = 0) -> tuple[UserTexts, UserTexts]:
-        """(rest, held-out) by user: a user is held out iff the keyed hash of their id is
-        below `fraction`, with all their rows; adding or removing a user changes each side
-        by that user alone."""
-        keys = user_keys(self.users, seed, HELD_OUT)
+    def split(
+        self, fraction: float, seed: int = 0, purpose: str = HELD_OUT
+    ) -> tuple[UserTexts, UserTexts]:
+        """(rest, held-out) by user: a user is held out iff the keyed hash of their id (for
+        `purpose`) is below `fraction`, with all their rows; adding or removing a user
+        changes each side by that user alone."""
+        keys = user_keys(self.users, seed, purpose)
         held = [keys[u] < fraction for u in self.users]
         rest = [i for i, h in enumerate(held) if not h]
         return self._pick(rest, "train users"), self._pick(

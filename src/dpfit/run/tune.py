@@ -6,12 +6,17 @@ This runs Papernot & Steinke's random-stopping selection (:mod:`dpfit.selection`
 
 1. Carve a validation split out of the training rows by each row's keyed hash (purpose
    :data:`VALIDATION`, :mod:`dpfit.data.rowhash`): a row and all its windows on one side, and
-   adding or removing one row changes one side by that row alone.
+   adding or removing one row changes one side by that row alone. Under ``--privacy-unit
+   user`` the split is by the keyed hash of the user id: a user and all their rows on one
+   side, so adding or removing one user changes one side by that user alone.
 2. Draw K from a distribution fixed in advance (:data:`DEFAULT_RUNS`; OS randomness unless
    --insecure-reproducible-noise). K times: draw a point of :func:`grid` uniformly, train it
    privately on the rest of the rows, and score it on the validation split as the number of
    validation texts it gets right plus Gaussian noise (std :data:`SCORE_NOISE`; one text
-   moves the count by at most 1). Keep the best.
+   moves the count by at most 1). Under the user unit the score is the sum over validation
+   users of the fraction of their rows it gets right (one user moves it by at most 1, however
+   many rows they have), and each candidate trains at the user level (Poisson over users).
+   Keep the best.
 3. Release the best run's model, trained as it was. Papernot & Steinke's theorems bound the
    best run's whole output (model, grid point, score), so its learning rate and epochs are
    released too (metrics.json's lr and epochs); K, the other runs and every score are not.
@@ -42,7 +47,7 @@ import dp_accounting as dpa
 
 from dpfit.accounting import calibrate, dp_sgd_event, epsilon_of
 from dpfit.data.rowhash import SPLIT_RULE, held_out_mask
-from dpfit.data.text import LabeledTexts
+from dpfit.data.text import LabeledTexts, UserTexts
 from dpfit.errors import DPFitError, InfeasibleTargetError
 from dpfit.recipe import default_delta
 from dpfit.reporting import StepRow
@@ -59,6 +64,7 @@ from dpfit.selection import (
     selection_rng,
 )
 from dpfit.tasks import Prepared, get_task
+from dpfit.tasks.classification import predict
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +111,7 @@ class TunePlan:
     runs: RunCount
     score_noise: float
     target_epsilon: float
+    unit: str = "example"  # "user": split, score and sampling count users
 
     @property
     def reference(self) -> Candidate:
@@ -134,8 +141,17 @@ class TunePlan:
             "mean_runs": self.runs.mean_runs,
             "runs_shape": self.runs.shape,
             "validation_fraction": VALIDATION_FRACTION,
-            "validation_split": f"{SPLIT_RULE}, purpose {VALIDATION!r}",
-            "score": f"correct validation texts + N(0, {self.score_noise:g}^2)",
+            "validation_split": (
+                f"by user: keyed hash of the user id, purpose {VALIDATION!r}"
+                if self.unit == "user"
+                else f"{SPLIT_RULE}, purpose {VALIDATION!r}"
+            ),
+            "score": (
+                "sum over validation users of the fraction of their rows right"
+                if self.unit == "user"
+                else "correct validation texts"
+            )
+            + f" + N(0, {self.score_noise:g}^2)",
             "score_noise": self.score_noise,
             "epsilon_one_candidate": epsilon_of(self.candidate_event(), self.delta, "rdp"),
             "epsilon": self.epsilon(),
@@ -160,12 +176,12 @@ def grid(lr: float, epochs: int) -> list[tuple[float, int]]:
 def plan(
     points: Sequence[tuple[float, int]], head_steps: int, steps_per_epoch: int,
     sample_rate: float, target_epsilon: float, delta: float,
-    runs: RunCount = DEFAULT_RUNS, score_noise: float = SCORE_NOISE,
+    runs: RunCount = DEFAULT_RUNS, score_noise: float = SCORE_NOISE, unit: str = "example",
 ) -> TunePlan:  # fmt: skip
     """Noise multipliers for every grid point so that the whole selection meets the target."""
     bare = tuple(Candidate(lr, e, head_steps + e * steps_per_epoch) for lr, e in points)
     longest = max(c.steps for c in bare)
-    draft = TunePlan(bare, sample_rate, delta, runs, score_noise, target_epsilon)
+    draft = TunePlan(bare, sample_rate, delta, runs, score_noise, target_epsilon, unit)
 
     def whole(z: float) -> dpa.DpEvent:
         ref = dataclasses.replace(draft.reference, noise_multiplier=z)
@@ -202,7 +218,25 @@ def split_validation(train: LabeledTexts, seed: int) -> tuple[LabeledTexts, Labe
     return pick(False, "tuning: fit part"), pick(True, "tuning: validation part")
 
 
-def noisy_score(correct: int, noise: float, rng) -> float:
+def split_validation_users(
+    train: LabeledTexts, users: Sequence[str], seed: int
+) -> tuple[UserTexts, UserTexts]:
+    """(fit, validation) by user: a user is validation iff the keyed hash of their id
+    (purpose VALIDATION, independent of the test hold-out's) is below VALIDATION_FRACTION,
+    with all their rows."""
+    return UserTexts(train, tuple(users)).split(VALIDATION_FRACTION, seed, VALIDATION)
+
+
+def user_score(preds: Sequence[int], labels: Sequence[int], users: Sequence[str]) -> float:
+    """Sum over users of the fraction of their rows predicted right: each user adds a number
+    in [0, 1], so adding or removing one user (with all their rows) moves it by at most 1."""
+    right: dict[str, list[bool]] = {}
+    for p, y, u in zip(preds, labels, users, strict=True):
+        right.setdefault(u, []).append(p == y)
+    return float(sum(sum(r) / len(r) for r in right.values()))
+
+
+def noisy_score(correct: float, noise: float, rng) -> float:
     """The count of correct validation texts plus N(0, noise^2): one text added or removed
     moves the count by at most 1, so this is the Gaussian mechanism at multiplier `noise`."""
     return float(correct) + float(rng.normal(0.0, noise))
@@ -221,8 +255,8 @@ def check_tunable(config: TrainConfig) -> None:
         (bool(config.checkpoint_dir) or config.resume, "--checkpoint-dir / --resume (a "
          "restarted selection would draw K again and spend again)"),
         (config.max_steps is not None, "--max-steps"),
-        (config.stride is not None or config.privacy_unit != "window", "--stride / "
-         "--privacy-unit (long texts are not scored per text here yet)"),
+        (config.stride is not None or config.privacy_unit not in ("window", "user"),
+         "--stride / --privacy-unit document (long texts are not scored per text here yet)"),
         (config.full_epochs > 0, "--full-epochs"),
     ]  # fmt: skip
     bad = [what for cond, what in refuse if cond]
@@ -230,12 +264,20 @@ def check_tunable(config: TrainConfig) -> None:
         raise TuneError(f"--tune does not support {'; '.join(bad)}: drop them or drop --tune")
 
 
-def _subset(prep: Prepared, model, train: LabeledTexts, test: LabeledTexts) -> Prepared:
+def _subset(
+    prep: Prepared, model, train: LabeledTexts, test: LabeledTexts, task, config,
+    users: Sequence[str] | None = None,
+) -> Prepared:  # fmt: skip
+    """`prep` on other training and evaluation rows; under the user unit regrouped by user
+    (n counts the users of `train`)."""
     data = prep.state["data"]
-    return dataclasses.replace(
-        prep, model=model, n=len(train), notes=[],
-        state={**prep.state, "data": dataclasses.replace(data, train=train, test=test)},
-    )  # fmt: skip
+    state = {k: v for k, v in prep.state.items() if k not in ("groups", "unit")}
+    state["data"] = dataclasses.replace(data, train=train, test=test, users=users)
+    out = dataclasses.replace(prep, model=model, n=len(train), notes=[], state=state)
+    if users is not None:
+        task._group_users(out, config, users)
+        out.notes = []
+    return out
 
 
 def _check_spent(privacy: dict, c: Candidate, q: float) -> None:
@@ -290,31 +332,42 @@ def tune(
     for n_ in full.notes:
         note(n_)
     data = full.state["data"]
-    fit, val = split_validation(data.train, config.seed)
-    if not len(fit) or not len(val):
+    fit_users = val_users = None  # the row unit
+    if data.users is None:
+        fit, val = split_validation(data.train, config.seed)
+        sizes, unit = (len(fit), len(val)), "row"
+    else:
+        fit_u, val_u = split_validation_users(data.train, data.users, config.seed)
+        fit, val, fit_users, val_users = fit_u.rows, val_u.rows, fit_u.users, val_u.users
+        sizes, unit = (len(fit_u), len(val_u)), "user"
+    if not all(sizes):
         raise TuneError(
-            f"--tune: no training row fell on the {'validation' if not len(val) else 'fit'} "
-            f"side of the {VALIDATION_FRACTION:.0%} validation split; add rows or drop --tune"
+            f"--tune: no training {unit} fell on the "
+            f"{'validation' if not sizes[1] else 'fit'} side of the "
+            f"{VALIDATION_FRACTION:.0%} validation split; add {unit}s or drop --tune"
         )
     delta = config.delta if config.delta is not None else default_delta(full.n)
     base = dataclasses.replace(config, delta=delta, output=None)
     pristine = copy.deepcopy(full.model)
     setup = prepare(
-        base, task, _subset(full, copy.deepcopy(pristine), fit, val), device,
-        lambda m: None, "flags",
+        base, task, _subset(full, copy.deepcopy(pristine), fit, val, task, config, fit_users),
+        device, lambda m: None, "flags",
     )  # fmt: skip
     resolved = setup.config
     per_epoch = setup.total_steps // resolved.epochs
     q = setup.batch_size / setup.n
     points = grid(resolved.lr, resolved.epochs)
-    the_plan = plan(points, setup.head_steps, per_epoch, q, config.epsilon, delta, runs)
+    the_plan = plan(
+        points, setup.head_steps, per_epoch, q, config.epsilon, delta, runs,
+        unit="user" if fit_users is not None else "example",
+    )  # fmt: skip
     epsilon = the_plan.epsilon()
     if epsilon > config.epsilon:  # calibrate returns a multiplier that meets it
         raise SelectionError(f"planned epsilon {epsilon} exceeds the target {config.epsilon}")
     note(
         f"--tune: {len(points)} grid points (lr x {{1/3, 1, 3}}, epochs x {{1/2, 1, 2}} of "
-        f"lr {resolved.lr:g}, {resolved.epochs} epochs); {len(val)} of {len(data.train)} "
-        f"training rows held for validation by row hash; K ~ {runs.describe()}; whole "
+        f"lr {resolved.lr:g}, {resolved.epochs} epochs); {sizes[1]} of {sum(sizes)} "
+        f"training {unit}s held for validation by {unit} hash; K ~ {runs.describe()}; whole "
         f"selection epsilon {epsilon:.4g} at delta {delta:.3g}"
     )
     fixed = {
@@ -328,11 +381,17 @@ def tune(
         cand = dataclasses.replace(
             base, **fixed, lr=c.lr, epochs=c.epochs, noise_multiplier=c.noise_multiplier
         )
-        prep = _subset(full, copy.deepcopy(pristine), fit, val)
+        prep = _subset(full, copy.deepcopy(pristine), fit, val, task, config, fit_users)
         result = train(cand, prepared=prep, task=task, set_by="--tune")
         _check_spent(result.privacy, c, q)
-        correct = sum(int(v["correct"]) for v in result.metrics["per_class"].values())
-        score = noisy_score(correct, the_plan.score_noise, rng)
+        if val_users is None:
+            right = sum(int(v["correct"]) for v in result.metrics["per_class"].values())
+        else:
+            preds = predict(
+                result.model, prep.tokenizer, val, cand.max_length, cand.eval_batch_size, device
+            )  # fmt: skip
+            right = user_score(preds, val.labels, val_users)
+        score = noisy_score(right, the_plan.score_noise, rng)
         # the validation scores (and a probe's or a trained start's) are private: only
         # what does not read the validation rows is kept
         result.metrics = {k: result.metrics[k] for k in KEPT if k in result.metrics}
@@ -341,15 +400,16 @@ def tune(
 
     best = select_best(the_plan.grid, run_candidate, runs, rng)
     cand, result = best.output
-    return _release(config, cand, result, full, fit, data.test, task, device, the_plan, notes)
+    final = _subset(full, result.model, fit, data.test, task, config, fit_users)
+    return _release(config, cand, result, final, task, device, the_plan, notes)
 
 
 def _release(
-    config, cand, result, full, fit, test, task, device, the_plan: TunePlan, notes
+    config, cand, result, final: Prepared, task, device, the_plan: TunePlan, notes
 ) -> TrainResult:
     """The selected run scored on the test split as an untuned run is, and its outputs: the
-    epsilon of the whole selection everywhere one is reported."""
-    final = _subset(full, result.model, fit, test)
+    epsilon of the whole selection everywhere one is reported. `final`: the fit part, with
+    the test split to score on."""
     released = dataclasses.replace(cand, output=config.output)
     scores = task.evaluate(final, result.model, released, device)
     epsilon = the_plan.epsilon()
@@ -379,10 +439,10 @@ def _release(
         "lr_schedule": cand.lr_schedule,
         "max_length": cand.max_length,
         "mode": cand.mode,
-        "privacy_unit": "example",
+        "privacy_unit": final.privacy_unit if final.privacy_unit == "user" else "example",
         "insecure_seed": bool(config.insecure_reproducible_noise),
         "tuning": tuning,
-        "train_examples": len(fit),
+        "train_examples": final.n,  # the fit part's users under the user unit
         **result.metrics,  # KEPT; train_time_s, wall_time_s: the selected run's own (the
         # whole tuning's would reveal K)
         "overridden_by_flags": list(config.overrides()),

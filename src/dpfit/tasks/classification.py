@@ -432,6 +432,30 @@ def evaluate(
     With `stride`, each text is cut into windows as training cut them (encode_windows) and
     predicted from the mean of its windows' logits: accuracy counts texts, not windows.
     """
+    preds = predict(model, tokenizer, data, max_length, batch_size, device, stride)
+    per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
+    correct = 0
+    names = data.label_names
+    for p, y in zip(preds, data.labels, strict=True):
+        per_class[names[y]]["n"] += 1
+        if 0 <= p < len(names):
+            per_class[names[p]]["predicted"] += 1
+        if p == y:
+            per_class[names[y]]["correct"] += 1
+            correct += 1
+    return EvalResult(correct / len(data) if len(data) else float("nan"), len(data), per_class)
+
+
+def predict(
+    model,
+    tokenizer,
+    data: LabeledTexts,
+    max_length: int = 128,
+    batch_size: int = 64,
+    device: str | torch.device = "cpu",
+    stride: int | None = None,
+) -> list[int]:
+    """The predicted class of each text of `data`, in its order (see evaluate)."""
     if stride is None:
         items = encode(data, tokenizer, max_length)
         owner = list(range(len(items)))
@@ -455,21 +479,10 @@ def evaluate(
         rows[torch.tensor(idx)] = logits
         progress.report("evaluating", start + len(idx), len(order))
     model.train(was_training)
-    preds = [0] * len(data)
-    if rows is not None:
-        owners = torch.tensor(owner, dtype=torch.long)
-        preds = mean_window_logits(rows, owners, len(data)).argmax(-1).tolist()
-    per_class = {n: {"n": 0, "correct": 0, "predicted": 0} for n in data.label_names}
-    correct = 0
-    names = data.label_names
-    for p, y in zip(preds, data.labels, strict=True):
-        per_class[names[y]]["n"] += 1
-        if 0 <= p < len(names):
-            per_class[names[p]]["predicted"] += 1
-        if p == y:
-            per_class[names[y]]["correct"] += 1
-            correct += 1
-    return EvalResult(correct / len(data) if len(data) else float("nan"), len(data), per_class)
+    if rows is None:
+        return [0] * len(data)
+    owners = torch.tensor(owner, dtype=torch.long)
+    return mean_window_logits(rows, owners, len(data)).argmax(-1).tolist()
 
 
 def label_source(config) -> str:
