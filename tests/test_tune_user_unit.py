@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 from accounting_oracle import selected_epsilon
+from written_numbers import written_numbers
 
 from dpfit.data.text import LabeledTexts
 from dpfit.models import TINY_WORDS, save_tiny_random_model
@@ -181,14 +182,5 @@ def test_cli_tune_user_unit_end_to_end(tiny_users, tmp_path):
         prep.state["data"].train, prep.state["data"].users, cfg.seed
     )
     assert len(fit) == users and len(fit.rows) > users
-    written = _numbers(m)
+    written = written_numbers(m)
     assert len(fit.rows) not in written and len(val.rows) not in written
-
-
-def _numbers(obj) -> list:
-    """Every number in a JSON-like object except the ones under "config"."""
-    if isinstance(obj, dict):
-        return [x for k, v in obj.items() if k != "config" for x in _numbers(v)]
-    if isinstance(obj, list):
-        return [x for v in obj for x in _numbers(v)]
-    return [obj] if isinstance(obj, int | float) and not isinstance(obj, bool) else []

@@ -19,6 +19,7 @@ import torch
 from accounting_oracle import ADD_REMOVE, direct_epsilon
 from noise_check import assert_std
 from oracle import Capture, assert_close_to_oracle
+from written_numbers import written_numbers
 
 import dpfit
 from dpfit.cli import main
@@ -319,7 +320,7 @@ def test_cli_user_unit_end_to_end(folder, tmp_path, capsys):
     )  # fmt: skip
     n_rows = len(prep.state["data"].train)
     assert n_rows > train_users and prep.n == train_users
-    assert f" {n_rows} " not in table and n_rows not in _numbers(m)
+    assert f" {n_rows} " not in table and n_rows not in written_numbers(m)
     # the held-out users, re-derived for dpfit evaluate --held-out: whole users, none trained
     held = recorded_held_out(out / "model", data, ("neg", "pos"))
     assert len(held) == m["eval_n"]
@@ -333,15 +334,6 @@ def _csv_columns(path):
     with open(path, encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     return [r["text"] for r in rows], [r["user_id"] for r in rows]
-
-
-def _numbers(obj) -> list:
-    """Every number in a JSON-like object except the ones under "config"."""
-    if isinstance(obj, dict):
-        return [x for k, v in obj.items() if k != "config" for x in _numbers(v)]
-    if isinstance(obj, list):
-        return [x for v in obj for x in _numbers(v)]
-    return [obj] if isinstance(obj, int | float) and not isinstance(obj, bool) else []
 
 
 def test_cli_user_unit_with_windows(folder, tmp_path):
