@@ -10,18 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from batched_clients import perturbed_start, random_clients
+from batched_clients import (
+    assert_losses_votes_evaluation_match,
+    assert_updates_match,
+)
 
 from dpfit.federated.app import initial_arrays, run_local
-from dpfit.federated.batched import BatchedClients, run_batched
+from dpfit.federated.batched import run_batched
 from dpfit.federated.batched_layers import BatchedEngineError, trained_top
 from dpfit.federated.batched_layers.bert_bias import BertBias
 from dpfit.federated.client import (
     TaskConfig,
-    candidate_losses,
-    evaluate,
     load_local_model,
-    local_train,
 )
 from dpfit.federated.strategy import ServerConfig
 from dpfit.models import save_tiny_random_model
@@ -68,53 +68,13 @@ def test_each_client_update_equals_the_per_client_path(bert, bert_mean, optimize
     model = bert if pooling == "pooler" else bert_mean
     lm = load_local_model(model, "bias", 4, 0, "float64")
     assert lm.model.pooling == pooling
-    task = _task(model, optimizer)
-    data = random_clients([4, 3, 5, 1])  # 2, 1, 2, 1 batches an epoch: clients sit steps out
-    start = perturbed_start(lm)
-    engine = BatchedClients(lm, task, lambda p: data[p])
-    engine.cache.fill([e.text for d in data for e in d])
-    rngs = [np.random.default_rng([7, p]) for p in range(len(data))]
-    got = engine.train(start, data, rngs)
-    for p, d in enumerate(data):
-        ref, _ = local_train(
-            lm, start, [e.text for e in d], [e.label for e in d], task,
-            np.random.default_rng([7, p]),
-        )  # fmt: skip
-        assert len(got[p]) == len(ref) == len(lm.trainable)
-        for name, g, r in zip(lm.trainable, got[p], ref, strict=True):
-            # the key bias adds q.b_k to every score of a query: softmax ignores it, no gradient
-            if not name.endswith("key.bias"):
-                assert np.abs(r).max() > 0, f"{name} did not train: the check would be empty"
-            np.testing.assert_allclose(g, r, rtol=0, atol=TOL, err_msg=f"client {p} {name}")
+    assert_updates_match(lm, _task(model, optimizer), TOL, no_gradient=("key.bias",))
 
 
 def test_losses_votes_and_evaluation_equal_the_per_client_path(bert):
+    """Each client at its own point: every bias differs between clients."""
     lm = load_local_model(bert, "bias", 4, 0, "float64")
-    task = _task(bert, "adamw")
-    data = random_clients([4, 6, 2], seed=3)
-    start = perturbed_start(lm, seed=2)
-    engine = BatchedClients(lm, task, lambda p: data[p])
-    engine.cache.fill([e.text for d in data for e in d])
-    # each client at its own point: every bias differs between clients
-    clients = [perturbed_start(lm, seed=10 + p) for p in range(len(data))]
-    stacked = [torch.as_tensor(np.stack(arrs)) for arrs in zip(*clients, strict=True)]
-    mine = engine.mean_losses(stacked, data)
-    cands = [0.05, 0.2, 1.0]
-    votes = engine.candidate_losses(start, [0, 1, 2], cands, 1.5, 3.0)
-    for p, d in enumerate(data):
-        texts, labels = [e.text for e in d], [e.label for e in d]
-        lm.set_arrays(clients[p])
-        assert mine[p] == pytest.approx(evaluate(lm, texts, labels, 16)[0], abs=TOL)
-        rng = np.random.default_rng([task.seed, p, 0])
-        update, _ = local_train(lm, start, texts, labels, task, rng)
-        ref = candidate_losses(lm, start, update, texts, labels, cands, 1.5, 3.0, 16, rng)
-        np.testing.assert_allclose(votes[p], ref, rtol=0, atol=TOL)
-    texts = [e.text for d in data for e in d]
-    labels = [e.label for d in data for e in d]
-    loss, acc = engine.evaluate_fn(texts, labels)(start)
-    lm.set_arrays(start)
-    ref_loss, ref_acc = evaluate(lm, texts, labels, 16)
-    assert loss == pytest.approx(ref_loss, abs=TOL) and acc == ref_acc
+    assert_losses_votes_evaluation_match(lm, _task(bert, "adamw"), TOL, apart=True)
 
 
 def test_bias_mode_refuses_embeddings_bert_does_not_add(bert, tmp_path):
