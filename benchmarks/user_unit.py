@@ -1,9 +1,10 @@
 """What does user-level privacy cost? The same rows trained with each row as the unit and with
 each user (all their rows, clipped as one) as the unit, at the same epsilon.
 
-One question, for docs/train.md ("One person, many rows: user-level privacy"): on data with
+Two questions, for docs/train.md ("One person, many rows: user-level privacy"): on data with
 many rows per person, how much test accuracy does `--privacy-unit user` give up against the
-row-level run on the same file? Data: the bundled Rotten Tomatoes snippets, whose movie is the
+row-level run on the same file? And does `--tune` (private selection of lr and epochs, by
+user) pay at the same user-level epsilon (arm "user-tune" against "user")? Data: the bundled Rotten Tomatoes snippets, whose movie is the
 "user" (about 25 snippets each): the first TRAIN_MOVIES movies by name train, the next
 EVAL_MOVIES are the test set of both arms (so both score the same rows). eps 8, the recipe's
 defaults otherwise; paired by seed (the seed sets the head's initialisation and the
@@ -13,7 +14,7 @@ row-hash keys; noise and sampling are fresh OS draws).
     python benchmarks/user_unit.py report
 
 Each run is a JSON line in results/user_unit_runs.jsonl (runs already there are skipped);
-results/user_unit.md is rendered from it. CPU budget: about 2 CPU-minutes a run (3,000 rows).
+results/user_unit.md is rendered from it. CPU budget: about 2 CPU-minutes a run (3,000 rows), about 3 times that for "user-tune".
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ DOCS = ROOT / "docs" / "train.md"
 MARKERS = ("<!-- user_unit:begin -->", "<!-- user_unit:end -->")
 EPSILON = 8.0
 TRAIN_MOVIES, EVAL_MOVIES = 120, 40
-ARMS = ("row", "user")
+ARMS = ("row", "user", "user-tune")
 NAMES = ("neg", "pos")
 
 
@@ -63,24 +64,29 @@ def write_files(folder: Path) -> tuple[Path, Path]:
 
 
 def run_one(seed: int, arm: str, threads: int) -> dict:
+    import time
+
     import torch
 
     from dpfit.run.config import TrainConfig
+    from dpfit.run.tune import tune
     from dpfit.train import train
 
     torch.set_num_threads(threads)
+    start = time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         train_csv, test_csv = write_files(Path(tmp))
-        unit = dict(privacy_unit="user", user_column="movie") if arm == "user" else {}
+        unit = dict(privacy_unit="user", user_column="movie") if arm != "row" else {}
         config = TrainConfig(
             data=str(train_csv), eval_data=str(test_csv), epsilon=EPSILON, seed=seed,
             labels=NAMES, **unit,
         )  # fmt: skip
-        m = train(config).metrics
+        m = (tune if arm == "user-tune" else train)(config).metrics
     return {
         "seed": seed, "arm": arm, "epsilon": m["epsilon"], "accuracy": m["accuracy"],
         "privacy_unit": m.get("privacy_unit"), "n": m.get("users", m.get("train_examples")),
-        "eval_n": m.get("eval_n"), "threads": threads,
+        "eval_n": m.get("eval_n"), "threads": threads, "lr": m["lr"], "epochs": m["epochs"],
+        "cpu_seconds": time.process_time() - start,
     }  # fmt: skip
 
 
@@ -115,7 +121,43 @@ def report(rows: list[dict]) -> str:
             f"Mean user - row {statistics.fmean(diffs):+.3f} over {len(diffs)} seeds, 95% "
             f"paired t interval {where}. A pilot: few seeds, one dataset.",
         ]
+    lines += ["", *tune_lines(by)]
     return "\n".join(lines) + "\n"
+
+
+def tune_lines(by: dict) -> list[str]:
+    """`--tune` at the user level against the untuned user-level run, paired by seed."""
+    lines = [
+        "## `--tune` at the user level",
+        "",
+        "The whole selection (validation users, candidates, scores) at the same eps; the score "
+        "is the sum over validation users of the fraction of their rows right.",
+        "",
+        "| seed | user-level | user-level --tune (lr, epochs) | tune - untuned | CPU s untuned / tune |",
+        "|---|---|---|---|---|",
+    ]  # fmt: skip
+    diffs = []
+    for seed in sorted({s for s, _ in by}):
+        u, t = by.get((seed, "user")), by.get((seed, "user-tune"))
+        if u is None or t is None:
+            continue
+        d = t["accuracy"] - u["accuracy"]
+        diffs.append(d)
+        cpu = f"{u.get('cpu_seconds', float('nan')):.0f} / {t['cpu_seconds']:.0f}"
+        lines.append(
+            f"| {seed} | {u['accuracy']:.3f} | {t['accuracy']:.3f} ({t['lr']:g}, "
+            f"{t['epochs']}) | {d:+.3f} | {cpu} |"
+        )
+    if not diffs:
+        return [*lines, "", "No paired run yet."]
+    ci = t_interval(diffs)
+    where = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "no interval below two seeds"
+    return [
+        *lines,
+        "",
+        f"Mean tune - untuned {statistics.fmean(diffs):+.3f} over {len(diffs)} seeds, 95% "
+        f"paired t interval {where}.",
+    ]
 
 
 def docs_block(rows: list[dict]) -> str:
