@@ -32,11 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
 from harness.records import append_jsonl, read_jsonl  # noqa: E402
+from harness.render import write_between_markers  # noqa: E402
 from harness.stats import t_interval  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 LOG = RESULTS / "tune_runs.jsonl"
 REPORT = RESULTS / "tune.md"
+DOCS = ROOT / "docs" / "train.md"
+MARKERS = ("<!-- tune:begin -->", "<!-- tune:end -->")
 EPSILON = 8.0
 ARMS = ("untuned", "tune")
 MIN_SEEDS = 3  # paired seeds a task needs to enter the verdict
@@ -105,6 +108,29 @@ def _interval(ds: list[float]) -> str:
     return f"{statistics.fmean(ds):+.3f} over {len(ds)} pairs, 95% paired t interval {where}"
 
 
+def paired(rows: list[dict]) -> dict[str, list[float]]:
+    """Task -> the tuned minus untuned differences of its paired seeds."""
+    by = {(r["task"], r["seed"], r["arm"]): r for r in rows}
+    out: dict[str, list[float]] = {}
+    for task, seed in sorted({(r["task"], r["seed"]) for r in rows}):
+        u, t = by.get((task, seed, "untuned")), by.get((task, seed, "tune"))
+        if u is not None and t is not None:
+            out.setdefault(task, []).append(t["accuracy"] - u["accuracy"])
+    return out
+
+
+def docs_block(rows: list[dict]) -> str:
+    """docs/train.md's lines on what the measurement says, from the runs."""
+    diffs = paired(rows)
+    if not diffs:
+        return "Measured: nothing yet (`benchmarks/tune.py`)."
+    per_task = "; ".join(f"{task}: {_interval(ds)}" for task, ds in diffs.items())
+    return (
+        f"Measured (`benchmarks/results/tune.md`, held-out tasks, eps {EPSILON:g} for the whole "
+        f"run, tuned minus untuned test accuracy by seed): {per_task}.\n\n{verdict(diffs)}"
+    )
+
+
 def verdict(diffs: dict[str, list[float]]) -> str:
     """The rule in the module docstring: pooled over the tasks with >= MIN_SEEDS pairs."""
     pooled = [d for ds in diffs.values() if len(ds) >= MIN_SEEDS for d in ds]
@@ -142,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         p.error(f"no runs in {LOG} yet: run `python benchmarks/tune.py run` first")
     REPORT.write_text(report(rows))
+    write_between_markers(DOCS, MARKERS, docs_block(rows))
     return 0
 
 
