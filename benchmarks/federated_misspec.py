@@ -50,7 +50,7 @@ PROTOCOL_METHODS = ("lac-2s", "lac", "fixed")
 PROTOCOL_ROUNDS = 20
 ALPHA = 0.3  # Dirichlet concentration over labels for the heterogeneous cells
 SWEEP = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)  # the fixed rule's clips, for C*
-METHODS = ("lac-2s", "lac-step", "lac", "clac", "fixed", "adaptive-quantile", "automatic", "dynamic")
+METHODS = ("lac-2s", "lac", "clac", "fixed", "adaptive-quantile", "automatic", "dynamic")
 NEW = "lac-2s"
 CLEAR_LOSS = -0.03  # a cell whose whole interval lies below this is a clear loss
 MIN_CELLS = 5  # of the 6 cells run (amendment 1; 10 of 12 before) within 1 point
@@ -59,7 +59,7 @@ WITHIN = -0.01  # "within 1 point of C*": lower end of the paired 95% interval >
 # thread; an idle machine, 2026-12-07: 167 CPU-s for 30 rounds), and of one vote not read back
 # from the memo (7 candidates, the pilot at load 4-5; DP-LAC's 3 cost less); for ``plan`` only
 ROUND_CPU_S, RUN_FIXED_CPU_S, VOTE_CPU_S = 5.4, 5.0, 130.0
-VOTING = ("lac", "clac", "lac-2s", "lac-step")
+VOTING = ("lac", "clac", "lac-2s")
 
 
 def label_skew_clients(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 
@@ -203,8 +202,8 @@ def _run_rule(method: str, insecure_seed: int | None, rounds: int = 3) -> dict:
         vote_noise_std=3.0,
         insecure_seed=insecure_seed,
     )
-    calls = itertools.count()  # a rule's step search evaluates more than once a round
-    server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (1.0 / (next(calls) + 1), 0.5))
+    val = iter([1.0 / (k + 1) for k in range(rounds + 2)])
+    server = DPFedAvgServer(cfg, _init(), evaluate_fn=lambda p: (next(val), 0.5))
     votes = [[0, 1, 0]] * 30 + [[1, 0, 0]] * 20 if server.rule.needs_votes else None
     server.initialise(votes)
     sampled_all, clips = [], []

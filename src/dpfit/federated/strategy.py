@@ -122,7 +122,6 @@ class RoundRecord:
     accuracy: float
     epsilon: float
     noise_std: float
-    server_step: float = 1.0  # the scale of the update applied (a rule's step search)
 
 
 @dataclass(frozen=True)
@@ -405,12 +404,12 @@ class DPFedAvgServer:
             if loss is not None:
                 losses.append(loss)
         std = self.rule.update_noise_std()
-        noised = []
+        m = self.config.clients_per_round
         for p, acc in zip(self.params, total, strict=True):
             noise = self.noise_rng.normal(0.0, std, size=p.shape) if std > 0 else 0.0
-            noised.append(acc + noise)
+            p += (self.config.server_lr * (acc + noise) / m).astype(np.float32)
         self.accountant.record_round(self.round_multipliers)
-        step, (val_loss, acc) = self._apply_step(noised)
+        val_loss, acc = self.evaluate()
         next_clip = self.rule.observe(
             RoundObservation(
                 update_norms=tuple(norms), client_losses=tuple(losses), val_loss=val_loss
@@ -425,7 +424,6 @@ class DPFedAvgServer:
             accuracy=acc,
             epsilon=self.accountant.epsilon(),
             noise_std=std,
-            server_step=step,
         )
         self.last_counts = RoundCounts(
             self.round,
@@ -440,34 +438,6 @@ class DPFedAvgServer:
         if self.config.checkpoint_dir:
             self.save_checkpoint(self.config.checkpoint_dir)
         return record
-
-    def _stepped(self, noised: Sequence[np.ndarray], scale: float) -> list[np.ndarray]:
-        """The model after the noised sum's average, scaled by ``scale``, as float32."""
-        lr, m = self.config.server_lr * scale, self.config.clients_per_round
-        return [
-            p + (lr * n / m).astype(np.float32) for p, n in zip(self.params, noised, strict=True)
-        ]
-
-    def _apply_step(self, noised: Sequence[np.ndarray]) -> tuple[float, tuple[float, float]]:
-        """Apply the round's noised sum, scaled by the rule's server step with the lowest
-        public validation loss (post-processing of the release: the sum is released either
-        way, the validation split is public); a rule without a search applies it as is.
-        Returns (the scale, the new model's validation loss and accuracy)."""
-        scales = type(self.rule).server_steps
-        if len(scales) == 1 or self.evaluate_fn is None:
-            scale, chosen = 1.0, self._stepped(noised, 1.0)
-            score = None
-        else:
-            scale, score, chosen = None, None, None
-            for s in sorted(scales, reverse=True):  # a tie keeps the larger step
-                trial = self._stepped(noised, s)
-                loss_acc = self.evaluate_fn(trial)
-                if score is None or loss_acc[0] < score[0]:
-                    scale, score, chosen = s, loss_acc, trial
-            logger.info("round %d: server step %.3g (public validation)", self.round, scale)
-        for p, c in zip(self.params, chosen, strict=True):
-            p[...] = c  # in place: whoever holds the server's arrays sees the new model
-        return scale, (score if score is not None else self.evaluate())
 
     # -- checkpoints ---------------------------------------------------------------------
 

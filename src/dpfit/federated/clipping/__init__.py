@@ -16,8 +16,6 @@ can be tested on synthetic norms without Flower; one file per rule, registered b
 - ``dynamic``: Du et al. 2021, C and z decayed on a schedule (``dynamic.py``);
 - ``lac-2s``: two-sided DP-LAC, a vote over 0.1x..10x C_init, a clipped-fraction band and a
   validation-loss brake (``lac_two_sided.py``).
-- ``lac-step``: the two-sided vote for C, then each round's step scaled on the public
-  validation split (``lac_step_search.py``).
 
 Per-round noise is expressed as one combined multiplier ``z`` (what the accountant calibrates)
 that a rule may split between the model update and an auxiliary release (clipped counts for
@@ -53,7 +51,6 @@ from dpfit.federated.clipping.lac import (
     noised_histogram,
     one_hot_vote,
 )
-from dpfit.federated.clipping.lac_step_search import LacStepClip
 from dpfit.federated.clipping.lac_two_sided import TwoSidedLacClip
 from dpfit.federated.clipping.quantile import (
     QuantileClip,
@@ -71,7 +68,6 @@ __all__ = [
     "DynamicClip",
     "FixedClip",
     "LacClip",
-    "LacStepClip",
     "LossRatioClip",
     "QuantileClip",
     "RoundObservation",

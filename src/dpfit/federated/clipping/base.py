@@ -150,9 +150,6 @@ class ClipRule(ABC):
     needs_validation: ClassVar[bool] = False
     needs_votes: ClassVar[bool] = False
     scheduled: ClassVar[bool] = False  # multipliers change by round: calibrate the schedule
-    # scales of the noised average the server tries on its public validation split after each
-    # round, keeping the best (post-processing); (1.0,): the update is applied as released
-    server_steps: ClassVar[tuple[float, ...]] = (1.0,)
 
     def __post_init__(self) -> None:
         self.clip_norm = self.config.initial_clip
