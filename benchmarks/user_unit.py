@@ -114,13 +114,7 @@ def report(rows: list[dict]) -> str:
             f"(n={u['n']}) | {d:+.3f} |"
         )
     if diffs:
-        ci = t_interval(diffs)
-        where = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "no interval below two seeds"
-        lines += [
-            "",
-            f"Mean user - row {statistics.fmean(diffs):+.3f} over {len(diffs)} seeds, 95% "
-            f"paired t interval {where}. A pilot: few seeds, one dataset.",
-        ]
+        lines += ["", f"{mean_text('user - row', diffs)} A pilot: few seeds, one dataset."]
     lines += ["", *tune_lines(by)]
     return "\n".join(lines) + "\n"
 
@@ -150,14 +144,17 @@ def tune_lines(by: dict) -> list[str]:
         )
     if not diffs:
         return [*lines, "", "No paired run yet."]
+    return [*lines, "", mean_text("tune - untuned", diffs)]
+
+
+def mean_text(what: str, diffs: list[float]) -> str:
+    """ "Mean <what> ... over n seeds, 95% paired t interval [...]." of paired differences."""
     ci = t_interval(diffs)
     where = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "no interval below two seeds"
-    return [
-        *lines,
-        "",
-        f"Mean tune - untuned {statistics.fmean(diffs):+.3f} over {len(diffs)} seeds, 95% "
-        f"paired t interval {where}.",
-    ]
+    return (
+        f"Mean {what} {statistics.fmean(diffs):+.3f} over {len(diffs)} seeds, 95% paired t "
+        f"interval {where}."
+    )
 
 
 def docs_block(rows: list[dict]) -> str:
