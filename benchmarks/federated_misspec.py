@@ -330,6 +330,7 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
         "Paired by seed: mean difference of test accuracy [95% t interval] (n pairs).",
         "",
         *baseline_table(runs),
+        *others_table(runs),
     ]
     lines += ["", "## Clip norm per run: C_0 (after a vote) -> the last round's C", ""]
     lines += ["| rule | eps | partition | seed | C_init | C_0 | C last round | test acc |"]
@@ -370,6 +371,34 @@ def baseline_table(runs: list[dict]) -> list[str]:
             f"| {eps:g} | {part} | {c:g} | {'-' if star is None else f'{star[0]:g}'} | "
             f"{star_txt[0]} | {star_txt[1]} | {_paired(lac, fixed)} | {_paired(new, lac)} |"
         )
+    return out
+
+
+def others_table(runs: list[dict]) -> list[str]:
+    """Per cell, each rule outside the decision rule (run beside it) against C*, and lac and
+    lac-2s against it at the same C_init, whatever the sign; nothing when none was run."""
+    others = [m for m in METHODS if m not in (NEW, "lac", "fixed") and any(
+        r["method"] == m for r in runs)]  # fmt: skip
+    out: list[str] = []
+    for m in others:
+        out += [
+            "",
+            f"`{m}` (outside the decision rule):",
+            "",
+            f"| eps | partition | C_init | {m} | {m} - C* | lac - {m} | {NEW} - {m} |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for eps, part, c in cells(runs):
+            acc = accuracy(runs, m, eps, part, c)
+            if not acc:
+                continue
+            star = c_star(runs, eps, part)
+            lac, new = accuracy(runs, "lac", eps, part, c), accuracy(runs, NEW, eps, part, c)
+            out.append(
+                f"| {eps:g} | {part} | {c:g} | {statistics.fmean(acc.values()):.4f} "
+                f"(n={len(acc)}) | {'not measured' if star is None else _paired(acc, star[1])} "
+                f"| {_paired(lac, acc)} | {_paired(new, acc)} |"
+            )
     return out
 
 

@@ -166,3 +166,20 @@ def test_dp_lac_is_reported_against_each_baseline_per_cell_whatever_its_sign(ben
     text = bench.render(rows + lac, "federated_misspec")
     block = bench.docs_block(rows + lac, text, "federated_misspec")
     assert "lac-2s becomes the --method default." in block and table[2] in block
+
+
+def test_rules_run_beside_the_decision_rule_get_their_own_per_cell_table(bench):
+    rows = _rows(bench, 0.0)
+    lac = [dict(r, method="lac", test_accuracy=r["test_accuracy"] - 0.05)
+           for r in rows if r["method"] == "lac-2s"]  # fmt: skip
+    assert bench.others_table(rows + lac) == []  # nothing run beside: no table
+    auto = [dict(r, method="automatic", test_accuracy=r["test_accuracy"] - 0.08)
+            for r in rows if r["method"] == "lac-2s"]  # fmt: skip
+    table = bench.others_table(rows + lac + auto)
+    row = next(r for r in table if r.startswith("| 8 | iid | 0.1 |"))
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    # automatic's mean, automatic - C*, lac - automatic, lac-2s - automatic
+    assert [float(c.split()[0]) for c in cols[3:]] == pytest.approx(
+        [0.62, -0.08, 0.03, 0.08], abs=0.003
+    )
+    assert row in bench.render(rows + lac + auto, "federated_misspec")
