@@ -202,8 +202,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--tune",
         action="store_true",
         help="pick lr (x1/3, 1, 3) and epochs (x1/2, 1, 2) privately on a validation split of "
-        "the training rows (about 3 runs' compute; --epsilon covers the selection too; "
-        "docs/train.md)",
+        "the training rows (of the users, with --privacy-unit user) (about 3 runs' compute; "
+        "--epsilon covers the selection too; docs/train.md)",
     )
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument(
