@@ -41,6 +41,7 @@ MARKERS = ("<!-- user_unit:begin -->", "<!-- user_unit:end -->")
 EPSILON = 8.0
 TRAIN_MOVIES, EVAL_MOVIES = 120, 40
 ARMS = ("row", "user", "user-tune")
+SCORE_NOISE = 5.0  # dpfit.run.tune.SCORE_NOISE (checked by the benchmark's test)
 NAMES = ("neg", "pos")
 
 
@@ -166,12 +167,26 @@ def docs_block(rows: list[dict]) -> str:
     user = " and ".join(f"{by[(s, 'user')]['accuracy']:.3f}" for s in seeds)
     row = " and ".join(f"{by[(s, 'row')]['accuracy']:.3f}" for s in seeds)
     n_users, n_rows = by[(seeds[0], "user")]["n"], by[(seeds[0], "row")]["n"]
+    tuned = sorted(s for s in {s for s, _ in by} if (s, "user") in by and (s, "user-tune") in by)
+    tune_text = ""
+    if tuned:
+        pairs = ", ".join(
+            f"{by[(s, 'user-tune')]['accuracy']:.3f} against {by[(s, 'user')]['accuracy']:.3f}"
+            for s in tuned
+        )
+        val = [TRAIN_MOVIES - by[(s, "user-tune")]["n"] for s in tuned]  # the rest fit
+        tune_text = (
+            f"\n* `--tune` at the user level on the same data ({' and '.join(map(str, val))}\n"
+            f"  validation users, so one std of the score's noise is {SCORE_NOISE / max(val):.0%}"
+            f" or more of\n  accuracy): tuned against untuned {pairs} ({len(tuned)} seed(s),\n"
+            "  `benchmarks/results/user_unit.md`)."
+        )
     return (
         f"* What it costs: on {TRAIN_MOVIES} movies of Rotten Tomatoes snippets (a movie as the\n"
         f"  user), eps {EPSILON:g}, the user-level run scored {user} where the row-level run on\n"
         f"  the same rows scored {row} ({len(seeds)} seed(s), `benchmarks/results/user_unit.md`;\n"
         f"  n is {n_users} users instead of {n_rows:,} rows). It buys a guarantee for each person\n"
-        "  rather than for each row. A pilot on one dataset, not a rule."
+        "  rather than for each row. A pilot on one dataset, not a rule." + tune_text
     )
 
 

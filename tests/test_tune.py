@@ -261,3 +261,9 @@ def test_cli_tune_refuses_non_private(tiny_small, capsys):
     model, data = tiny_small
     assert main(["train", "--model", model, "--data", data, "--tune", "--non-private"]) != 0
     assert "--tune does not support --non-private" in capsys.readouterr().err
+
+
+def test_too_few_validation_units_get_a_warning_that_the_choice_is_near_random():
+    assert tune_mod.blur_note(tune_mod.SCORE_NOISE, 300, "row") is None  # 1.7 points
+    note = tune_mod.blur_note(tune_mod.SCORE_NOISE, 24, "user")
+    assert "21% of accuracy on 24 validation users" in note and "close to random" in note

@@ -26,3 +26,9 @@ def test_the_block_says_so_when_nothing_is_measured():
     assert "not measured yet" in user_unit.docs_block([])
     half = [{"seed": 0, "arm": "row", "accuracy": 0.7, "n": 10}]
     assert "not measured yet" in user_unit.docs_block(half)
+
+
+def test_the_score_noise_is_the_library_s():
+    from dpfit.run.tune import SCORE_NOISE
+
+    assert user_unit.SCORE_NOISE == SCORE_NOISE

@@ -74,6 +74,7 @@ VALIDATION_FRACTION = 0.2  # of the training rows, by row hash
 VALIDATION = "validation"  # the row-hash purpose: keys independent of the test hold-out's
 SCORE_NOISE = 5.0  # std of the Gaussian on the count of correct validation texts
 DEFAULT_RUNS = RunCount(mean_runs=3.0, shape=0.0)  # logarithmic K, E[K] = 3
+BLUR_WARNING = 0.02  # warn when the score's noise std exceeds 2 points of accuracy
 
 
 # what a candidate's metrics keep: nothing here reads the validation rows (an allow-list, so
@@ -236,6 +237,20 @@ def user_score(preds: Sequence[int], labels: Sequence[int], users: Sequence[str]
     return float(sum(sum(r) / len(r) for r in right.values()))
 
 
+def blur_note(noise: float, validation: int, unit: str) -> str | None:
+    """A warning when the score's noise hides differences of more than BLUR_WARNING of
+    accuracy (too few validation units for the selection to see which candidate is better)."""
+    blur = noise / validation  # one noise std, as a share of accuracy
+    if blur <= BLUR_WARNING:
+        return None
+    return (
+        f"--tune: the score's noise (std {noise:g}) is {blur:.0%} of accuracy on {validation} "
+        f"validation {unit}s, so candidates closer than that are told apart by chance: with "
+        f"this few {unit}s the choice is close to random, and the untuned run is likely the "
+        "better one (docs/train.md)"
+    )
+
+
 def noisy_score(correct: float, noise: float, rng) -> float:
     """The count of correct validation texts plus N(0, noise^2): one text added or removed
     moves the count by at most 1, so this is the Gaussian mechanism at multiplier `noise`."""
@@ -370,6 +385,9 @@ def tune(
         f"training {unit}s held for validation by {unit} hash; K ~ {runs.describe()}; whole "
         f"selection epsilon {epsilon:.4g} at delta {delta:.3g}"
     )
+    blurred = blur_note(the_plan.score_noise, sizes[1], unit)
+    if blurred:
+        note(blurred)
     fixed = {
         f: getattr(resolved, f) for f in TrainConfig.RECIPE_FIELDS if f not in ("lr", "epochs")
     }
