@@ -104,10 +104,7 @@ def report(rows: list[dict]) -> str:
         "|---|---|---|---|",
     ]
     diffs = []
-    for seed in sorted({s for s, _ in by}):
-        r, u = by.get((seed, "row")), by.get((seed, "user"))
-        if r is None or u is None:
-            continue
+    for seed, r, u in paired(by, "row", "user"):
         d = u["accuracy"] - r["accuracy"]
         diffs.append(d)
         lines.append(
@@ -118,6 +115,12 @@ def report(rows: list[dict]) -> str:
         lines += ["", f"{mean_text('user - row', diffs)} A pilot: few seeds, one dataset."]
     lines += ["", *tune_lines(by)]
     return "\n".join(lines) + "\n"
+
+
+def paired(by: dict, a: str, b: str) -> list[tuple[int, dict, dict]]:
+    """(seed, run of arm a, run of arm b) for every seed with both, in seed order."""
+    seeds = sorted({s for s, _ in by})
+    return [(s, by[(s, a)], by[(s, b)]) for s in seeds if (s, a) in by and (s, b) in by]
 
 
 def tune_lines(by: dict) -> list[str]:
@@ -132,10 +135,7 @@ def tune_lines(by: dict) -> list[str]:
         "|---|---|---|---|---|",
     ]  # fmt: skip
     diffs = []
-    for seed in sorted({s for s, _ in by}):
-        u, t = by.get((seed, "user")), by.get((seed, "user-tune"))
-        if u is None or t is None:
-            continue
+    for seed, u, t in paired(by, "user", "user-tune"):
         d = t["accuracy"] - u["accuracy"]
         diffs.append(d)
         cpu = f"{u.get('cpu_seconds', float('nan')):.0f} / {t['cpu_seconds']:.0f}"
