@@ -172,7 +172,7 @@ def test_candidates_train_on_the_fit_part_and_score_on_validation(
 
     def fake_train(config, on_step=None, on_note=None, *, prepared, task, set_by):
         split = prepared.state["data"]
-        calls.append((config, split.train, split.test))
+        calls.append((config, split.train, split.test, prepared.model, prepared.tokenizer))
         steps = config.head_epochs * 3 + config.epochs * 3  # what the plan assumed, below
         privacy = {
             "noise_multiplier": config.noise_multiplier,
@@ -184,7 +184,20 @@ def test_candidates_train_on_the_fit_part_and_score_on_validation(
         metrics = {"per_class": per_class, "accuracy": 0.987654, "head_first_accuracy": 0.87654}
         return TrainResult(metrics, [], prepared.model, prepared.tokenizer, privacy)
 
+    scored, predicted = [], []
+    real_noisy, real_predict = tune_mod.noisy_score, tune_mod.predict
+
+    def recording_noisy(right, noise, rng):
+        scored.append(right)
+        return real_noisy(right, noise, rng)
+
+    def recording_predict(model, tokenizer, data, *a, **kw):
+        predicted.append(data)
+        return real_predict(model, tokenizer, data, *a, **kw)
+
     monkeypatch.setattr(dpfit.train, "train", fake_train)
+    monkeypatch.setattr(tune_mod, "noisy_score", recording_noisy)
+    monkeypatch.setattr(tune_mod, "predict", recording_predict)
     cfg = TrainConfig(model=model, data=data, seed=0, insecure_reproducible_noise=insecure)
     result = tune_mod.tune(cfg)
     if insecure:
@@ -201,10 +214,15 @@ def test_candidates_train_on_the_fit_part_and_score_on_validation(
     planned = {
         (c["lr"], c["epochs"]): c["noise_multiplier"] for c in result.metrics["tuning"]["grid"]
     }
-    for config, train, test in calls:
-        assert train == fit and test == val  # trains on the fit part, scored on validation
+    # each candidate trains on the fit part with no evaluation rows of its own; the
+    # validation rows are predicted once per candidate, and its score counts them right
+    assert len(predicted) == len(scored) == len(calls)
+    for (config, train, test, m, tok), seen, right in zip(calls, predicted, scored, strict=True):
+        assert train == fit and len(test) == 0 and seen == val
         assert config.noise_multiplier == planned[(config.lr, config.epochs)]
         assert config.output is None and config.checkpoint_dir is None
+        preds = real_predict(m, tok, val, config.max_length)
+        assert right == sum(int(p == y) for p, y in zip(preds, val.labels, strict=True))
     assert 0 < len(val) < len(fit)
     text = json.dumps(result.metrics) + " ".join(result.notes)
     for secret in ("123456", "0.987654", "0.87654"):

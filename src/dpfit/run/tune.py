@@ -40,7 +40,7 @@ import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import dp_accounting as dpa
@@ -228,10 +228,11 @@ def split_validation_users(
     return UserTexts(train, tuple(users)).split(VALIDATION_FRACTION, seed, VALIDATION)
 
 
-def user_score(preds: Sequence[int], labels: Sequence[int], users: Sequence[str]) -> float:
-    """Sum over users of the fraction of their rows predicted right: each user adds a number
-    in [0, 1], so adding or removing one user (with all their rows) moves it by at most 1."""
-    right: dict[str, list[bool]] = {}
+def user_score(preds: Sequence[int], labels: Sequence[int], users: Sequence[Hashable]) -> float:
+    """Sum over users of the fraction of their rows predicted right (each row its own user:
+    the count right). Each user adds a number in [0, 1], so adding or removing one user
+    (with all their rows) moves it by at most 1."""
+    right: dict[Hashable, list[bool]] = {}
     for p, y, u in zip(preds, labels, users, strict=True):
         right.setdefault(u, []).append(p == y)
     return float(sum(sum(r) / len(r) for r in right.values()))
@@ -393,22 +394,21 @@ def tune(
     }
     fixed["dropout"] = None  # the model was built with it; a prepared model keeps its own
     rng = selection_rng(insecure_seed(config, offset=0x7E))
+    no_rows = dataclasses.replace(val, texts=(), labels=())
 
     def run_candidate(c: Candidate, i: int) -> tuple[float, TrainResult]:
         note(f"tuning: candidate run {i + 1} (lr {c.lr:g}, {c.epochs} epochs)", released=False)
         cand = dataclasses.replace(
             base, **fixed, lr=c.lr, epochs=c.epochs, noise_multiplier=c.noise_multiplier
         )
-        prep = _subset(full, copy.deepcopy(pristine), fit, val, task, config, fit_users)
+        # trained with no evaluation rows, so the validation rows are read once, here
+        prep = _subset(full, copy.deepcopy(pristine), fit, no_rows, task, config, fit_users)
         result = train(cand, prepared=prep, task=task, set_by="--tune")
         _check_spent(result.privacy, c, q)
-        if val_users is None:
-            right = sum(int(v["correct"]) for v in result.metrics["per_class"].values())
-        else:
-            preds = predict(
-                result.model, prep.tokenizer, val, cand.max_length, cand.eval_batch_size, device
-            )  # fmt: skip
-            right = user_score(preds, val.labels, val_users)
+        preds = predict(
+            result.model, prep.tokenizer, val, cand.max_length, cand.eval_batch_size, device
+        )  # fmt: skip
+        right = user_score(preds, val.labels, val_users or range(len(val)))
         score = noisy_score(right, the_plan.score_noise, rng)
         # the validation scores (and a probe's or a trained start's) are private: only
         # what does not read the validation rows is kept
