@@ -53,7 +53,12 @@ SWEEP = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)  # the fixed rule's clips, for C*
 METHODS = ("lac-2s", "lac", "clac", "fixed", "adaptive-quantile", "automatic", "dynamic")
 NEW = "lac-2s"
 CLEAR_LOSS = -0.03  # a cell whose whole interval lies below this is a clear loss
-MIN_CELLS = 5  # of the 6 cells run (amendment 1; 10 of 12 before) within 1 point
+# (partitions, cells within 1 point needed, what they are): amendment 1's verdict over the
+# IID cells, and the original design's over all 12 (amendment 2), each drawn when complete
+SCOPES = (
+    (("iid",), 5, "6 IID cells (amendment 1)"),
+    (PARTITIONS, 10, "12 cells, IID and heterogeneous (amendment 2)"),
+)
 WITHIN = -0.01  # "within 1 point of C*": lower end of the paired 95% interval >= this
 # CPU seconds of one round and of a run's fixed part (setup, test) at the protocol scale (1
 # thread; an idle machine, 2026-12-07: 167 CPU-s for 30 rounds), and of one vote not read back
@@ -233,6 +238,55 @@ def cells(runs: list[dict]) -> list[tuple[float, str, float]]:
     )
 
 
+def verdict(runs: list[dict], parts: Sequence[str], min_cells: int) -> list[str]:
+    """The pre-registered verdict over the cells of ``parts``; none unless every one of them
+    has its pairs with C* at the protocol's seeds."""
+    verdicts, per_seed, clear_loss, vs_lac, short = [], {}, False, {}, False
+    mine = [cell for cell in cells(runs) if cell[1] in parts]
+    for eps, part, c in mine:
+        lac, new = accuracy(runs, "lac", eps, part, c), accuracy(runs, NEW, eps, part, c)
+        for s in sorted(set(lac) & set(new)):
+            vs_lac.setdefault(s, []).append(new[s] - lac[s])
+        star = c_star(runs, eps, part)
+        if star is None:
+            continue
+        pairs = sorted(set(new) & set(star[1]))
+        diffs = [new[s] - star[1][s] for s in pairs]
+        if not diffs:
+            continue
+        ci = t_interval(diffs)
+        short |= len(pairs) < len(PROTOCOL_SEEDS)
+        verdicts.append(ci is not None and ci[0] >= WITHIN)
+        clear_loss |= ci is not None and ci[1] < CLEAR_LOSS
+        for s, d in zip(pairs, diffs, strict=True):
+            per_seed.setdefault(s, []).append(d)
+    complete = len(verdicts) == len(C_INITS) * len(EPSILONS) * len(parts) and not short
+    if not (per_seed and complete):
+        return ["Not the complete protocol: no verdict is drawn from these runs."]
+    avg = [statistics.fmean(d) for d in per_seed.values()]
+    avg_lac = [statistics.fmean(d) for d in vs_lac.values()]
+    ci_star, ci_lac = t_interval(avg), t_interval(avg_lac) if len(avg_lac) > 1 else None
+    checks = [
+        ci_star is not None and ci_star[0] >= WITHIN,
+        sum(verdicts) >= min_cells and not clear_loss,
+        ci_lac is not None and ci_lac[0] >= WITHIN,
+    ]
+    return [
+        f"Cell-averaged {NEW} minus C*: {interval_text(avg)}; "
+        f"{sum(verdicts)} of {len(verdicts)} cells within 1 point; "
+        f"{'a' if clear_loss else 'no'} cell with a clear loss of 3 points.",
+        "",
+        f"Cell-averaged {NEW} minus lac: "
+        + (interval_text(avg_lac) if avg_lac else "not measured")
+        + ".",
+        "",
+        "Pre-registered verdict (conditions 1, 2, 3: "
+        + ", ".join("met" if ok else "NOT met" for ok in checks)
+        + "): "
+        + (f"{NEW} becomes the --method default." if all(checks) else "the default stays lac."),
+    ]
+
+
 def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     """The table (mean test accuracy per rule and cell), C*, and the pre-registered verdict
     where the protocol is complete."""
@@ -268,60 +322,25 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
             row.append(f"{statistics.fmean(acc.values()):.4f} (n={len(acc)})" if acc else "")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Against C*, the best fixed clip in hindsight", ""]
-    verdicts, per_seed, clear_loss, vs_lac = [], {}, False, {}
     for eps, part, c in cells(runs):
-        lac, new_acc = accuracy(runs, "lac", eps, part, c), accuracy(runs, NEW, eps, part, c)
-        for s in sorted(set(lac) & set(new_acc)):
-            vs_lac.setdefault(s, []).append(new_acc[s] - lac[s])
         star = c_star(runs, eps, part)
         if star is None:
             lines.append(f"- eps {eps:g}, {part}, C_init {c:g}: C* not measured (sweep incomplete)")
             continue
-        best, star_acc = star
         new = accuracy(runs, NEW, eps, part, c)
-        pairs = sorted(set(new) & set(star_acc))
-        diffs = [new[s] - star_acc[s] for s in pairs]
-        if not diffs:
-            continue
-        ci = t_interval(diffs)
-        ok = ci is not None and ci[0] >= WITHIN
-        verdicts.append(ok)
-        clear_loss |= ci is not None and ci[1] < CLEAR_LOSS
-        for s, d in zip(pairs, diffs, strict=True):
-            per_seed.setdefault(s, []).append(d)
-        lines.append(
-            f"- eps {eps:g}, {part}, C_init {c:g}: C* = {best:g}; {NEW} minus C* "
-            f"{interval_text(diffs)}: {'within' if ok else 'NOT within'} 1 point"
-        )
-    complete = len(verdicts) == len(C_INITS) * len(EPSILONS) * len(PROTOCOL_PARTITIONS) and len(
-        seeds
-    ) >= len(PROTOCOL_SEEDS)
-    if per_seed and complete:
-        avg = [statistics.fmean(d) for d in per_seed.values()]
-        avg_lac = [statistics.fmean(d) for d in vs_lac.values()]
-        ci_star, ci_lac = t_interval(avg), t_interval(avg_lac) if len(avg_lac) > 1 else None
-        checks = [
-            ci_star is not None and ci_star[0] >= WITHIN,
-            sum(verdicts) >= MIN_CELLS and not clear_loss,
-            ci_lac is not None and ci_lac[0] >= WITHIN,
-        ]
-        lines += [
-            "",
-            f"Cell-averaged {NEW} minus C*: {interval_text(avg)}; "
-            f"{sum(verdicts)} of {len(verdicts)} cells within 1 point; "
-            f"{'a' if clear_loss else 'no'} cell with a clear loss of 3 points.",
-            "",
-            f"Cell-averaged {NEW} minus lac: "
-            + (interval_text(avg_lac) if avg_lac else "not measured")
-            + ".",
-            "",
-            "Pre-registered verdict (conditions 1, 2, 3: "
-            + ", ".join("met" if ok else "NOT met" for ok in checks)
-            + "): "
-            + (f"{NEW} becomes the --method default." if all(checks) else "the default stays lac."),
-        ]
-    elif not complete:
-        lines += ["", "Not the complete protocol: no verdict is drawn from these runs."]
+        diffs = [new[s] - star[1][s] for s in sorted(set(new) & set(star[1]))]
+        if diffs:
+            ci = t_interval(diffs)
+            ok = ci is not None and ci[0] >= WITHIN
+            lines.append(
+                f"- eps {eps:g}, {part}, C_init {c:g}: C* = {star[0]:g}; {NEW} minus C* "
+                f"{interval_text(diffs)}: {'within' if ok else 'NOT within'} 1 point"
+            )
+    for parts, min_cells, label in SCOPES:
+        if any(r["partition"] in parts for r in runs) and (
+            len(parts) == 1 or all(any(r["partition"] == p for r in runs) for p in parts)
+        ):
+            lines += ["", f"**Verdict over the {label}.**", "", *verdict(runs, parts, min_cells)]
     lines += ["", f"![accuracy against C_init per rule, C* as the ceiling]({name}.png)", ""]
     lines += [
         "",
@@ -407,7 +426,7 @@ def docs_block(runs: list[dict], text: str, name: str) -> str:
     verdict = [
         line
         for line in text.splitlines()
-        if line.startswith(("Pre-registered verdict", "Not the complete protocol"))
+        if line.startswith(("**Verdict over", "Pre-registered verdict", "Not the complete"))
     ]
     return "\n".join(
         [

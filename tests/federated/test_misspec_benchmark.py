@@ -65,12 +65,12 @@ def test_label_skewed_clients_are_heterogeneous_and_reproducible(bench):
     assert sum(len({e.label for e in c}) == 1 for c in iid_like) < 5
 
 
-def _rows(bench, new_minus_star: float, star: float = 1.0) -> list[dict]:
+def _rows(bench, new_minus_star: float, star: float = 1.0, parts=("iid",)) -> list[dict]:
     """The complete protocol's rows with fixed C* scoring 0.70 (+ seed noise), every other
     clip 0.60, and lac-2s at C* + ``new_minus_star``."""
     rows = []
     for eps in bench.EPSILONS:
-        for part in bench.PROTOCOL_PARTITIONS:
+        for part in parts:
             for s in bench.PROTOCOL_SEEDS:
                 wobble = 0.002 * (s - 1)
                 for c in bench.SWEEP:
@@ -183,3 +183,25 @@ def test_rules_run_beside_the_decision_rule_get_their_own_per_cell_table(bench):
         [0.62, -0.08, 0.03, 0.08], abs=0.003
     )
     assert row in bench.render(rows + lac + auto, "federated_misspec")
+
+
+def test_the_twelve_cell_verdict_is_drawn_only_when_the_heterogeneous_cells_are_complete(bench):
+    iid = _rows(bench, 0.0)
+    lac = lambda rows: [dict(r, method="lac", test_accuracy=r["test_accuracy"] - 0.05)  # noqa: E731
+                        for r in rows if r["method"] == "lac-2s"]  # fmt: skip
+    text = bench.render(iid + lac(iid), "federated_misspec")
+    assert "Verdict over the 6 IID cells" in text and "Verdict over the 12 cells" not in text
+    # the heterogeneous cells 2 points below C*: all 12 run, 6 of 12 within, so no change
+    het = _rows(bench, -0.02, parts=("dirichlet",))
+    text = bench.render(iid + lac(iid) + het + lac(het), "federated_misspec")
+    twelve = text.split("Verdict over the 12 cells")[1]
+    assert "6 of 12 cells within 1 point" in twelve
+    assert "NOT met, met): the default stays lac." in twelve
+    six = text.split("Verdict over the 12 cells")[0].split("Verdict over the 6 IID cells")[1]
+    assert "6 of 6 cells within 1 point" in six and "lac-2s becomes the --method default." in six
+    # one heterogeneous seed missing: the 12-cell verdict is not drawn, the 6-cell one stands
+    partial = [r for r in het if r["seed"] != 2]
+    text = bench.render(iid + lac(iid) + partial + lac(partial), "federated_misspec")
+    assert "no verdict" in text.split("Verdict over the 12 cells")[1]
+    block = bench.docs_block(iid + partial, text, "federated_misspec")
+    assert "**Verdict over the 12 cells" in block and "no verdict" in block
