@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,18 +84,13 @@ def report(rows: list[dict]) -> str:
         "| task | seed | untuned | --tune | difference | CPU s untuned / --tune |",
         "|---|---|---|---|---|---|",
     ]
-    by = {(r["task"], r["seed"], r["arm"]): r for r in rows}
-    diffs: dict[str, list[float]] = {}
-    for task, seed in sorted({(r["task"], r["seed"]) for r in rows}):
-        u, t = by.get((task, seed, "untuned")), by.get((task, seed, "tune"))
-        if u is None or t is None:
-            continue
-        d = t["accuracy"] - u["accuracy"]
-        diffs.setdefault(task, []).append(d)
+    for task, seed, u, t in pairs(rows):
         cpu = " / ".join(f"{r['cpu_seconds']:.0f}" if "cpu_seconds" in r else "-" for r in (u, t))
         lines.append(
-            f"| {task} | {seed} | {u['accuracy']:.3f} | {t['accuracy']:.3f} | {d:+.3f} | {cpu} |"
+            f"| {task} | {seed} | {u['accuracy']:.3f} | {t['accuracy']:.3f} | "
+            f"{t['accuracy'] - u['accuracy']:+.3f} | {cpu} |"
         )
+    diffs = paired(rows)
     lines.append("")
     for task, ds in diffs.items():
         lines.append(f"- {task}: mean difference {_interval(ds)}.")
@@ -108,14 +104,20 @@ def _interval(ds: list[float]) -> str:
     return f"{statistics.fmean(ds):+.3f} over {len(ds)} pairs, 95% paired t interval {where}"
 
 
-def paired(rows: list[dict]) -> dict[str, list[float]]:
-    """Task -> the tuned minus untuned differences of its paired seeds."""
+def pairs(rows: list[dict]) -> Iterator[tuple[str, int, dict, dict]]:
+    """(task, seed, untuned run, tuned run) for each seed both arms ran, in order."""
     by = {(r["task"], r["seed"], r["arm"]): r for r in rows}
-    out: dict[str, list[float]] = {}
     for task, seed in sorted({(r["task"], r["seed"]) for r in rows}):
         u, t = by.get((task, seed, "untuned")), by.get((task, seed, "tune"))
         if u is not None and t is not None:
-            out.setdefault(task, []).append(t["accuracy"] - u["accuracy"])
+            yield task, seed, u, t
+
+
+def paired(rows: list[dict]) -> dict[str, list[float]]:
+    """Task -> the tuned minus untuned differences of its paired seeds."""
+    out: dict[str, list[float]] = {}
+    for task, _, u, t in pairs(rows):
+        out.setdefault(task, []).append(t["accuracy"] - u["accuracy"])
     return out
 
 

@@ -161,20 +161,18 @@ def mean_text(what: str, diffs: list[float]) -> str:
 def docs_block(rows: list[dict]) -> str:
     """docs/train.md's bullet on what the user unit costs, from the runs (None-safe)."""
     by = {(r["seed"], r["arm"]): r for r in rows}
-    seeds = sorted(s for s in {s for s, _ in by} if (s, "row") in by and (s, "user") in by)
-    if not seeds:
+    costs = paired(by, "row", "user")
+    if not costs:
         return "* What it costs: not measured yet (`benchmarks/user_unit.py`)."
-    user = " and ".join(f"{by[(s, 'user')]['accuracy']:.3f}" for s in seeds)
-    row = " and ".join(f"{by[(s, 'row')]['accuracy']:.3f}" for s in seeds)
-    n_users, n_rows = by[(seeds[0], "user")]["n"], by[(seeds[0], "row")]["n"]
-    tuned = sorted(s for s in {s for s, _ in by} if (s, "user") in by and (s, "user-tune") in by)
+    user = " and ".join(f"{u['accuracy']:.3f}" for _, _, u in costs)
+    row = " and ".join(f"{r['accuracy']:.3f}" for _, r, _ in costs)
+    n_users, n_rows = costs[0][2]["n"], costs[0][1]["n"]
+    seeds = [s for s, _, _ in costs]
+    tuned = paired(by, "user", "user-tune")
     tune_text = ""
     if tuned:
-        pairs = ", ".join(
-            f"{by[(s, 'user-tune')]['accuracy']:.3f} against {by[(s, 'user')]['accuracy']:.3f}"
-            for s in tuned
-        )
-        val = [TRAIN_MOVIES - by[(s, "user-tune")]["n"] for s in tuned]  # the rest fit
+        pairs = ", ".join(f"{t['accuracy']:.3f} against {u['accuracy']:.3f}" for _, u, t in tuned)
+        val = [TRAIN_MOVIES - t["n"] for _, _, t in tuned]  # the rest fit
         tune_text = (
             f"\n* `--tune` at the user level on the same data ({' and '.join(map(str, val))}\n"
             f"  validation users, so one std of the score's noise is {SCORE_NOISE / max(val):.0%}"
