@@ -34,7 +34,7 @@ from pathlib import Path
 
 from federated_lac import NON_PRIVATE, load_floor, load_runs, one_run, setup
 from harness.render import write_between_markers
-from paired_t import t_interval
+from harness.stats import pairs_needed, t_interval
 
 RESULTS = Path(__file__).parent / "results"
 DOCS = Path(__file__).parents[1] / "docs" / "federated.md"
@@ -287,6 +287,39 @@ def verdict(runs: list[dict], parts: Sequence[str], min_cells: int) -> list[str]
     ]
 
 
+def power_lines(runs: list[dict]) -> list[str]:
+    """How many paired seeds the 1-point test needs in each cell: a rule whose mean
+    difference from C* were exactly 0, its differences spread as measured, shows "within 1
+    point" only once the interval's half-width is 1 point or less."""
+    out = [
+        "## How many seeds the 1-point test needs",
+        "",
+        "Per cell, the std of the paired differences from C* as measured, and the fewest "
+        "seeds at which a rule with that spread and a true mean difference of 0 would have a "
+        "95% interval no wider than 1 point either side (the protocol has "
+        f"{len(PROTOCOL_SEEDS)}).",
+        "",
+        "| eps | partition | C_init | rule | std of differences | seeds needed |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = 0
+    for eps, part, c in cells(runs):
+        star = c_star(runs, eps, part)
+        if star is None:
+            continue
+        for m in (NEW, "lac"):
+            acc = accuracy(runs, m, eps, part, c)
+            diffs = [acc[s] - star[1][s] for s in sorted(set(acc) & set(star[1]))]
+            if len(diffs) < 2:
+                continue
+            sd = statistics.stdev(diffs)
+            out.append(
+                f"| {eps:g} | {part} | {c:g} | {m} | {sd:.4f} | {pairs_needed(sd, -WITHIN)} |"
+            )
+            rows += 1
+    return out if rows else []
+
+
 def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     """The table (mean test accuracy per rule and cell), C*, and the pre-registered verdict
     where the protocol is complete."""
@@ -341,6 +374,7 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
             len(parts) == 1 or all(any(r["partition"] == p for r in runs) for p in parts)
         ):
             lines += ["", f"**Verdict over the {label}.**", "", *verdict(runs, parts, min_cells)]
+    lines += ["", *power_lines(runs)]
     lines += ["", f"![accuracy against C_init per rule, C* as the ceiling]({name}.png)", ""]
     lines += [
         "",

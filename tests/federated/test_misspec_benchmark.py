@@ -205,3 +205,25 @@ def test_the_twelve_cell_verdict_is_drawn_only_when_the_heterogeneous_cells_are_
     assert "no verdict" in text.split("Verdict over the 12 cells")[1]
     block = bench.docs_block(iid + partial, text, "federated_misspec")
     assert "**Verdict over the 12 cells" in block and "no verdict" in block
+
+
+def test_the_seeds_the_one_point_test_needs(bench):
+    import statistics
+
+    from harness.stats import pairs_needed, t_interval
+
+    def half_width(k: int, sd: float) -> float:
+        raw = [(-1.0) ** i * (1 + i % 3) for i in range(k)]  # any spread, rescaled to sd
+        lo, hi = t_interval([x * sd / statistics.stdev(raw) for x in raw])
+        return (hi - lo) / 2
+
+    # a spread of 0.013 (lac at C_init = C* = 1, eps 8, in the protocol) needs about 10 pairs
+    n = pairs_needed(0.013, 0.01)
+    assert 8 <= n <= 12
+    assert half_width(n, 0.013) <= 0.01 < half_width(n - 1, 0.013)
+    assert pairs_needed(0.0, 0.01) == 2
+    text = bench.render(_rows(bench, 0.0), "federated_misspec")
+    assert "## How many seeds the 1-point test needs" in text
+    line = next(x for x in text.splitlines() if x.startswith("| 8 | iid | 0.1 | lac-2s |"))
+    cols = [c.strip() for c in line.strip("|").split("|")]
+    assert int(cols[5]) == pairs_needed(float(cols[4]), 0.01)
