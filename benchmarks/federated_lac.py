@@ -208,14 +208,15 @@ def one_run(
     ``cfg``: the server's config when it is not the untuned one (a tuned or candidate run).
     """
     from dpfit.federated.app import initial_arrays
-    from dpfit.federated.batched import drive
+    from dpfit.federated.batched import drive, public_trial
     from dpfit.federated.strategy import DPFedAvgServer
 
     private = method != NON_PRIVATE
     cfg = cfg or server_config(method, eps, seed, args, clip)
     rounds: list[dict] = []
     t0, c0 = time.perf_counter(), time.process_time()
-    server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val))
+    trial = public_trial(engine, cfg.method, *val)  # the server's public data, as the CLI's
+    server = DPFedAvgServer(cfg, initial_arrays(task), engine.evaluate_fn(*val), trial)
     if method == NOVOTE:  # DP-LAC from the given C0: no vote, v_0 recorded as DP-LAC does
         from dpfit.federated.clipping.lac_novote import start_without_vote
 

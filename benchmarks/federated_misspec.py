@@ -50,7 +50,9 @@ PROTOCOL_METHODS = ("lac-2s", "lac", "fixed")
 PROTOCOL_ROUNDS = 20
 ALPHA = 0.3  # Dirichlet concentration over labels for the heterogeneous cells
 SWEEP = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)  # the fixed rule's clips, for C*
-METHODS = ("lac-2s", "lac", "clac", "fixed", "adaptive-quantile", "automatic", "dynamic")
+METHODS = (
+    "lac-2s", "lac", "clac", "fixed", "adaptive-quantile", "automatic", "dynamic", "public-trial",
+)  # fmt: skip
 NEW = "lac-2s"
 CLEAR_LOSS = -0.03  # a cell whose whole interval lies below this is a clear loss
 # (partitions, cells within 1 point needed, what they are): amendment 1's verdict over the

@@ -25,10 +25,11 @@ from uuid import uuid4
 
 from dpfit.federated.bundled import PARTITIONS, partitions, splits  # noqa: F401 - re-exported
 from dpfit.federated.client import build_client_app, initial_arrays
+from dpfit.federated.clipping import clip_rule_class
 from dpfit.federated.data import PartitionError, federation, subsample  # noqa: F401 - re-exported
 from dpfit.federated.examples import client_examples, eval_split  # noqa: F401 - re-exported
 from dpfit.federated.outputs import write_outputs
-from dpfit.federated.scoring import make_evaluate_fn
+from dpfit.federated.scoring import make_evaluate_fn, make_trial_fn_for_task
 from dpfit.federated.strategy import DPFedAvg, DPFedAvgServer, RoundRecord, ServerConfig
 from dpfit.federated.task_config import TaskConfig
 
@@ -113,7 +114,10 @@ def build_strategy(
 ) -> DPFedAvg:
     if task.data:
         federation(task)  # the user's data: every data error (and the label gate) up front
-    server = DPFedAvgServer(server_cfg, initial_arrays(task), make_evaluate_fn(task))
+    trial = None
+    if clip_rule_class(server_cfg.method).needs_public_trial:
+        trial = make_trial_fn_for_task(task)
+    server = DPFedAvgServer(server_cfg, initial_arrays(task), make_evaluate_fn(task), trial)
     return DPFedAvg(server, task.to_record(), on_round=on_round)
 
 

@@ -48,8 +48,9 @@ from dpfit.federated.client import (
     initial_arrays,
     task_model,
 )
-from dpfit.federated.clipping import clip_update
+from dpfit.federated.clipping import clip_rule_class, clip_update
 from dpfit.federated.examples import client_examples, eval_split
+from dpfit.federated.public_trial import TrialFn, make_trial_fn, pseudo_rngs
 from dpfit.federated.server_config import ServerConfig
 from dpfit.federated.strategy import ClientReply, DPFedAvgServer, RoundRecord
 from dpfit.federated.task_config import TaskConfig
@@ -310,6 +311,13 @@ class BatchedClients:
             )
         return out
 
+    def train_public(
+        self, start: Sequence[np.ndarray], data: list[list[TextExample]]
+    ) -> list[list[np.ndarray]]:
+        """Pseudo-clients of the server's public trial, trained as clients are."""
+        self.cache.fill([e.text for d in data for e in d])
+        return self.train(start, data, pseudo_rngs(self.task.seed, len(data)))
+
     def _data(self, pids: Sequence[int]) -> list[Sequence[TextExample]]:
         data = [self.client_data(p) for p in pids]
         self.cache.fill([e.text for d in data for e in d])
@@ -421,6 +429,15 @@ class BatchedClients:
         return fn
 
 
+def public_trial(
+    engine: BatchedClients, method: str, texts: Sequence[str], labels: Sequence[int]
+) -> TrialFn | None:
+    """The server's trial on its public (texts, labels) if the rule asks for one."""
+    if not clip_rule_class(method).needs_public_trial:
+        return None
+    return make_trial_fn(engine.train_public, engine.evaluate_fn, texts, labels, engine.task.seed)
+
+
 def run_batched(
     server_cfg: ServerConfig,
     task: TaskConfig,
@@ -441,7 +458,10 @@ def run_batched(
     lm = task_model(task)
     engine = BatchedClients(lm, task, client_data or (lambda p: client_examples(task, p)))
     texts, labels = eval_data if eval_data is not None else eval_split(task, "validation")
-    server = DPFedAvgServer(server_cfg, initial_arrays(task), engine.evaluate_fn(texts, labels))
+    trial = public_trial(engine, server_cfg.method, texts, labels)
+    server = DPFedAvgServer(
+        server_cfg, initial_arrays(task), engine.evaluate_fn(texts, labels), trial
+    )
     if prefill:  # every client's frozen-layer output up front: later rounds are steady
         engine._data(range(task.num_clients))
     return drive(server, engine, task.num_clients, on_round)

@@ -32,12 +32,15 @@ from dpfit.federated.accounting import (
     calibrate_noise_multiplier,
 )
 from dpfit.federated.clipping import (
+    ClipRuleError,
     LacClip,
+    PublicTrialClip,
     RoundObservation,
     VotedStart,
     clip_rule_class,
     make_clip_rule,
 )
+from dpfit.federated.public_trial import TrialFn
 from dpfit.federated.server_config import ServerConfig
 from dpfit.federated.tuning import tuning_event
 
@@ -221,8 +224,10 @@ class DPFedAvgServer:
         config: ServerConfig,
         initial_arrays: Sequence[np.ndarray],
         evaluate_fn: EvaluateFn | None = None,
+        trial_fn: TrialFn | None = None,
     ) -> None:
         self.config = config
+        self.trial_fn = trial_fn  # the public trial (public-trial rule); public data only
         self.params = [np.asarray(a, dtype=np.float32).copy() for a in initial_arrays]
         self.shapes = [tuple(a.shape) for a in self.params]
         self.evaluate_fn = evaluate_fn
@@ -340,6 +345,18 @@ class DPFedAvgServer:
                 np.round(counts, 2).tolist(),
                 self.rule.clip_norm,
             )
+        if isinstance(self.rule, PublicTrialClip):
+            if self.trial_fn is None:
+                raise ClipRuleError(
+                    "--method public-trial needs the server's trial on its public validation "
+                    "data, which this server was built without; use an engine that provides "
+                    "it (batched, local, simulation, deployment) or another --method"
+                )
+            losses = self.trial_fn(
+                self.params, self.rule.candidates(), self.rule.trial_noise_per_clip(),
+                self.noise_rng,
+            )  # fmt: skip
+            self.rule.initialise_from_trial(losses)
         if isinstance(self.rule, LacClip):
             v0, _ = self.evaluate()
             self.rule.observe_validation(v0)

@@ -15,7 +15,9 @@ can be tested on synthetic norms without Flower; one file per rule, registered b
   (``automatic.py``);
 - ``dynamic``: Du et al. 2021, C and z decayed on a schedule (``dynamic.py``);
 - ``lac-2s``: two-sided DP-LAC, a vote over 0.1x..10x C_init, a clipped-fraction band and a
-  validation-loss brake (``lac_two_sided.py``).
+  validation-loss brake (``lac_two_sided.py``);
+- ``public-trial``: C chosen before round 1 by the server's own trial on its public data
+  (no privacy cost), then fixed (``public_trial.py``).
 
 Per-round noise is expressed as one combined multiplier ``z`` (what the accountant calibrates)
 that a rule may split between the model update and an auxiliary release (clipped counts for
@@ -52,6 +54,7 @@ from dpfit.federated.clipping.lac import (
     one_hot_vote,
 )
 from dpfit.federated.clipping.lac_two_sided import TwoSidedLacClip
+from dpfit.federated.clipping.public_trial import PublicTrialClip
 from dpfit.federated.clipping.quantile import (
     QuantileClip,
     effective_update_multiplier,
@@ -69,6 +72,7 @@ __all__ = [
     "FixedClip",
     "LacClip",
     "LossRatioClip",
+    "PublicTrialClip",
     "QuantileClip",
     "RoundObservation",
     "TwoSidedLacClip",

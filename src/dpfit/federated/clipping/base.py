@@ -149,6 +149,7 @@ class ClipRule(ABC):
     needs_client_loss: ClassVar[bool] = False
     needs_validation: ClassVar[bool] = False
     needs_votes: ClassVar[bool] = False
+    needs_public_trial: ClassVar[bool] = False  # C_0 from the server's trial on public data
     scheduled: ClassVar[bool] = False  # multipliers change by round: calibrate the schedule
 
     def __post_init__(self) -> None:
