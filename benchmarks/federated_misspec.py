@@ -54,6 +54,9 @@ METHODS = (
     "lac-2s", "lac", "clac", "fixed", "adaptive-quantile", "automatic", "dynamic", "public-trial",
 )  # fmt: skip
 NEW = "lac-2s"
+# the rules the decision rule judges, each on its own: lac-2s (as registered) and
+# public-trial (amendment 3)
+CANDIDATES = (NEW, "public-trial")
 CLEAR_LOSS = -0.03  # a cell whose whole interval lies below this is a clear loss
 # (partitions, cells within 1 point needed, what they are): amendment 1's verdict over the
 # IID cells, and the original design's over all 12 (amendment 2), each drawn when complete
@@ -240,13 +243,13 @@ def cells(runs: list[dict]) -> list[tuple[float, str, float]]:
     )
 
 
-def verdict(runs: list[dict], parts: Sequence[str], min_cells: int) -> list[str]:
+def verdict(runs: list[dict], parts: Sequence[str], min_cells: int, rule: str = NEW) -> list[str]:
     """The pre-registered verdict over the cells of ``parts``; none unless every one of them
     has its pairs with C* at the protocol's seeds."""
     verdicts, per_seed, clear_loss, vs_lac, short = [], {}, False, {}, False
     mine = [cell for cell in cells(runs) if cell[1] in parts]
     for eps, part, c in mine:
-        lac, new = accuracy(runs, "lac", eps, part, c), accuracy(runs, NEW, eps, part, c)
+        lac, new = accuracy(runs, "lac", eps, part, c), accuracy(runs, rule, eps, part, c)
         for s in sorted(set(lac) & set(new)):
             vs_lac.setdefault(s, []).append(new[s] - lac[s])
         star = c_star(runs, eps, part)
@@ -274,18 +277,18 @@ def verdict(runs: list[dict], parts: Sequence[str], min_cells: int) -> list[str]
         ci_lac is not None and ci_lac[0] >= WITHIN,
     ]
     return [
-        f"Cell-averaged {NEW} minus C*: {interval_text(avg)}; "
+        f"Cell-averaged {rule} minus C*: {interval_text(avg)}; "
         f"{sum(verdicts)} of {len(verdicts)} cells within 1 point; "
         f"{'a' if clear_loss else 'no'} cell with a clear loss of 3 points.",
         "",
-        f"Cell-averaged {NEW} minus lac: "
+        f"Cell-averaged {rule} minus lac: "
         + (interval_text(avg_lac) if avg_lac else "not measured")
         + ".",
         "",
         "Pre-registered verdict (conditions 1, 2, 3: "
         + ", ".join("met" if ok else "NOT met" for ok in checks)
         + "): "
-        + (f"{NEW} becomes the --method default." if all(checks) else "the default stays lac."),
+        + (f"{rule} becomes the --method default." if all(checks) else "the default stays lac."),
     ]
 
 
@@ -309,7 +312,7 @@ def power_lines(runs: list[dict]) -> list[str]:
         star = c_star(runs, eps, part)
         if star is None:
             continue
-        for m in (NEW, "lac"):
+        for m in (*CANDIDATES, "lac"):
             acc = accuracy(runs, m, eps, part, c)
             diffs = [acc[s] - star[1][s] for s in sorted(set(acc) & set(star[1]))]
             if len(diffs) < 2:
@@ -357,25 +360,31 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
             row.append(f"{statistics.fmean(acc.values()):.4f} (n={len(acc)})" if acc else "")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Against C*, the best fixed clip in hindsight", ""]
-    for eps, part, c in cells(runs):
-        star = c_star(runs, eps, part)
-        if star is None:
-            lines.append(f"- eps {eps:g}, {part}, C_init {c:g}: C* not measured (sweep incomplete)")
-            continue
-        new = accuracy(runs, NEW, eps, part, c)
-        diffs = [new[s] - star[1][s] for s in sorted(set(new) & set(star[1]))]
-        if diffs:
-            ci = t_interval(diffs)
-            ok = ci is not None and ci[0] >= WITHIN
-            lines.append(
-                f"- eps {eps:g}, {part}, C_init {c:g}: C* = {star[0]:g}; {NEW} minus C* "
-                f"{interval_text(diffs)}: {'within' if ok else 'NOT within'} 1 point"
-            )
-    for parts, min_cells, label in SCOPES:
-        if any(r["partition"] in parts for r in runs) and (
-            len(parts) == 1 or all(any(r["partition"] == p for r in runs) for p in parts)
-        ):
-            lines += ["", f"**Verdict over the {label}.**", "", *verdict(runs, parts, min_cells)]
+    judged = [m for m in CANDIDATES if m == NEW or any(r["method"] == m for r in runs)]
+    for m in judged:
+        for eps, part, c in cells(runs):
+            star = c_star(runs, eps, part)
+            if star is None:
+                lines.append(
+                    f"- eps {eps:g}, {part}, C_init {c:g}: C* not measured (sweep incomplete)"
+                )
+                continue
+            new = accuracy(runs, m, eps, part, c)
+            diffs = [new[s] - star[1][s] for s in sorted(set(new) & set(star[1]))]
+            if diffs:
+                ci = t_interval(diffs)
+                ok = ci is not None and ci[0] >= WITHIN
+                lines.append(
+                    f"- eps {eps:g}, {part}, C_init {c:g}: C* = {star[0]:g}; {m} minus C* "
+                    f"{interval_text(diffs)}: {'within' if ok else 'NOT within'} 1 point"
+                )
+    for m in judged:
+        for parts, min_cells, label in SCOPES:
+            if any(r["partition"] in parts for r in runs) and (
+                len(parts) == 1 or all(any(r["partition"] == p for r in runs) for p in parts)
+            ):
+                head = f"**Verdict over the {label}" + ("" if m == NEW else f", for {m}") + ".**"
+                lines += ["", head, "", *verdict(runs, parts, min_cells, m)]
     lines += ["", *power_lines(runs)]
     lines += ["", f"![accuracy against C_init per rule, C* as the ceiling]({name}.png)", ""]
     lines += [

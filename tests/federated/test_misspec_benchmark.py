@@ -34,7 +34,7 @@ def test_the_plan_is_the_registered_protocol(bench):
     original = _args(
         bench, partitions=list(bench.PARTITIONS), seeds=[0, 1, 2, 3, 4], methods=bench.METHODS
     )
-    assert len(bench.plan_runs(original)) == 6 * 3 * 2 * 2 * 5 + 7 * 2 * 2 * 5
+    assert len(bench.plan_runs(original)) == 7 * 3 * 2 * 2 * 5 + 7 * 2 * 2 * 5
     fixed = {k[4] for k in plan if k[0] == "fixed"}
     assert fixed == set(bench.SWEEP) >= set(bench.C_INITS)
     pilot = bench.plan_runs(
@@ -227,3 +227,17 @@ def test_the_seeds_the_one_point_test_needs(bench):
     line = next(x for x in text.splitlines() if x.startswith("| 8 | iid | 0.1 | lac-2s |"))
     cols = [c.strip() for c in line.strip("|").split("|")]
     assert int(cols[5]) == pairs_needed(float(cols[4]), 0.01)
+
+
+def test_public_trial_gets_its_own_verdict_beside_lac_2s(bench):
+    rows = _rows(bench, -0.05)  # lac-2s 5 points below C*
+    trial = [dict(r, method="public-trial", test_accuracy=r["test_accuracy"] + 0.05)
+             for r in rows if r["method"] == "lac-2s"]  # fmt: skip
+    lac = [dict(r, method="lac", test_accuracy=r["test_accuracy"] - 0.02)
+           for r in trial]  # fmt: skip
+    text = bench.render(rows + trial + lac, "federated_misspec")
+    mine = text.split("Verdict over the 6 IID cells (amendment 1), for public-trial.")[1]
+    assert "public-trial becomes the --method default." in mine.split("##")[0]
+    theirs = text.split("Verdict over the 6 IID cells (amendment 1).**")[1].split("**")[0]
+    assert "the default stays lac." in theirs
+    assert "| 8 | iid | 0.1 | public-trial |" in text  # its seeds-needed row
