@@ -394,6 +394,7 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
         "Paired by seed: mean difference of test accuracy [95% t interval] (n pairs).",
         "",
         *baseline_table(runs),
+        *(x for m in CANDIDATES[1:] for t in [candidate_table(runs, m)] if t for x in ("", *t)),
         *others_table(runs),
     ]
     lines += ["", "## Clip norm per run: C_0 (after a vote) -> the last round's C", ""]
@@ -441,7 +442,7 @@ def baseline_table(runs: list[dict]) -> list[str]:
 def others_table(runs: list[dict]) -> list[str]:
     """Per cell, each rule outside the decision rule (run beside it) against C*, and lac and
     lac-2s against it at the same C_init, whatever the sign; nothing when none was run."""
-    others = [m for m in METHODS if m not in (NEW, "lac", "fixed") and any(
+    others = [m for m in METHODS if m not in (*CANDIDATES, "lac", "fixed") and any(
         r["method"] == m for r in runs)]  # fmt: skip
     out: list[str] = []
     for m in others:
@@ -466,13 +467,41 @@ def others_table(runs: list[dict]) -> list[str]:
     return out
 
 
+def candidate_table(runs: list[dict], rule: str) -> list[str]:
+    """Per cell, a judged rule other than lac-2s: the C it started from (per seed), and it
+    against C*, lac-2s and lac, paired by seed; nothing when it was not run."""
+    if not any(r["method"] == rule for r in runs):
+        return []
+    out = [
+        f"| eps | partition | C_init | {rule}: C_0 by seed | {rule} - C* | {rule} - {NEW} | "
+        f"{rule} - lac |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for eps, part, c in cells(runs):
+        mine = [r for r in runs if r["method"] == rule and r["epsilon_target"] == eps
+                and r["partition"] == part and math.isclose(r["c_init"], c)]  # fmt: skip
+        if not mine:
+            continue
+        acc = {r["seed"]: r["test_accuracy"] for r in mine}
+        c0 = ", ".join(f"{r['initial_clip']:.3g}" for r in sorted(mine, key=lambda r: r["seed"]))
+        star = c_star(runs, eps, part)
+        out.append(
+            f"| {eps:g} | {part} | {c:g} | {c0} | "
+            f"{'not measured' if star is None else _paired(acc, star[1])} | "
+            f"{_paired(acc, accuracy(runs, NEW, eps, part, c))} | "
+            f"{_paired(acc, accuracy(runs, 'lac', eps, part, c))} |"
+        )
+    return out
+
+
 def docs_block(runs: list[dict], text: str, name: str) -> str:
-    """What docs/federated.md shows: the per-cell table and the verdict line, as rendered."""
+    """What docs/federated.md shows: the per-cell tables and the verdicts, as rendered."""
     verdict = [
         line
         for line in text.splitlines()
         if line.startswith(("**Verdict over", "Pre-registered verdict", "Not the complete"))
     ]
+    others = [t for m in CANDIDATES if m != NEW for t in (candidate_table(runs, m),) if t]
     return "\n".join(
         [
             f"Measured (`benchmarks/results/{name}.md`, rendered by `benchmarks/"
@@ -480,10 +509,11 @@ def docs_block(runs: list[dict], text: str, name: str) -> str:
             "interval] (n pairs).",
             "",
             *baseline_table(runs),
+            *(x for t in others for x in ("", *t)),
             "",
-            *verdict,
+            *(x for line in verdict for x in (line, "")),
         ]
-    )
+    ).rstrip()
 
 
 def plot(runs: list[dict], path: Path, floor: dict | None = None) -> None:

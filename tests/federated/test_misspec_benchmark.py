@@ -241,3 +241,11 @@ def test_public_trial_gets_its_own_verdict_beside_lac_2s(bench):
     theirs = text.split("Verdict over the 6 IID cells (amendment 1).**")[1].split("**")[0]
     assert "the default stays lac." in theirs
     assert "| 8 | iid | 0.1 | public-trial |" in text  # its seeds-needed row
+
+    row = next(x for x in bench.candidate_table(rows + trial + lac, "public-trial")
+               if x.startswith("| 2 | iid | 1 |"))  # fmt: skip
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    # C_0 by seed, public-trial - C*, - lac-2s, - lac
+    assert [float(c.split()[0]) for c in cols[4:]] == pytest.approx([0.0, 0.05, 0.02], abs=0.003)
+    assert row in text and row in bench.docs_block(rows + trial + lac, text, "federated_misspec")
+    assert "`public-trial` (outside the decision rule)" not in text
