@@ -325,15 +325,20 @@ def _header(server_cfg: Any, task: Any, engine: str) -> str:
         f"{server_cfg.num_clients} clients ({clients}, <= "
         f"{task.examples_per_client or 'all'} examples each), {server_cfg.clients_per_round:g} "
         f"expected per round, {server_cfg.rounds} rounds, local {task.local_mode} "
-        f"({engine} engine)"
-        + ("; first, every client votes for C_0" if _votes(server_cfg.method) else "")
+        f"({engine} engine)" + _first(server_cfg.method)
     )
 
 
-def _votes(method: str) -> bool:
+def _first(method: str) -> str:
+    """What happens before round 1, if anything (a vote costs the clients a training run)."""
     from dpfit.federated.clipping import clip_rule_class
 
-    return clip_rule_class(method).needs_votes
+    rule = clip_rule_class(method)
+    if rule.needs_votes:
+        return "; first, every client votes for C_0"
+    if rule.needs_public_trial:
+        return "; first, the server tries the clip norms on its public data (no privacy cost)"
+    return ""
 
 
 def _table(metrics: dict[str, Any]) -> list[str]:
