@@ -249,3 +249,16 @@ def test_public_trial_gets_its_own_verdict_beside_lac_2s(bench):
     assert [float(c.split()[0]) for c in cols[4:]] == pytest.approx([0.0, 0.05, 0.02], abs=0.003)
     assert row in text and row in bench.docs_block(rows + trial + lac, text, "federated_misspec")
     assert "`public-trial` (outside the decision rule)" not in text
+
+
+@pytest.mark.parametrize("name", ["federated_misspec", "federated_misspec_smollm2"])
+def test_the_committed_tables_are_the_rendering_of_the_committed_runs(bench, name):
+    """No figure in the results or in docs/federated.md's block is typed by hand."""
+    runs = [r for r in bench.load_runs(bench.RESULTS / f"{name}.jsonl")
+            if r["method"] != bench.NON_PRIVATE]  # fmt: skip
+    text = bench.render(runs, name, bench.load_floor(bench.RESULTS))
+    assert (bench.RESULTS / f"{name}.md").read_text() == text
+    if name == "federated_misspec":
+        begin, end = bench.DOCS_MARKERS
+        block = bench.DOCS.read_text().split(begin)[1].split(end)[0]
+        assert block.strip() == bench.docs_block(runs, text, name).strip()
