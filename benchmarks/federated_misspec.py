@@ -243,6 +243,17 @@ def cells(runs: list[dict]) -> list[tuple[float, str, float]]:
     )
 
 
+def from_star(runs: list[dict], rule: str, eps: float, part: str, c: float):
+    """(C*, seeds, rule minus C* per seed) in one cell, paired by seed; None until the sweep
+    has every clip."""
+    star = c_star(runs, eps, part)
+    if star is None:
+        return None
+    acc = accuracy(runs, rule, eps, part, c)
+    seeds = sorted(set(acc) & set(star[1]))
+    return star[0], seeds, [acc[s] - star[1][s] for s in seeds]
+
+
 def verdict(runs: list[dict], parts: Sequence[str], min_cells: int, rule: str = NEW) -> list[str]:
     """The pre-registered verdict over the cells of ``parts``; none unless every one of them
     has its pairs with C* at the protocol's seeds."""
@@ -252,13 +263,10 @@ def verdict(runs: list[dict], parts: Sequence[str], min_cells: int, rule: str = 
         lac, new = accuracy(runs, "lac", eps, part, c), accuracy(runs, rule, eps, part, c)
         for s in sorted(set(lac) & set(new)):
             vs_lac.setdefault(s, []).append(new[s] - lac[s])
-        star = c_star(runs, eps, part)
-        if star is None:
+        found = from_star(runs, rule, eps, part, c)
+        if found is None or not found[2]:
             continue
-        pairs = sorted(set(new) & set(star[1]))
-        diffs = [new[s] - star[1][s] for s in pairs]
-        if not diffs:
-            continue
+        _, pairs, diffs = found
         ci = t_interval(diffs)
         short |= len(pairs) < len(PROTOCOL_SEEDS)
         verdicts.append(ci is not None and ci[0] >= WITHIN)
@@ -309,14 +317,11 @@ def power_lines(runs: list[dict]) -> list[str]:
     ]
     rows = 0
     for eps, part, c in cells(runs):
-        star = c_star(runs, eps, part)
-        if star is None:
-            continue
         for m in (*CANDIDATES, "lac"):
-            acc = accuracy(runs, m, eps, part, c)
-            diffs = [acc[s] - star[1][s] for s in sorted(set(acc) & set(star[1]))]
-            if len(diffs) < 2:
+            found = from_star(runs, m, eps, part, c)
+            if found is None or len(found[2]) < 2:
                 continue
+            diffs = found[2]
             sd = statistics.stdev(diffs)
             out.append(
                 f"| {eps:g} | {part} | {c:g} | {m} | {sd:.4f} | {pairs_needed(sd, -WITHIN)} |"
@@ -363,26 +368,23 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
     judged = [m for m in CANDIDATES if m == NEW or any(r["method"] == m for r in runs)]
     for m in judged:
         for eps, part, c in cells(runs):
-            star = c_star(runs, eps, part)
-            if star is None:
+            found = from_star(runs, m, eps, part, c)
+            if found is None:
                 lines.append(
                     f"- eps {eps:g}, {part}, C_init {c:g}: C* not measured (sweep incomplete)"
                 )
                 continue
-            new = accuracy(runs, m, eps, part, c)
-            diffs = [new[s] - star[1][s] for s in sorted(set(new) & set(star[1]))]
+            best, _, diffs = found
             if diffs:
                 ci = t_interval(diffs)
                 ok = ci is not None and ci[0] >= WITHIN
                 lines.append(
-                    f"- eps {eps:g}, {part}, C_init {c:g}: C* = {star[0]:g}; {m} minus C* "
+                    f"- eps {eps:g}, {part}, C_init {c:g}: C* = {best:g}; {m} minus C* "
                     f"{interval_text(diffs)}: {'within' if ok else 'NOT within'} 1 point"
                 )
     for m in judged:
         for parts, min_cells, label in SCOPES:
-            if any(r["partition"] in parts for r in runs) and (
-                len(parts) == 1 or all(any(r["partition"] == p for r in runs) for p in parts)
-            ):
+            if all(any(r["partition"] == p for r in runs) for p in parts):
                 head = f"**Verdict over the {label}" + ("" if m == NEW else f", for {m}") + ".**"
                 lines += ["", head, "", *verdict(runs, parts, min_cells, m)]
     lines += ["", *power_lines(runs)]
@@ -394,7 +396,7 @@ def render(runs: list[dict], name: str, floor: dict | None = None) -> str:
         "Paired by seed: mean difference of test accuracy [95% t interval] (n pairs).",
         "",
         *baseline_table(runs),
-        *(x for m in CANDIDATES[1:] for t in [candidate_table(runs, m)] if t for x in ("", *t)),
+        *candidate_tables(runs),
         *others_table(runs),
     ]
     lines += ["", "## Clip norm per run: C_0 (after a vote) -> the last round's C", ""]
@@ -494,6 +496,16 @@ def candidate_table(runs: list[dict], rule: str) -> list[str]:
     return out
 
 
+def candidate_tables(runs: list[dict]) -> list[str]:
+    """The table of each judged rule besides lac-2s that was run, each after a blank line."""
+    out: list[str] = []
+    for m in CANDIDATES[1:]:
+        table = candidate_table(runs, m)
+        if table:
+            out += ["", *table]
+    return out
+
+
 def docs_block(runs: list[dict], text: str, name: str) -> str:
     """What docs/federated.md shows: the per-cell tables and the verdicts, as rendered."""
     verdict = [
@@ -501,7 +513,6 @@ def docs_block(runs: list[dict], text: str, name: str) -> str:
         for line in text.splitlines()
         if line.startswith(("**Verdict over", "Pre-registered verdict", "Not the complete"))
     ]
-    others = [t for m in CANDIDATES if m != NEW for t in (candidate_table(runs, m),) if t]
     return "\n".join(
         [
             f"Measured (`benchmarks/results/{name}.md`, rendered by `benchmarks/"
@@ -509,7 +520,7 @@ def docs_block(runs: list[dict], text: str, name: str) -> str:
             "interval] (n pairs).",
             "",
             *baseline_table(runs),
-            *(x for t in others for x in ("", *t)),
+            *candidate_tables(runs),
             "",
             *(x for line in verdict for x in (line, "")),
         ]
